@@ -1,0 +1,318 @@
+"""The engine configuration: one pydantic tree, built from layered sources.
+
+Sources, lowest to highest precedence (API.md §5): the field defaults, a YAML/JSON file, ``DEEPINFER_*``
+environment variables, then keyword arguments / ``--set`` flags. Every leaf that does not come from
+the defaults remembers its source, so ``deepinfer config show`` can say where a value came from.
+Plugin sections (``plugins.<name>``) are kept as plain dicts here and validated by each plugin's own
+``config_model`` when the plugin host builds it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deepinfer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    """What to load and how."""
+
+    path: str = "smollm2-135m-instruct"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    load_format: Literal["auto", "dummy"] = "auto"
+    tokenizer: str | None = None
+    max_model_len: int | None = Field(default=None, ge=1)
+
+
+class CacheSection(_Section):
+    """The paged KV cache."""
+
+    block_size: int = Field(default=128, ge=1, le=4096)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
+    kv_cache_bytes: int | None = Field(default=None, ge=1)
+    kv_dtype: Literal["auto", "bf16", "fp8"] = "auto"
+    prefix_caching: bool = True
+    max_backtrack: Literal["auto"] | int = "auto"
+    replay: str = "auto"
+    kv_store: str | None = None
+
+
+class SamplingSection(_Section):
+    """Engine-wide sampling defaults."""
+
+    seed: int = 0
+
+
+class SchedulerSection(_Section):
+    """Continuous batching limits and the strategies that drive it."""
+
+    max_num_seqs: int = Field(default=256, ge=1)
+    max_num_batched_tokens: int = Field(default=4096, ge=1)
+    chunked_prefill: bool = True
+    policy: str = "fcfs"
+    executor: str = "auto"
+
+
+class ParallelSection(_Section):
+    """Data-parallel attention and expert-parallel MoE."""
+
+    data_parallel_size: int = Field(default=1, ge=1)
+    expert_parallel_size: int = Field(default=1, ge=1)
+    router: str = "round_robin"
+
+
+class KernelsSection(_Section):
+    """Backend choice per op, and kernel-wide switches."""
+
+    attention: str = "auto"
+    moe: str = "auto"
+    gemm: str = "auto"
+    batch_invariant: bool = False
+    cuda_graphs: bool = True
+    force_balanced_routing: bool = False
+
+
+class EngineConfig(_Section):
+    """The whole engine configuration (API.md §5)."""
+
+    model: ModelSection = Field(default_factory=ModelSection)
+    cache: CacheSection = Field(default_factory=CacheSection)
+    sampling: SamplingSection = Field(default_factory=SamplingSection)
+    scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    kernels: KernelsSection = Field(default_factory=KernelsSection)
+    plugins: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+SECTIONS = ("model", "cache", "sampling", "scheduler", "parallel", "kernels")
+
+# Flat keyword overrides of ``LLM(...)`` (API.md §4): field name -> section. Unique across sections.
+FLAT_OVERRIDES: dict[str, str] = {
+    "dtype": "model",
+    "device": "model",
+    "load_format": "model",
+    "tokenizer": "model",
+    "max_model_len": "model",
+    "max_num_seqs": "scheduler",
+    "max_num_batched_tokens": "scheduler",
+    "block_size": "cache",
+    "gpu_memory_utilization": "cache",
+    "kv_cache_bytes": "cache",
+    "kv_dtype": "cache",
+    "seed": "sampling",
+    "data_parallel_size": "parallel",
+    "expert_parallel_size": "parallel",
+}
+
+# Whole-section keyword overrides; ``model_config`` because ``model`` is LLM's first argument.
+SECTION_OVERRIDES: dict[str, str] = {
+    "model_config": "model",
+    "cache": "cache",
+    "scheduler": "scheduler",
+    "parallel": "parallel",
+    "kernels": "kernels",
+    "sampling": "sampling",
+    "plugins": "plugins",
+}
+
+# The reference system's knobs that the core implements: env name -> (config path, converter).
+_CORE_KNOBS: dict[str, tuple[str, Any]] = {
+    "DEEPINFER_BATCH_INVARIANT": ("kernels.batch_invariant", lambda v: _truthy(v)),
+    "DEEPINFER_ENFORCE_EAGER": ("kernels.cuda_graphs", lambda v: not _truthy(v)),
+    "DEEPINFER_FORCE_LOAD_BALANCE": ("kernels.force_balanced_routing", lambda v: _truthy(v)),
+}
+
+# Every knob the reference documents (reference/deepinfer.md §1.5). Those nobody maps give one warning.
+REFERENCE_KNOBS = frozenset(
+    """ACCELERATOR COMPUTE_SUM_SMALLER_PROBS JIT_CACHE_DIR NCCL_NUM_SMS USERBUFFER_COMM_SMS GLOO_TIMEOUT
+    REARRANGE_P2P_GROUPS OVERRIDE_NUM_EXTRA_EXPERTS EXPERT_COUNT_WINDOW_SIZE
+    EXPERT_REARRANGEMENT_STEP_INTERVAL REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE MOE_LB_STAT_INTERVAL
+    FORCE_IMBALANCE_RATIO FORCE_LOAD_BALANCE SHOW_EPLB_DETAIL PREFILL_MAX_SUM_SEQLEN_K
+    INDEX_ATTN_MEMORY_LIMIT USE_NEXTN_DECODE ENABLE_MTP_VARLEN MAX_BACKTRACKING_TOKENS
+    DFLASH_CONFIDENCE_HEAD_TEMPERATURE ENGRAM_PAD_TOKEN ENGRAM_FORCE_GPU_STORAGE SAMPLER_FORCE_TOPK
+    DECODE_TOKEN_BLACKLIST ENFORCE_EAGER CUDAGRAPH_BATCH_SIZE_INTERVAL DFLASH_ENFORCE_EAGER
+    DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL DECODE_PERF_CACHE_DIR DECODE_PERF_CACHE_TTL_SEC
+    NUM_STATE_SLOTS_RATIO PREFILL_STORE_EXTRA_STATE PREFILL_STORE_EXTRA_SIZE XGRAMMAR_DEBUG
+    XGRAMMAR_TIMEOUT XGRAMMAR_DISABLE_CACHE XGRAMMAR_CACHE_LIMIT_BYTES SO_BUILDER_CPUS
+    PREFILL_ATTEMPT_INTERVAL PREFILL_ANY_ATTEMPT_INTERVAL ZERO_OVERHEAD_SCHEDULING LOGGING_INTERVAL_STEP
+    NCCL_MEMORY_SAMPLE_INTERVAL_STEPS RINGBUFFER_WARNING_INTERVAL GC_INTERVAL_STEP
+    YOCO_PREFILL_TRUNCATION_MODE YOCO_PREFILL_KEEP_TOKENS DISABLE_SYNC_GUARD
+    PROFILE_TORCH_CUDA_MEMORY ENABLE_MEMORY_TRACING PROFILE_HTTP_ENABLE PROFILE_HTTP_PORT_BASE
+    TORCH_PROFILER_DIR USE_MULTIMODAL_POOL MULTIMODAL_POOL_SIZE_GB MULTI_MODAL_BUFFER_SIZE
+    MULTI_MODAL_WORKER_TIMEOUT CPP_LOG_LEVEL HF_MODEL_DIR""".split()
+)
+
+_warned_knobs: set[str] = set()
+
+
+def _truthy(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _parse_scalar(text: str) -> Any:
+    """Read an env or ``--set`` value: YAML scalars (ints, floats, bools, null, lists) or a string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_path(tree: dict[str, Any], path: str, value: Any) -> None:
+    node = tree
+    *parents, leaf = path.split(".")
+    for key in parents:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config path {path!r}: {key!r} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any], source: str, prefix: str,
+           sources: dict[str, str]) -> None:
+    """Deep-merge ``update`` into ``base`` and record ``source`` for every leaf it sets."""
+    for key, value in update.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value, source, path + ".", sources)
+        elif isinstance(value, Mapping):
+            base[key] = {}
+            _merge(base[key], value, source, path + ".", sources)
+        else:
+            base[key] = value
+            sources[path] = source
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a nested dict."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {str(file)!r} does not exist")
+    text = file.read_text()
+    data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(file)!r} must hold a mapping of sections")
+    return data
+
+
+def env_overrides(environ: Mapping[str, str], aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Collect ``DEEPINFER_<SECTION>__<FIELD>`` variables and the reference knobs that are mapped.
+
+    ``aliases`` maps further env names onto config paths (plugins provide them through
+    ``deepinfer_config_aliases``). A documented reference knob that nobody maps warns once.
+    """
+    tree: dict[str, Any] = {}
+    aliases = aliases or {}
+    for name, raw in sorted(environ.items()):
+        if not name.startswith("DEEPINFER_"):
+            continue
+        rest = name[len("DEEPINFER_"):]
+        if "__" in rest:
+            section, _, field = rest.partition("__")
+            path = f"{section.lower()}.{field.lower().replace('__', '.')}"
+            _set_path(tree, path, _parse_scalar(raw))
+        elif name in _CORE_KNOBS:
+            path, convert = _CORE_KNOBS[name]
+            _set_path(tree, path, convert(raw))
+        elif name in aliases:
+            _set_path(tree, aliases[name], _parse_scalar(raw))
+        elif rest in REFERENCE_KNOBS and name not in _warned_knobs:
+            _warned_knobs.add(name)
+            logger.warning("%s is a reference-system knob that deepinfer does not implement; ignored", name)
+    return tree
+
+
+def overrides_to_tree(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Turn ``LLM(**overrides)`` keywords (flat fields or whole sections) into a nested dict."""
+    tree: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if key in FLAT_OVERRIDES:
+            _set_path(tree, f"{FLAT_OVERRIDES[key]}.{key}", value)
+        elif key in SECTION_OVERRIDES:
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key}= must be a mapping of fields, got {type(value).__name__}")
+            section = SECTION_OVERRIDES[key]
+            _merge(tree.setdefault(section, {}), value, "", "", {})
+        else:
+            allowed = ", ".join(sorted([*FLAT_OVERRIDES, *SECTION_OVERRIDES]))
+            raise ConfigError(f"unknown keyword argument {key!r}; allowed: {allowed}")
+    return tree
+
+
+def set_flags_to_tree(assignments: list[str]) -> dict[str, Any]:
+    """Turn ``--set section.field=value`` strings into a nested dict."""
+    tree: dict[str, Any] = {}
+    for item in assignments:
+        path, sep, raw = item.partition("=")
+        if not sep or "." not in path:
+            raise ConfigError(f"--set {item!r}: expected section.field=value")
+        _set_path(tree, path.strip(), _parse_scalar(raw))
+    return tree
+
+
+class ResolvedConfig:
+    """A validated ``EngineConfig`` and the source of each non-default leaf."""
+
+    def __init__(self, config: EngineConfig, sources: dict[str, str]) -> None:
+        self.config = config
+        self.sources = sources
+
+
+def build_config(
+    *,
+    config: str | os.PathLike[str] | Mapping[str, Any] | EngineConfig | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    aliases: Mapping[str, str] | None = None,
+) -> ResolvedConfig:
+    """Layer defaults < file < environment < overrides and validate the result.
+
+    ``config`` is a file path, a dict, or an ``EngineConfig``; ``overrides`` is a nested dict (use
+    ``overrides_to_tree`` / ``set_flags_to_tree`` to build it). Raises ``ConfigError`` naming the
+    field path and the allowed values.
+    """
+    merged: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if isinstance(config, EngineConfig):
+        _merge(merged, config.model_dump(exclude_defaults=True), "config object", "", sources)
+    elif isinstance(config, Mapping):
+        _merge(merged, config, "config dict", "", sources)
+    elif config is not None:
+        _merge(merged, read_config_file(config), f"file {config}", "", sources)
+    env = os.environ if environ is None else environ
+    _merge(merged, env_overrides(env, aliases), "environment", "", sources)
+    _merge(merged, overrides or {}, "override", "", sources)
+    try:
+        validated = EngineConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc)) from None
+    return ResolvedConfig(validated, sources)
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per problem: ``path: message`` (pydantic's message carries the allowed values)."""
+    lines = []
+    for err in exc.errors():
+        path = prefix + ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{path}: unknown config key")
+        else:
+            lines.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid config: " + "; ".join(lines)

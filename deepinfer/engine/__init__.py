@@ -1,0 +1,1 @@
+"""The engine: requests, scheduler, step executor and the step loop."""

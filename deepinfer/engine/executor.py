@@ -1,0 +1,18 @@
+"""The built-in synchronous step executor."""
+
+from __future__ import annotations
+
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.interfaces import StepContext
+
+
+class SyncExecutor:
+    """schedule → execute (build inputs, forward, sample) → process, one step at a time."""
+
+    def __init__(self, context: StepContext) -> None:
+        self.context = context
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.context.schedule()
+        results = self.context.execute(scheduled)
+        return self.context.process(scheduled, results)

@@ -1,0 +1,49 @@
+"""What a request returns (API.md §4 ``RequestOutput``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+# One position's log-probabilities: token id -> logprob (the top-n plus the chosen token).
+TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (``time.time()``, seconds) of a request's life."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """The generated continuation. ``text`` has any matched stop string cut off; ``token_ids``
+    keep the EOS token when the request stopped on it."""
+
+    index: int = 0
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One request's result (or its progress so far, when streaming)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text

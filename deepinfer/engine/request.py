@@ -1,0 +1,97 @@
+"""A request's mutable state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from deepinfer.engine.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, TokenLogprobs
+from deepinfer.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """Tokens, progress and lifecycle of one request.
+
+    ``num_computed_tokens`` counts the leading tokens whose KV is in the cache. The tokens still to
+    compute are ``all_token_ids[num_computed_tokens:]``; when they are all computed, the step's logits
+    give the next token.
+    """
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, seed: int, eos_token_ids: frozenset[int],
+                 max_total_tokens: int) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.seed = seed
+        self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.max_total_tokens = max_total_tokens
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.arrival_time = time.monotonic()
+        self.metrics = RequestMetrics(arrival_time=time.time())
+        self.finish_reason: FinishReason | None = None
+        self.error: str | None = None
+        self.stop_text_len: int | None = None
+        self.logprobs: list[TokenLogprobs] | None = [] if params.logprobs is not None else None
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self.num_preemptions = 0
+
+    # SchedulableRequest view ------------------------------------------------------------------------
+    @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.metrics.finish_time = time.time()
+
+    def to_output(self, text: str) -> RequestOutput:
+        completion = CompletionOutput(
+            text=text,
+            token_ids=self.output_token_ids,
+            finish_reason=self.finish_reason,
+            logprobs=self.logprobs,
+            error=self.error,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.finished,
+            metrics=self.metrics,
+            prompt_logprobs=self.prompt_logprobs,
+        )

@@ -1,0 +1,157 @@
+"""Continuous batching with chunked prefill, prefix caching and preemption by recompute.
+
+Each step the scheduler spends a token budget (``max_num_batched_tokens``): first on running
+requests (one decode token each, or the next chunk of a prefill), then on waiting requests in the
+order the scheduling policy gives, up to ``max_num_seqs`` running. When KV blocks run out for a
+running request, the policy picks a victim; the victim's blocks are freed and it goes back to
+waiting, to be recomputed from its tokens (its cached full blocks usually make that a prefix hit).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.interfaces import SchedulePolicy
+from deepinfer.kv.blocks import KVCacheManager
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step: compute ``num_new_tokens`` tokens from ``start``."""
+
+    request: Request
+    start: int
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the known tokens, so its logits give a new token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    """The step's batch: decode rows (one new token) first, then prefill chunks."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the KV block tables."""
+
+    def __init__(self, kv: KVCacheManager, policy: SchedulePolicy, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, chunked_prefill: bool,
+                 on_finish: Callable[[Request], None] | None = None) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.on_finish = on_finish
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[str] = set()
+        queue = list(self.running)
+        while queue and budget > 0:
+            req = queue.pop(0)
+            num_new = self._chunk(req, budget)
+            if num_new == 0:
+                break
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+                candidates = [r for r in self.running if r.request_id not in scheduled_ids]
+                victim = self.policy.preemption_victim(candidates)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim in queue:
+                    queue.remove(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+                scheduled_ids.add(req.request_id)
+                budget -= num_new
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        # Decode rows first: the runner batches them together.
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.chunked_prefill else 0
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        now = time.monotonic()
+        for req in self.policy.order(self.waiting, now):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+                break
+            prefix = self.kv.find_prefix(req.request_id, req.all_token_ids) if req.params.prompt_logprobs is None \
+                else None
+            computed = prefix.num_tokens if prefix else 0
+            remaining = req.num_tokens - computed
+            num_new = remaining if remaining <= budget else (budget if self.chunked_prefill else 0)
+            if num_new == 0 or not self.kv.allocate(req.request_id, computed + num_new, prefix):
+                break
+            self.waiting.remove(req)
+            if prefix is not None:
+                self.kv.record_lookup(req.num_tokens, computed)
+            req.num_computed_tokens = computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, computed, num_new))
+            budget -= num_new
+        return budget
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.insert(0, req)
+
+    # ------------------------------------------------------------------------------------- finish
+
+    def finish(self, req: Request) -> None:
+        """Take a finished request out of the queues and release its blocks."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.forget(req.request_id)
+        if self.on_finish is not None:
+            self.on_finish(req)
+
+    def find(self, request_id: str) -> Request | None:
+        for req in (*self.running, *self.waiting):
+            if req.request_id == request_id:
+                return req
+        return None

@@ -1,0 +1,112 @@
+"""The offline API: ``LLM(model, **overrides).generate(prompts, params)`` (API.md §4)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.request import Request
+from deepinfer.sampling.params import SamplingParams
+
+Prompt = str | list[int]
+Message = Mapping[str, Any]
+
+
+def _as_prompt_list(prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [list(items)]  # one prompt of token ids
+    return [p if isinstance(p, str) else list(p) for p in items]
+
+
+class LLM:
+    """Offline generation with continuous batching.
+
+    ``model`` is an HF folder or an alias (``smollm2-135m-instruct``); ``config`` a YAML/JSON path
+    or dict; ``overrides`` flat fields (``dtype``, ``device``, ``max_num_seqs``, …) or whole sections
+    (``cache=``, ``scheduler=``, ``plugins=``, ``model_config=``, …), highest precedence.
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, config: Any = None,
+                 **overrides: Any) -> None:
+        from deepinfer.config import overrides_to_tree
+
+        self.engine = LLMEngine(None if model is None else str(model), config=config,
+                                overrides=overrides_to_tree(overrides))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. Invalid prompts or params
+        raise ``ValueError`` before anything is queued."""
+        items = _as_prompt_list(prompts)
+        params = self._params_for(len(items), sampling_params)
+        requests = [self.engine.make_request(p, sp) for p, sp in zip(items, params, strict=True)]
+        return self._run(requests, use_tqdm)
+
+    def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies: one conversation (a list of ``{"role", "content"}``) or a list of them,
+        rendered with the model's chat template (generation prompt on)."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"chat() needs a tokenizer; {str(self.engine.model_path)!r} has none")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        texts = [tokenizer.render_chat([dict(m) for m in conv]) for conv in conversations]
+        params = self._params_for(len(texts), sampling_params)
+        requests = [self.engine.make_request(t, sp) for t, sp in zip(texts, params, strict=True)]
+        return self._run(requests, use_tqdm)
+
+    @staticmethod
+    def _params_for(n: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None
+                    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+        return params
+
+    def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
+        for req in requests:
+            self.engine.add(req)
+        wanted = {r.request_id for r in requests}
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            while len(done) < len(requests):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[r.request_id] for r in requests]
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a queued or running request; it finishes with ``finish_reason="abort"``."""
+        return self.engine.abort(request_id)
+
+    def get_stats(self) -> dict[str, Any]:
+        """Cumulative counters (API.md §4) plus one sub-dict per enabled plugin."""
+        return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

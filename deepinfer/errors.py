@@ -1,0 +1,21 @@
+"""Exception types raised by deepinfer.
+
+Every error names the thing that is wrong (a config path, an argument, a plugin) and, where there is
+one, the allowed range, so a user can fix it without reading the source.
+"""
+
+
+class DeepInferError(Exception):
+    """Base class of every error deepinfer raises on purpose."""
+
+
+class ConfigError(DeepInferError, ValueError):
+    """An invalid configuration: unknown key, bad value, or an incompatible combination."""
+
+
+class ModelNotFoundError(DeepInferError, ValueError):
+    """A model path or alias that does not resolve to a model folder."""
+
+
+class PluginError(DeepInferError):
+    """A plugin failed to import, to configure itself, or raised inside a hook."""

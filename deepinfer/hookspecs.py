@@ -1,0 +1,162 @@
+"""THE contract between the deepinfer core and its plugins (API.md §2).
+
+Every hook is called with keyword arguments only. Three kinds:
+
+* **Providers** (collect-all): each implementation returns named strategies or backends; the config
+  chooses one by name. A name offered by two plugins is a start-up error naming both, so an A/B
+  result never depends on install order.
+* **Checks and aliases**: refuse a config combination at start-up; map environment knobs to fields.
+* **Observers**: see what happened; they must change nothing and must not sync the device.
+
+Plugin authors import the marker as ``from deepinfer import hookimpl``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    from deepinfer.config import EngineConfig
+    from deepinfer.engine.outputs import RequestOutput
+    from deepinfer.interfaces import (
+        AttentionBackend,
+        Drafter,
+        EngineInfo,
+        GemmBackend,
+        KVStoreFactory,
+        MoEBackend,
+        PlacementPolicy,
+        ReplayPlanner,
+        RequestRouter,
+        SchedulePolicy,
+        StepExecutorFactory,
+        StepStats,
+        VerificationPlan,
+    )
+
+PROJECT = "deepinfer"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+# ---------------------------------------------------------------------------------------------- providers
+
+
+@hookspec
+def deepinfer_model_architectures() -> Mapping[str, type]:
+    """Model classes by ``config.json`` ``architectures[0]`` (e.g. ``"LlamaForCausalLM"``).
+
+    A class is built as ``cls(hf_config: dict, *, dtype, device)`` and must follow the core's model
+    protocol (``deepinfer.model.base.CausalLM``): ``cache_specs()``, ``forward(input_ids, ctx)``,
+    ``compute_logits(hidden)``, ``load_weights(iterable of (name, tensor))``.
+    """
+
+
+@hookspec
+def deepinfer_step_executors() -> Mapping[str, StepExecutorFactory]:
+    """Step executors by name; chosen by ``scheduler.executor`` (``auto``: the one an enabled plugin
+    offers if exactly one does, else the built-in ``sync``). A factory takes the core's
+    ``StepContext`` and returns an object with ``step() -> list[RequestOutput]``."""
+
+
+@hookspec
+def deepinfer_schedule_policies() -> Mapping[str, SchedulePolicy]:
+    """Scheduling policies by name; chosen by ``scheduler.policy`` (default ``fcfs``)."""
+
+
+@hookspec
+def deepinfer_drafters() -> Mapping[str, Any]:
+    """Drafter factories by name; chosen by ``plugins.spec_decode.drafter``. A factory receives the
+    model and the engine info and returns a ``Drafter``."""
+
+
+@hookspec
+def deepinfer_verification_plans() -> Mapping[str, VerificationPlan]:
+    """Verification plans by name; chosen by ``plugins.spec_decode.plan``."""
+
+
+@hookspec
+def deepinfer_replay_planners() -> Mapping[str, ReplayPlanner]:
+    """Replay planners by name; chosen by ``cache.replay`` (``auto``: an enabled plugin's if exactly
+    one offers one, else the built-in ``exact``)."""
+
+
+@hookspec
+def deepinfer_placement_policies() -> Mapping[str, PlacementPolicy]:
+    """Expert placement policies by name; chosen by ``plugins.eplb.policy``."""
+
+
+@hookspec
+def deepinfer_request_routers() -> Mapping[str, RequestRouter]:
+    """Data-parallel request routers by name; chosen by ``parallel.router`` (``round_robin``)."""
+
+
+@hookspec
+def deepinfer_kv_stores() -> Mapping[str, KVStoreFactory]:
+    """External KV stores by name; chosen by ``cache.kv_store`` (none by default)."""
+
+
+@hookspec
+def deepinfer_attention_backends() -> list[AttentionBackend]:
+    """Attention backends with their ``ops`` and ``capabilities``. Per op, ``kernels.attention: auto``
+    picks the highest ``priority`` backend that is ``available()`` and fits the run."""
+
+
+@hookspec
+def deepinfer_moe_backends() -> list[MoEBackend]:
+    """MoE backends (op ``experts``; ``dispatch``/``combine`` for expert parallelism); chosen by
+    ``kernels.moe`` like attention backends."""
+
+
+@hookspec
+def deepinfer_gemm_backends() -> list[GemmBackend]:
+    """GEMM backends (op ``linear``); chosen by ``kernels.gemm`` like attention backends."""
+
+
+# ---------------------------------------------------------------------------------- checks and aliases
+
+
+@hookspec
+def deepinfer_validate_config(config: EngineConfig, info: EngineInfo) -> None:
+    """Raise ``deepinfer.errors.ConfigError`` to refuse a combination, naming the plugin and the fix.
+
+    ``info`` is resolved from the model before plugins are built (layer kinds and windows, vocabulary,
+    MTP layers, ``max_draft``, ``max_backtrack``, device, world size). Return value ignored.
+    """
+
+
+@hookspec
+def deepinfer_config_aliases() -> Mapping[str, str]:
+    """Environment names mapped onto config paths, e.g. ``{"DEEPINFER_USE_NEXTN_DECODE":
+    "plugins.spec_decode.max_draft"}``. Called for every installed plugin, enabled or not, before the
+    config is validated (a module-level function is enough; instances are not built yet)."""
+
+
+# --------------------------------------------------------------------------------------------- observers
+
+
+@hookspec
+def deepinfer_engine_started(info: EngineInfo) -> None:
+    """The engine is loaded and ready to take requests."""
+
+
+@hookspec
+def deepinfer_engine_stopping() -> None:
+    """The engine is shutting down; release plugin resources."""
+
+
+@hookspec
+def deepinfer_step_end(stats: StepStats) -> None:
+    """An executor step finished. Must not block or sync the device."""
+
+
+@hookspec
+def deepinfer_request_end(output: RequestOutput) -> None:
+    """A request finished (any ``finish_reason``); ``output`` is final and must not be mutated."""
+
+
+@hookspec
+def deepinfer_stats() -> Mapping[str, Any]:
+    """This plugin's counters, shown by ``LLM.get_stats()`` under the plugin's name."""

@@ -1,0 +1,380 @@
+"""Strategy and backend interfaces, and the small typed payloads that cross the hook boundary.
+
+A strategy is a small object behind a Protocol: it makes one decision on small, typed inputs and
+never sees the engine. Payloads are frozen dataclasses of plain values and tensors. The hooks that
+offer these objects are declared in ``deepinfer.hookspecs``; API.md §2 fixes the names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+if TYPE_CHECKING:
+    from deepinfer.engine.outputs import RequestOutput
+
+# --------------------------------------------------------------------------------------------------
+# Engine facts and per-step observations
+
+
+@dataclass(frozen=True)
+class LayerCacheInfo:
+    """How one layer uses the cache: ``kind`` is ``full`` (paged KV), ``sliding`` (a ring in a state
+    slot) or ``compressed``; ``window`` is the sliding window in tokens (0 if none); ``ratio`` the
+    compression ratio (1 if none); ``role`` is ``producer`` or ``consumer`` under YoCo, else ``plain``."""
+
+    kind: Literal["full", "sliding", "compressed"]
+    window: int = 0
+    ratio: int = 1
+    role: Literal["plain", "producer", "consumer"] = "plain"
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """Every layer's cache use, in layer order."""
+
+    layers: tuple[LayerCacheInfo, ...]
+    block_size: int
+    max_backtrack: int
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """Facts resolved before plugins are built, for ``deepinfer_validate_config`` and observers."""
+
+    architecture: str
+    num_layers: int
+    vocab_size: int
+    max_model_len: int
+    layout: CacheLayout
+    has_mtp: bool
+    max_draft: int
+    device: str
+    dtype: str
+    world_size: int
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One executor step, observed after it finished (times in seconds).
+
+    ``timings`` has the keys ``schedule``, ``prepare``, ``forward``, ``sample``, ``process``.
+    ``accepted_drafts``/``draft_confidence`` are empty without speculative decoding;
+    ``router_loads`` is ``[layers, experts]`` tokens per expert, or None for dense models.
+    """
+
+    step: int
+    num_requests: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    timings: Mapping[str, float]
+    accepted_drafts: tuple[int, ...] = ()
+    draft_confidence: tuple[tuple[float, ...], ...] = ()
+    router_loads: torch.Tensor | None = None
+
+
+# --------------------------------------------------------------------------------------------------
+# Scheduling
+
+
+@runtime_checkable
+class SchedulableRequest(Protocol):
+    """The read-only view of a request that scheduling policies and routers see."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def num_prompt_tokens(self) -> int: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+
+class SchedulePolicy(Protocol):
+    """Which waiting request is admitted first, and which running request is preempted first."""
+
+    def order(self, waiting: Sequence[SchedulableRequest], now: float) -> list[SchedulableRequest]:
+        """Return ``waiting`` in admission order (a permutation; the scheduler admits front first).
+        ``now`` is ``time.monotonic()``. Requests preempted earlier are in ``waiting`` too."""
+        ...
+
+    def preemption_victim(self, running: Sequence[SchedulableRequest]) -> SchedulableRequest:
+        """Pick the running request to preempt when KV blocks run out (``running`` is non-empty)."""
+        ...
+
+
+class StepContext(Protocol):
+    """The core's step primitives that an executor composes into ``step()`` (API.md §3).
+
+    The synchronous executor calls them in order: ``schedule`` → ``execute`` (build inputs,
+    forward, sample) → ``process``; an overlapped executor interleaves the same primitives across
+    steps. ``has_work`` tells the engine loop whether anything is queued or in flight.
+    """
+
+    def schedule(self) -> Any: ...
+    def execute(self, scheduled: Any) -> Any: ...
+    def process(self, scheduled: Any, results: Any) -> list[RequestOutput]: ...
+    def has_work(self) -> bool: ...
+
+
+class StepExecutor(Protocol):
+    """Runs one engine step and returns the outputs it produced (finished or streaming)."""
+
+    def step(self) -> list[RequestOutput]: ...
+
+
+StepExecutorFactory = Callable[[StepContext], StepExecutor]
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """What a router sees of one data-parallel rank: queued and running requests and tokens."""
+
+    rank: int
+    num_requests: int
+    num_tokens: int
+
+
+class RequestRouter(Protocol):
+    """Chooses the data-parallel rank that owns a new request."""
+
+    def route(self, request: SchedulableRequest, rank_loads: Sequence[RankLoad]) -> int: ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Speculative decoding
+
+
+@dataclass(frozen=True)
+class DraftInputs:
+    """What a drafter gets after sampling (on the device).
+
+    ``last_tokens [B]`` the last committed token per request; ``history [B, H]`` recent committed
+    tokens, right-aligned, −1 padded; ``positions [B]`` the position of ``last_tokens``;
+    ``hidden`` the captured hidden states by layer id (``[B, hidden]`` rows of the last tokens).
+    """
+
+    last_tokens: torch.Tensor
+    history: torch.Tensor
+    positions: torch.Tensor
+    hidden: Mapping[int, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """``tokens [B, k]`` int64; ``probs [B, k, V]`` or None (one-hot drafts); ``confidence [B, k]``
+    float32 in [0, 1], the drafter's belief that each draft is accepted given its prefix was."""
+
+    tokens: torch.Tensor
+    probs: torch.Tensor | None
+    confidence: torch.Tensor
+
+
+class Drafter(Protocol):
+    """Proposes up to ``k`` draft tokens per request."""
+
+    def propose(self, inputs: DraftInputs) -> DraftProposal: ...
+
+
+class StepCostModel(Protocol):
+    """Step time (seconds) as a function of total query tokens in a step (``engine/cost.py``)."""
+
+    def step_time(self, query_tokens: int) -> float: ...
+    def observe(self, query_tokens: int, seconds: float) -> None: ...
+
+
+class VerificationPlan(Protocol):
+    """How many drafts each request verifies (API.md §2; reference/deepinfer.md §5)."""
+
+    def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
+        """Total query tokens over decode rows, Σ(1 + drafts verified), from host-side confidences
+        ``[B, k]`` of the previous round (missing = 1.0). Fixes the batch bucket."""
+        ...
+
+    def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
+        """Drafts verified per request ``[B]`` (int64) from the newest confidences ``[B, k]``, keeping
+        Σ(1 + drafts) == total and never verifying draft j+1 without draft j. Pure tensor code."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache restore
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Which tokens to recompute to rebuild per-request state: from ``first_token`` (absolute
+    position), with attention not looking below ``visibility_floor``; ``layers`` None means all."""
+
+    first_token: int
+    visibility_floor: int
+    mode: Literal["full", "mask", "compact"]
+    layers: tuple[int, ...] | None = None
+
+
+class ReplayPlanner(Protocol):
+    """Plans the recomputation that restores sliding-window state (ARCHITECTURE §6)."""
+
+    def plan(self, request: SchedulableRequest, layout: CacheLayout,
+             reason: Literal["prefill", "prefix_hit", "preempted"]) -> ReplayPlan: ...
+
+
+class KVStore(Protocol):
+    """An external store of KV blocks keyed by prefix hash (offload, sharing across engines)."""
+
+    def contains(self, block_hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``block_hashes`` the store holds."""
+        ...
+
+    def load(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None: ...
+    def save(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None: ...
+
+
+KVStoreFactory = Callable[..., KVStore]
+
+
+# --------------------------------------------------------------------------------------------------
+# Expert placement
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where expert slots live: ``ranks`` × ``slots_per_rank`` physical slots, ``num_groups`` expert
+    groups (group-limited routing), ``num_nodes`` hosts."""
+
+    ranks: int
+    slots_per_rank: int
+    num_groups: int = 1
+    num_nodes: int = 1
+
+
+class PlacementPolicy(Protocol):
+    """Maps logical experts onto physical slots from recent load (reference/deepinfer.md §7)."""
+
+    num_redundant_experts: int
+    window: int
+
+    def place(self, load: torch.Tensor, topology: Topology) -> torch.Tensor:
+        """``load [steps, layers, logical]`` tokens → ``phys_to_logical [layers, ranks·slots]``."""
+        ...
+
+    def due(self, step: int) -> bool:
+        """Whether to rebalance after ``step``."""
+        ...
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel backends
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can serve; the host matches it against ``RunRequirements`` per op."""
+
+    devices: frozenset[str] = frozenset({"cpu", "cuda"})
+    dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch.float16})
+    kv_dtypes: frozenset[str] = frozenset({"auto", "bf16"})
+    graph_safe: bool = False
+    batch_invariant: bool = False
+    varlen: bool = True
+
+
+@dataclass(frozen=True)
+class RunRequirements:
+    """What this run needs from a backend."""
+
+    device: str
+    dtype: torch.dtype
+    kv_dtype: str
+    graph_safe: bool
+    batch_invariant: bool
+    varlen: bool = True
+
+    def missing(self, caps: BackendCapabilities) -> list[str]:
+        """The capabilities ``caps`` lacks for this run, as readable strings (empty: it fits)."""
+        gaps = []
+        if self.device not in caps.devices:
+            gaps.append(f"device {self.device}")
+        if self.dtype not in caps.dtypes:
+            gaps.append(f"dtype {self.dtype}")
+        if self.kv_dtype not in caps.kv_dtypes:
+            gaps.append(f"kv_dtype {self.kv_dtype}")
+        if self.graph_safe and not caps.graph_safe:
+            gaps.append("graph_safe")
+        if self.batch_invariant and not caps.batch_invariant:
+            gaps.append("batch_invariant")
+        if self.varlen and not caps.varlen:
+            gaps.append("varlen")
+        return gaps
+
+
+class Backend(Protocol):
+    """Common face of attention, MoE and GEMM backends."""
+
+    name: str
+    priority: int
+    ops: frozenset[str]
+    capabilities: BackendCapabilities
+
+    def available(self) -> bool:
+        """Whether its library imports and the device supports it (cheap, no side effects)."""
+        ...
+
+
+@dataclass
+class ForwardContext:
+    """Per-step attention metadata, built once by the runner and read by every layer.
+
+    Shapes: ``T`` tokens in the step, ``B`` requests. ``positions [T]``, ``slot_mapping [T]`` (flat
+    cache slot of each new token), ``query_start_loc [B+1]``, ``seq_lens [B]`` (KV length after
+    this step), ``block_tables [B, max_blocks]``. ``num_decodes``: the first rows are decode rows
+    with exactly one query token each. Host copies (``*_host``) let reference backends loop without
+    reading the device. ``backends`` maps op name to the selected backend object.
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    num_decodes: int
+    query_start_loc_host: list[int]
+    seq_lens_host: list[int]
+    block_size: int
+    backends: Mapping[str, Any]
+
+
+class AttentionBackend(Backend, Protocol):
+    """Implements op ``paged_attention``: write this step's K/V into the paged cache, then attend.
+
+    ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``; ``kv_cache`` is the layer's ``(k_cache, v_cache)`` each
+    ``[num_blocks, block_size, Hkv, D]``. Returns ``[T, Hq, D]``. Causal within a request; a query at
+    position p sees cached positions ≤ p of its own request (``window`` > 0: only the last ``window``).
+    """
+
+    def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        kv_cache: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext, *,
+                        scale: float, window: int = 0) -> torch.Tensor: ...
+
+
+class MoEBackend(Backend, Protocol):
+    """Implements op ``experts``: ``x [T, H]``, ``topk_ids``/``topk_weights [T, k]`` → ``[T, H]``,
+    the weighted sum of each token's experts (SwiGLU). ``dispatch``/``combine`` serve expert
+    parallelism; the core's all-to-all is the reference."""
+
+    def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                weights: Any) -> torch.Tensor: ...
+
+
+class GemmBackend(Backend, Protocol):
+    """Implements op ``linear``: ``x [T, in] @ weight[out, in]ᵀ``."""
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...

@@ -1,0 +1,183 @@
+"""Block allocation with prefix caching: a plain data structure, no tensors.
+
+A full block of tokens is identified by a hash chained along the prefix (the hash of the previous
+block and this block's token ids), so equal prefixes map to equal block hashes. Blocks are
+ref-counted; a block whose count drops to zero keeps its cached content and waits in an LRU queue
+until an allocation needs it (then its hash is forgotten). Block 0 is reserved and never handed out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer.kv.pools import RESERVED_BLOCKS
+
+
+def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The chained hash of one full block (16-byte BLAKE2b of the parent hash and the token ids)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(b"".join(t.to_bytes(8, "little", signed=True) for t in tokens))
+    return h.digest()
+
+
+class BlockPool:
+    """Ref-counted blocks, the prefix-hash table, and the LRU queue of free blocks."""
+
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool) -> None:
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}
+        # Free blocks, least recently freed first; cached blocks stay here until reused.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(RESERVED_BLOCKS, num_blocks))
+
+    @property
+    def num_usable(self) -> int:
+        return self.num_blocks - RESERVED_BLOCKS
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take a reference on cached blocks (a prefix hit)."""
+        for b in block_ids:
+            if self.ref_count[b] == 0:
+                del self.free_queue[b]
+            self.ref_count[b] += 1
+
+    def allocate(self, n: int) -> list[int] | None:
+        """``n`` fresh blocks (evicting the least recently freed cached ones), or None if too few."""
+        if n > len(self.free_queue):
+            return None
+        out = []
+        for _ in range(n):
+            b, _ = self.free_queue.popitem(last=False)
+            old = self.block_hash[b]
+            if old is not None:
+                del self.cached[old]
+                self.block_hash[b] = None
+            self.ref_count[b] = 1
+            out.append(b)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference from each block; the tail of a table is queued first so it is evicted
+        before the shared head of the prefix."""
+        for b in reversed(block_ids):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                if self.block_hash[b] is None:
+                    self.free_queue[b] = None
+                    self.free_queue.move_to_end(b, last=False)  # uncached blocks are reused first
+                else:
+                    self.free_queue[b] = None
+
+    def register(self, block_id: int, block_hash: bytes) -> None:
+        """Record that ``block_id`` holds the full block ``block_hash``."""
+        if not self.enable_prefix_caching or self.block_hash[block_id] is not None:
+            return
+        if block_hash in self.cached:
+            return  # an identical block is cached already; this copy stays anonymous
+        self.block_hash[block_id] = block_hash
+        self.cached[block_hash] = block_id
+
+
+@dataclass
+class PrefixHit:
+    """Blocks found in the cache for a request's leading full blocks."""
+
+    block_ids: list[int]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Block tables of requests on top of a ``BlockPool``."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_prefix_caching)
+        self.tables: dict[str, list[int]] = {}
+        self.hashes: dict[str, list[bytes]] = {}
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _chain(self, request_id: str, token_ids: Sequence[int], upto_blocks: int) -> list[bytes]:
+        """Block hashes of the first ``upto_blocks`` full blocks (memoized per request)."""
+        chain = self.hashes.setdefault(request_id, [])
+        bs = self.block_size
+        while len(chain) < upto_blocks:
+            i = len(chain)
+            chain.append(hash_block(chain[-1] if chain else b"", token_ids[i * bs:(i + 1) * bs]))
+        return chain[:upto_blocks]
+
+    def find_prefix(self, request_id: str, token_ids: Sequence[int]) -> PrefixHit:
+        """The longest cached prefix of ``token_ids`` in whole blocks, leaving at least one token to
+        compute (its logits give the next token)."""
+        if not self.pool.enable_prefix_caching:
+            return PrefixHit([], 0)
+        max_blocks = (len(token_ids) - 1) // self.block_size
+        hit: list[int] = []
+        for h in self._chain(request_id, token_ids, max_blocks):
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hit.append(b)
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's prompt toward the prefix-cache hit rate."""
+        self.lookup_tokens += num_tokens
+        self.hit_tokens += num_hit_tokens
+
+    def allocate(self, request_id: str, num_tokens: int, prefix: PrefixHit | None = None) -> bool:
+        """Grow the request's table to hold ``num_tokens`` tokens (taking ``prefix`` blocks first).
+        Returns False, changing nothing, if the free blocks do not suffice."""
+        table = self.tables.get(request_id, [])
+        reused = prefix.block_ids if prefix and not table else []
+        extra = self.blocks_needed(num_tokens) - len(table) - len(reused)
+        # A prefix hit on a block with no other user takes it out of the free queue.
+        taken_free = sum(1 for b in reused if self.pool.ref_count[b] == 0)
+        if extra > self.pool.num_free - taken_free:
+            return False
+        self.pool.touch(reused)
+        fresh = self.pool.allocate(max(extra, 0)) or []
+        self.tables[request_id] = table + reused + fresh
+        return True
+
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register every full block whose tokens are all computed, for later prefix hits."""
+        if not self.pool.enable_prefix_caching:
+            return
+        table = self.tables[request_id]
+        full = min(num_computed // self.block_size, len(table))
+        for block_id, h in zip(table[:full], self._chain(request_id, token_ids, full), strict=True):
+            self.pool.register(block_id, h)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (cached ones stay reusable until evicted)."""
+        table = self.tables.pop(request_id, None)
+        if table:
+            self.pool.free(table)
+
+    def forget(self, request_id: str) -> None:
+        """Free the blocks and drop the memoized hashes of a request that is gone for good."""
+        self.free(request_id)
+        self.hashes.pop(request_id, None)
+
+    def table(self, request_id: str) -> list[int]:
+        return self.tables[request_id]

@@ -1,0 +1,40 @@
+"""Device tensors of the KV cache, carved per layer from one block budget."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer.errors import ConfigError
+from deepinfer.kv.specs import CacheSpec
+
+# Block 0 is never handed out: padding rows of a batch write into it.
+RESERVED_BLOCKS = 1
+
+
+def bytes_per_block(specs: Sequence[CacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers."""
+    return sum(spec.bytes_per_block(block_size, dtype) for spec in specs)
+
+
+def num_blocks_for(budget_bytes: int, specs: Sequence[CacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    """How many blocks (including the reserved one) fit in ``budget_bytes``."""
+    per_block = bytes_per_block(specs, block_size, dtype)
+    blocks = budget_bytes // per_block
+    if blocks <= RESERVED_BLOCKS:
+        raise ConfigError(
+            f"cache.kv_cache_bytes={budget_bytes} holds {blocks} blocks of {per_block} bytes; "
+            f"at least {RESERVED_BLOCKS + 1} are needed"
+        )
+    return int(blocks)
+
+
+class KVPool:
+    """One tuple of cache tensors per layer, all indexed by the same block ids."""
+
+    def __init__(self, specs: Sequence[CacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.layers = [spec.allocate(num_blocks, block_size, dtype, device) for spec in specs]

@@ -1,0 +1,39 @@
+"""What the core expects of a model class (the registry's values follow this protocol)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from deepinfer.interfaces import ForwardContext
+from deepinfer.kv.specs import CacheSpec
+
+
+class CausalLM(Protocol):
+    """A causal LM built as ``cls(hf_config, *, dtype, device, max_positions)``.
+
+    ``forward`` maps ``input_ids [T]`` (all requests' new tokens, flattened) to hidden states
+    ``[T, hidden]``; ``compute_logits`` maps selected hidden rows to float32 logits ``[N, vocab]``.
+    ``bind_cache`` hands each layer its cache tensors (one tuple per spec of ``cache_specs()``).
+    ``load_weights`` takes ``(name, tensor)`` pairs as HF saves them and returns the names of the
+    parameters it filled.
+    """
+
+    vocab_size: int
+
+    def cache_specs(self) -> Sequence[CacheSpec]: ...
+    def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None: ...
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+    def named_parameters(self) -> Any: ...
+
+
+def config_value(hf_config: dict[str, Any], *names: str, default: Any = None) -> Any:
+    """The first of ``names`` present in ``hf_config`` (configs rename fields across versions)."""
+    for name in names:
+        if hf_config.get(name) is not None:
+            return hf_config[name]
+    return default

@@ -1,0 +1,469 @@
+"""Convert a llama.cpp GGUF checkpoint into a plain Hugging Face Llama folder.
+
+The result is an ordinary fp32 `LlamaForCausalLM` folder (config.json, model.safetensors,
+tokenizer.json, ...), so the rest of deepinfer only ever loads one format. This needs numpy, gguf,
+safetensors and tokenizers; it does not import transformers or torch.
+
+Three things about GGUF files matter here:
+
+* Tensor shapes are stored innermost-first (`[in, out]`); the reader hands the data back row-major as
+  `(out, in)`, still quantized, and `gguf.quants.dequantize` expands it to float32 values.
+* llama.cpp's converter reorders the rows of the Q and K projections, per head, from Hugging Face's
+  "rotate halves" rope layout into the interleaved-pairs layout that its own rope kernel expects.
+  `_undo_rope_permutation` puts them back.
+* The tokenizer is stored as metadata (tokens, merges, token types, a pre-tokenizer *name*), not as a
+  tokenizer.json; `build_tokenizer` rebuilds one with the `tokenizers` library. The split rules for
+  each pre-tokenizer name follow llama.cpp's `llama-vocab.cpp`, which is what the file was made for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from deepinfer.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_tokenizer", "convert_gguf_to_hf", "read_gguf_metadata"]
+
+# llama.cpp token types (enum llama_token_type in llama.h).
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Per-layer tensors: llama.cpp suffix after "blk.N." -> HF suffix after "model.layers.N.".
+_LAYER_TENSORS = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# Split rules by `tokenizer.ggml.pre`, as llama.cpp applies them (llama-vocab.cpp).
+# "digits": every \p{N} character is cut out on its own first, then the GPT-2 rule runs on the rest.
+# This is the original SmolLM/StarCoder tokenizer.json shape: Sequence[Digits(individual), ByteLevel].
+_DIGITS_THEN_GPT2 = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
+# "gpt2": only the GPT-2 regex, which ByteLevel(use_regex=True) carries built in.
+_GPT2_ONLY = ("gpt2", "default", "mpt", "olmo", "jais", "trillion", "granite-docling")
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLIT_REGEX_BY_PRE = {
+    **{name: _LLAMA3_REGEX for name in ("llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx")},
+    **{name: _QWEN2_REGEX for name in ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez")},
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Metadata
+# ----------------------------------------------------------------------------------------------
+
+
+def read_gguf_metadata(reader: GGUFReader) -> dict[str, Any]:
+    """Every key/value field of the file as plain Python values (str, int, float, bool or lists)."""
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or not field.types:
+            continue
+        value = field.contents()
+        if field.types[0] == GGUFValueType.ARRAY and not isinstance(value, list):
+            value = list(value)
+        meta[key] = value
+    return meta
+
+
+def _as_float32_literal(value: float) -> float:
+    """The shortest decimal that round-trips through float32 (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _require_int(meta: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = meta.get(key, default)
+    if value is None:
+        raise ConfigError(f"GGUF metadata lacks {key!r}, which the Llama conversion needs")
+    return int(value)
+
+
+def _token_id(meta: dict[str, Any], name: str) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{name}_token_id")
+    return None if value is None else int(value)
+
+
+def _build_config(meta: dict[str, Any], arch: str, vocab_size: int, tied: bool) -> dict[str, Any]:
+    hidden = _require_int(meta, f"{arch}.embedding_length")
+    n_head = _require_int(meta, f"{arch}.attention.head_count")
+    n_kv_head = _require_int(meta, f"{arch}.attention.head_count_kv", n_head)
+    head_dim = _require_int(meta, f"{arch}.attention.key_length", hidden // n_head)
+    rope_dim = _require_int(meta, f"{arch}.rope.dimension_count", head_dim)
+    if rope_dim != head_dim:
+        raise ConfigError(
+            f"GGUF rope.dimension_count={rope_dim} differs from head_dim={head_dim}; "
+            "partial rotary embeddings are not supported for llama"
+        )
+    rope_theta = _as_float32_literal(float(meta.get(f"{arch}.rope.freq_base", 10000.0)))
+    rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": rope_theta}
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        factor = _as_float32_literal(float(meta[f"{arch}.rope.scaling.factor"]))
+        rope_parameters = {"rope_type": "linear", "rope_theta": rope_theta, "factor": factor}
+    elif scaling not in ("none", None):
+        raise ConfigError(f"GGUF rope scaling type {scaling!r} is not supported (only 'none' and 'linear')")
+
+    bos, eos, pad = (_token_id(meta, name) for name in ("bos", "eos", "padding"))
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": _require_int(meta, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _require_int(meta, f"{arch}.block_count"),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv_head,
+        "head_dim": head_dim,
+        "rms_norm_eps": _as_float32_literal(float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))),
+        "rope_theta": rope_theta,
+        "rope_parameters": rope_parameters,
+        "max_position_embeddings": _require_int(meta, f"{arch}.context_length", 2048),
+        "vocab_size": vocab_size,
+        "tie_word_embeddings": tied,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": "float32",
+        "dtype": "float32",
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------
+
+
+def _undo_rope_permutation(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's per-head row reorder of a Q or K projection.
+
+    Within each head, llama.cpp stores row pairs (i, i + d/2) next to each other; HF keeps the two
+    halves apart. Viewing the rows as (head, pair index, 2) and swapping the last two axes undoes it.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ConfigError(f"cannot undo the rope permutation: {rows} rows do not split into {n_head} heads")
+    tail = weight.shape[1:]
+    split = weight.reshape(n_head, rows // n_head // 2, 2, *tail)
+    return np.ascontiguousarray(split.swapaxes(1, 2).reshape(weight.shape))
+
+
+def _hf_name(gguf_name: str, n_layers: int) -> str:
+    if gguf_name in _GLOBAL_TENSORS:
+        return _GLOBAL_TENSORS[gguf_name]
+    prefix, _, rest = gguf_name.partition(".")
+    layer, _, suffix = rest.partition(".")
+    if prefix == "blk" and layer.isdigit() and int(layer) < n_layers and suffix in _LAYER_TENSORS:
+        return f"model.layers.{int(layer)}.{_LAYER_TENSORS[suffix]}"
+    raise ConfigError(f"GGUF tensor {gguf_name!r} has no counterpart in a Hugging Face Llama model")
+
+
+def _load_tensors(reader: GGUFReader, config: dict[str, Any]) -> dict[str, np.ndarray]:
+    n_layers = config["num_hidden_layers"]
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        name = _hf_name(tensor.name, n_layers)
+        shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+        values = dequantize(tensor.data, tensor.tensor_type)
+        values = np.asarray(values, dtype=np.float32).reshape(shape)
+        if name.endswith("self_attn.q_proj.weight"):
+            values = _undo_rope_permutation(values, config["num_attention_heads"])
+        elif name.endswith("self_attn.k_proj.weight"):
+            values = _undo_rope_permutation(values, config["num_key_value_heads"])
+        else:
+            values = np.ascontiguousarray(values)
+        tensors[name] = values
+    return tensors
+
+
+def _check_tensors(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> None:
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_out = config["num_attention_heads"] * config["head_dim"]
+    kv_out = config["num_key_value_heads"] * config["head_dim"]
+    expected = {
+        "model.embed_tokens.weight": (config["vocab_size"], hidden),
+        "model.norm.weight": (hidden,),
+    }
+    if not config["tie_word_embeddings"]:
+        expected["lm_head.weight"] = (config["vocab_size"], hidden)
+    per_layer = {
+        "input_layernorm.weight": (hidden,),
+        "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_out, hidden),
+        "self_attn.k_proj.weight": (kv_out, hidden),
+        "self_attn.v_proj.weight": (kv_out, hidden),
+        "self_attn.o_proj.weight": (hidden, q_out),
+        "mlp.gate_proj.weight": (inter, hidden),
+        "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    for layer in range(config["num_hidden_layers"]):
+        for suffix, shape in per_layer.items():
+            expected[f"model.layers.{layer}.{suffix}"] = shape
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        raise ConfigError(f"GGUF lacks {len(missing)} tensors a Llama model needs, e.g. {missing[:3]}")
+    for name, shape in expected.items():
+        if tensors[name].shape != shape:
+            raise ConfigError(f"tensor {name} has shape {tensors[name].shape}, expected {shape}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies.
+
+    Bytes that are already visible, non-space Latin-1 characters stand for themselves; the 68 others
+    (controls, space, DEL, NBSP, soft hyphen, ...) are moved, in byte order, to code points 256 and up.
+    """
+    visible = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {byte: chr(byte) for byte in visible}
+    shifted = 0
+    for byte in range(256):
+        if byte not in table:
+            table[byte] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def _pre_tokenizer_for(pre: str | None) -> pre_tokenizers.PreTokenizer:
+    if pre in _SPLIT_REGEX_BY_PRE:
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLIT_REGEX_BY_PRE[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
+            ]
+        )
+    gpt2 = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), gpt2])
+    if pre not in _GPT2_ONLY:
+        logger.warning("GGUF pre-tokenizer %r is not known here; using the plain GPT-2 split rule", pre)
+    return gpt2
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    """A `tokenizers.Tokenizer` equivalent to the byte-level BPE tokenizer described by GGUF metadata."""
+    model = meta.get("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise ConfigError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+    tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+    token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
+    if not merges_raw:
+        raise ConfigError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
+
+    alphabet = _byte_alphabet()
+    spelled = set(alphabet.values())
+
+    def respell(token: str) -> str:
+        # Byte-level vocabularies write every token in the byte alphabet; a token that is not
+        # (rare: an added token with a raw space) is rewritten byte by byte so BPE can reach it.
+        if set(token) <= spelled:
+            return token
+        return "".join(alphabet[byte] for byte in token.encode("utf-8"))
+
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(respell(token), index)
+    merges: list[tuple[str, str]] = []
+    for merge in merges_raw:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise ConfigError(f"malformed GGUF merge {merge!r}")
+        merges.append((left, right))
+
+    pre = meta.get("tokenizer.ggml.pre")
+    tokenizer = Tokenizer(
+        BPE(vocab=vocab, merges=merges, dropout=None, unk_token=None, fuse_unk=False, byte_fallback=False)
+    )
+    tokenizer.normalizer = None
+    tokenizer.pre_tokenizer = _pre_tokenizer_for(pre)
+    tokenizer.decoder = decoders.ByteLevel()
+
+    # Control tokens (like <|im_start|>) must be matched whole and are skipped on decode; a control
+    # token spelled outside the byte alphabet is a llama.cpp mislabel and would only grow the vocab.
+    special = [
+        AddedToken(token, special=True, normalized=False)
+        for token, kind in zip(tokens, token_types)
+        if kind == _TOKEN_TYPE_CONTROL and set(token) <= spelled
+    ]
+    if special:
+        tokenizer.add_special_tokens(special)
+    # User-defined tokens are matched whole as well but kept on decode.
+    user = [
+        AddedToken(token, special=False, normalized=False)
+        for token, kind in zip(tokens, token_types)
+        if kind == _TOKEN_TYPE_USER_DEFINED and token in vocab
+    ]
+    if user:
+        tokenizer.add_tokens(user)
+
+    template = _post_processor(meta, tokens)
+    if template is not None:
+        tokenizer.post_processor = template
+    return tokenizer
+
+
+def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.PostProcessor | None:
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+    bos, eos = _token_id(meta, "bos"), _token_id(meta, "eos")
+    prefix = [(tokens[bos], bos)] if add_bos and bos is not None else []
+    suffix = [(tokens[eos], eos)] if add_eos and eos is not None else []
+    if not prefix and not suffix:
+        return None
+    head = " ".join(token for token, _ in prefix)
+    tail = " ".join(token for token, _ in suffix)
+    single = " ".join(part for part in (head, "$A", tail) if part)
+    pair = " ".join(part for part in (single, head, "$B:1", tail) if part)
+    return processors.TemplateProcessing(single=single, pair=pair, special_tokens=prefix + suffix)
+
+
+def _tokenizer_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def token_text(name: str) -> str | None:
+        token_id = _token_id(meta, name)
+        return tokens[token_id] if token_id is not None and 0 <= token_id < len(tokens) else None
+
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": token_text("bos"),
+        "eos_token": token_text("eos"),
+        "pad_token": token_text("padding"),
+        "unk_token": token_text("unknown"),
+        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+
+
+def _generation_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    eos: int | list[int] | None = config["eos_token_id"]
+    eot = _token_id(meta, "eot")
+    if eos is not None and eot is not None and eot != eos:
+        eos = [eos, eot]
+    return {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "pad_token_id": config["pad_token_id"]}
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def _write_json(path: Path, payload: dict[str, Any]) -> None:
+    path.write_text(json.dumps(payload, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _finish_tree(folder: Path) -> None:
+    """Make the staged files world-readable (mkdtemp and safetensors create them private) and durable."""
+    folder.chmod(0o755)
+    for path in folder.iterdir():
+        path.chmod(0o644)
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
+    """Convert a Llama-architecture GGUF file into an fp32 Hugging Face folder at `out_dir`.
+
+    The folder holds config.json, generation_config.json, model.safetensors, tokenizer.json,
+    tokenizer_config.json and (when the GGUF has one) chat_template.jinja. It is written into a
+    sibling temporary folder and renamed into place, so a crash never leaves a half-written
+    `out_dir`. `out_dir` must not exist, or be an empty folder. Returns `out_dir`.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise FileExistsError(f"conversion target {out_dir} already exists and is not an empty folder")
+    started = time.perf_counter()
+    reader = GGUFReader(gguf_path)
+    meta = read_gguf_metadata(reader)
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise ConfigError(f"{gguf_path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+
+    names = {tensor.name for tensor in reader.tensors}
+    tied = "output.weight" not in names
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embed is None:
+        raise ConfigError(f"{gguf_path}: GGUF has no token_embd.weight tensor")
+    vocab_size = int(embed.shape[-1])
+    declared = meta.get(f"{arch}.vocab_size")
+    if declared is not None and int(declared) != vocab_size:
+        raise ConfigError(f"{gguf_path}: {arch}.vocab_size={declared} but token_embd has {vocab_size} rows")
+
+    config = _build_config(meta, arch, vocab_size, tied)
+    tensors = _load_tensors(reader, config)
+    _check_tensors(tensors, config)
+    tokenizer = build_tokenizer(meta)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    try:
+        _write_json(staging / "config.json", config)
+        _write_json(staging / "generation_config.json", _generation_config(meta, config))
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        tokenizer.save(str(staging / "tokenizer.json"))
+        _write_json(staging / "tokenizer_config.json", _tokenizer_config(meta, config))
+        template = meta.get("tokenizer.chat_template")
+        if template:
+            (staging / "chat_template.jinja").write_text(template, encoding="utf-8")
+        _finish_tree(staging)
+        if out_dir.is_dir():
+            out_dir.rmdir()  # empty, checked above; rename() cannot replace it otherwise
+        os.rename(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info(
+        "converted %s -> %s (%d tensors, %.1fs)", gguf_path, out_dir, len(tensors), time.perf_counter() - started
+    )
+    return out_dir

@@ -1,0 +1,1 @@
+"""Plain-torch building blocks and the reference backends."""

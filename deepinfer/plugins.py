@@ -1,0 +1,261 @@
+"""The plugin host: discovery through entry points, activation by config, selection by name.
+
+Discovery is not activation: every distribution with an entry point in the group ``deepinfer.plugins``
+is *installed*; only the ones whose config section says ``enabled: true`` are built and registered.
+The built-in plugin (``deepinfer.defaults``) is always registered, with ``trylast`` hookimpls.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import inspect
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pluggy
+from pydantic import BaseModel, ValidationError
+
+from deepinfer import hookspecs
+from deepinfer.config import format_validation_error
+from deepinfer.errors import ConfigError, PluginError
+from deepinfer.interfaces import Backend, RunRequirements
+
+logger = logging.getLogger(__name__)
+
+ENTRY_POINT_GROUP = "deepinfer.plugins"
+BUILTIN = "builtin"
+
+
+@dataclass
+class InstalledPlugin:
+    """One entry point of the group, loaded lazily."""
+
+    name: str
+    value: str
+    distribution: str
+    version: str
+    entry_point: md.EntryPoint | None = None
+    loaded: Any = None
+    error: str | None = None
+
+    def load(self) -> Any:
+        if self.loaded is None and self.error is None and self.entry_point is not None:
+            try:
+                self.loaded = self.entry_point.load()
+            except Exception as exc:  # noqa: BLE001 - any import failure is reported by name
+                self.error = f"{type(exc).__name__}: {exc}"
+        return self.loaded
+
+
+def discover_plugins() -> dict[str, InstalledPlugin]:
+    """Every installed plugin by entry-point name (nothing is imported yet)."""
+    found: dict[str, InstalledPlugin] = {}
+    for ep in md.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist is not None else "?"
+        version = ep.dist.version if ep.dist is not None else "?"
+        if ep.name in found and found[ep.name].value != ep.value:
+            raise PluginError(
+                f"two installed distributions offer the plugin name {ep.name!r}: "
+                f"{found[ep.name].distribution} and {dist}"
+            )
+        found[ep.name] = InstalledPlugin(ep.name, ep.value, dist, version, ep)
+    return found
+
+
+def config_aliases(installed: Mapping[str, InstalledPlugin]) -> dict[str, str]:
+    """Env-name → config-path aliases from every installed plugin (``deepinfer_config_aliases``)."""
+    aliases: dict[str, str] = {}
+    for plugin in installed.values():
+        obj = plugin.load()
+        func = getattr(obj, "deepinfer_config_aliases", None)
+        if func is None:
+            continue
+        if inspect.isclass(obj) and not isinstance(inspect.getattr_static(obj, func.__name__),
+                                                   (staticmethod, classmethod)):
+            raise PluginError(f"plugin {plugin.name!r}: deepinfer_config_aliases must be a staticmethod")
+        aliases.update(func())
+    return aliases
+
+
+def _plugin_hooks(obj: Any) -> list[str]:
+    return sorted(n for n in dir(obj) if n.startswith("deepinfer_") and callable(getattr(obj, n, None)))
+
+
+@dataclass
+class _Offer:
+    plugin: str
+    value: Any
+
+
+@dataclass
+class PluginHost:
+    """Holds the pluggy manager with the built-in and the enabled plugins, and selects strategies."""
+
+    plugin_configs: Mapping[str, Mapping[str, Any]]
+    installed: dict[str, InstalledPlugin] = field(default_factory=discover_plugins)
+    extra: Iterable[tuple[str, Any]] = ()
+
+    def __post_init__(self) -> None:
+        from deepinfer.defaults import BuiltinPlugin
+
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.pm.register(BuiltinPlugin(), name=BUILTIN)
+        self.enabled: dict[str, Any] = {}
+        unknown = sorted(set(self.plugin_configs) - set(self.installed))
+        if unknown:
+            names = ", ".join(sorted(self.installed)) or "none"
+            raise ConfigError(f"plugins.{unknown[0]}: no such plugin is installed (installed: {names})")
+        for name, plugin in sorted(self.installed.items()):
+            section = dict(self.plugin_configs.get(name, {}))
+            enabled = bool(section.pop("enabled", False))
+            obj = plugin.load()
+            if obj is None:
+                if enabled:
+                    raise PluginError(f"plugin {name!r} ({plugin.distribution}) failed to import: {plugin.error}")
+                logger.warning("plugin %r (%s) failed to import: %s", name, plugin.distribution, plugin.error)
+                continue
+            instance = self._build(name, obj, section)
+            if enabled:
+                self.pm.register(instance, name=name)
+                self.enabled[name] = instance
+        for name, obj in self.extra:
+            self.pm.register(obj, name=name)
+            self.enabled[name] = obj
+
+    @staticmethod
+    def _build(name: str, obj: Any, section: dict[str, Any]) -> Any:
+        """Validate ``plugins.<name>`` with the plugin's ``config_model`` and build the instance."""
+        if not inspect.isclass(obj):
+            if section:
+                raise ConfigError(f"plugins.{name}.{next(iter(section))}: plugin {name!r} takes no settings")
+            return obj
+        model: type[BaseModel] | None = getattr(obj, "config_model", None)
+        if model is None:
+            if section:
+                raise ConfigError(f"plugins.{name}.{next(iter(section))}: plugin {name!r} takes no settings")
+            return obj()
+        try:
+            config = model.model_validate(section)
+        except ValidationError as exc:
+            raise ConfigError(f"plugin {name!r}: " + format_validation_error(exc, f"plugins.{name}.")) from None
+        try:
+            return obj(config)
+        except ConfigError:
+            raise
+        except Exception as exc:
+            raise PluginError(f"plugin {name!r} failed to start: {type(exc).__name__}: {exc}") from exc
+
+    # ------------------------------------------------------------------------------------- offers
+
+    def _call_each(self, hook_name: str, **kwargs: Any) -> list[_Offer]:
+        """Call ``hook_name`` on every registered plugin separately, remembering who answered."""
+        offers = []
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            try:
+                value = impl.function(**kwargs)
+            except (ConfigError, PluginError):
+                raise
+            except Exception as exc:
+                raise PluginError(
+                    f"plugin {impl.plugin_name!r} raised in {hook_name}: {type(exc).__name__}: {exc}"
+                ) from exc
+            if value is not None:
+                offers.append(_Offer(impl.plugin_name, value))
+        return offers
+
+    def named_offers(self, hook_name: str) -> dict[str, _Offer]:
+        """All strategies a provider hook offers, by name; a name offered twice is an error."""
+        table: dict[str, _Offer] = {}
+        for offer in self._call_each(hook_name):
+            for key, value in offer.value.items():
+                if key in table:
+                    raise ConfigError(
+                        f"{hook_name}: the name {key!r} is offered by both plugin "
+                        f"{table[key].plugin!r} and plugin {offer.plugin!r}; disable one of them"
+                    )
+                table[key] = _Offer(offer.plugin, value)
+        return table
+
+    def select(self, hook_name: str, chosen: str, config_path: str) -> Any:
+        """The strategy named ``chosen`` (``auto``: an enabled plugin's single offer, else the
+        built-in's). Unknown names list what is offered and by whom."""
+        table = self.named_offers(hook_name)
+        if chosen == "auto":
+            foreign = sorted(k for k, o in table.items() if o.plugin != BUILTIN)
+            if len(foreign) > 1:
+                raise ConfigError(f"{config_path}: auto is ambiguous, plugins offer {foreign}; name one")
+            if foreign:
+                return table[foreign[0]].value
+            builtin = [k for k, o in table.items() if o.plugin == BUILTIN]
+            return table[builtin[0]].value
+        if chosen not in table:
+            offered = ", ".join(f"{k} (plugin {o.plugin})" for k, o in sorted(table.items())) or "none"
+            raise ConfigError(f"{config_path}: unknown name {chosen!r}; offered: {offered}")
+        return table[chosen].value
+
+    def select_backends(self, hook_name: str, chosen: str, config_path: str,
+                        req: RunRequirements) -> dict[str, Backend]:
+        """Per op, the backend to use: ``chosen`` for the ops it implements (error if it cannot serve
+        the run), and for the other ops the highest-priority available backend that fits."""
+        backends: list[Backend] = [b for offer in self._call_each(hook_name) for b in offer.value]
+        names = [b.name for b in backends]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ConfigError(f"{hook_name}: backend name {dupes[0]!r} is offered twice")
+        selected: dict[str, Backend] = {}
+        if chosen != "auto":
+            by_name = {b.name: b for b in backends}
+            if chosen not in by_name:
+                raise ConfigError(f"{config_path}: unknown backend {chosen!r}; offered: {sorted(by_name)}")
+            backend = by_name[chosen]
+            if not backend.available():
+                raise ConfigError(f"{config_path}: backend {chosen!r} is not available on this machine")
+            gaps = req.missing(backend.capabilities)
+            if gaps:
+                raise ConfigError(f"{config_path}: backend {chosen!r} lacks {', '.join(gaps)} for this run")
+            selected = dict.fromkeys(backend.ops, backend)
+        for op in sorted({op for b in backends for op in b.ops} - set(selected)):
+            fitting = [b for b in backends if op in b.ops and b.available() and not req.missing(b.capabilities)]
+            if not fitting:
+                raise ConfigError(f"{config_path}: no backend for op {op!r} fits this run ({req})")
+            selected[op] = max(fitting, key=lambda b: b.priority)
+        return selected
+
+    # ------------------------------------------------------------------------------------- observers
+
+    def notify(self, hook_name: str, **kwargs: Any) -> None:
+        """Call an observer hook on every plugin; a plugin that raises is reported by name."""
+        self._call_each(hook_name, **kwargs)
+
+    def has_observers(self, hook_name: str) -> bool:
+        return bool(getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    def plugin_stats(self) -> dict[str, dict[str, Any]]:
+        """``deepinfer_stats`` of each enabled plugin, by plugin name."""
+        return {o.plugin: dict(o.value) for o in self._call_each("deepinfer_stats") if o.plugin != BUILTIN}
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Rows for ``deepinfer plugins``: name, distribution, version, enabled, hooks, error."""
+        rows = []
+        for name, plugin in sorted(self.installed.items()):
+            obj = plugin.load()
+            rows.append({
+                "name": name,
+                "distribution": plugin.distribution,
+                "version": plugin.version,
+                "enabled": name in self.enabled,
+                "hooks": _plugin_hooks(obj) if obj is not None else [],
+                "error": plugin.error,
+            })
+        return rows
+
+
+def call_factory(factory: Callable[..., Any], **kwargs: Any) -> Any:
+    """Call a strategy factory with the keyword arguments it accepts."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return factory(**kwargs)
+    return factory(**{k: v for k, v in kwargs.items() if k in params})

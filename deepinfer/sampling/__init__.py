@@ -1,0 +1,1 @@
+"""Sampling parameters, counter-based randomness and the sampler."""

@@ -1,0 +1,93 @@
+"""``SamplingParams``: how one request samples and when it stops (API.md §4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_INT64_MAX = 2**63 - 1
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings. Invalid values raise ``ValueError`` naming the field.
+
+    ``temperature`` 0 means argmax. ``top_k`` −1 or 0 disables top-k; ``top_p`` in (0, 1];
+    ``min_p`` in [0, 1] keeps tokens whose probability is at least ``min_p`` × the top one.
+    ``seed`` (alias ``seq_seed``) makes the request's draws a pure function of (seed, position), so
+    the tokens never depend on the rest of the batch. ``priority``: lower is served first (with a
+    priority scheduling policy). ``logprobs``/``prompt_logprobs``: top-n log-probabilities of the
+    model's raw distribution per generated / prompt token, plus the chosen token's.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    priority: int = 0
+    seed: int | None = None
+    seq_seed: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.seq_seed is not None:
+            if self.seed is not None and self.seed != self.seq_seed:
+                raise ValueError(
+                    f"SamplingParams: seed={self.seed} and seq_seed={self.seq_seed} differ; seq_seed is an "
+                    "alias of seed, give one of them"
+                )
+            self.seed = self.seq_seed
+        self.seq_seed = self.seed
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
+
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a number >= 0 (0 = greedy)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise bad("top_k", "an int >= 1, or -1 / 0 to disable")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "an int >= 1")
+        if not _is_int(self.priority):
+            raise bad("priority", "an int")
+        if self.seed is not None and (not _is_int(self.seed) or not -_INT64_MAX - 1 <= self.seed <= _INT64_MAX):
+            raise bad("seed", "an int in the int64 range, or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= 1000):
+                raise bad(name, "None or an int in [0, 1000]")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "a list of non-empty strings")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "a list of non-negative ints")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_sorting(self) -> bool:
+        """Whether the sampler must sort this row's logits (top-k or top-p active)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

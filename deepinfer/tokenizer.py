@@ -1,0 +1,84 @@
+"""Text in and out: a ``tokenizers`` tokenizer, the model's chat template, and its EOS ids.
+
+Transformers is not needed: ``tokenizer.json`` loads with the ``tokenizers`` library and the chat
+template (``chat_template.jinja`` or ``tokenizer_config.json``) renders with a sandboxed jinja2.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as HFTokenizer
+
+
+def _raise(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    """Special tokens in tokenizer_config.json are strings or ``{"content": ...}`` dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts for one model folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        config = _read_json(folder / "tokenizer_config.json")
+        template_file = folder / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_file.read_text() if template_file.is_file() else config.get("chat_template"))
+        self.special_tokens = {
+            k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
+
+    @staticmethod
+    def exists(folder: Path) -> bool:
+        return (folder / "tokenizer.json").is_file()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without added special tokens (chat templates carry their own)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The chat template applied to ``messages`` with the generation prompt on."""
+        if not self.chat_template:
+            raise ValueError(f"tokenizer in {str(self.folder)!r} has no chat template; use generate() instead")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+        env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        template = env.from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=True,
+                               **{k: v for k, v in self.special_tokens.items() if v is not None})
+
+
+def eos_token_ids(folder: Path, hf_config: dict[str, Any]) -> frozenset[int]:
+    """EOS ids from ``generation_config.json``, then ``config.json`` (API.md §4)."""
+    for source in (_read_json(folder / "generation_config.json"), hf_config):
+        eos = source.get("eos_token_id")
+        if eos is not None:
+            return frozenset(eos if isinstance(eos, list) else [eos])
+    return frozenset()
