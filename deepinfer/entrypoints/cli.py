@@ -1,0 +1,172 @@
+"""The ``deepinfer`` command (API.md §6): generate, chat, plugins, config show."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from deepinfer.config import build_config, set_flags_to_tree
+from deepinfer.errors import DeepInferError
+from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML/JSON config file")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override one config field (repeatable)")
+
+
+def _model_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help=f"HF folder or alias (default {DEFAULT_MODEL})")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="LLM inference engine with plugins")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate continuations (a progress bar and a tokens/s summary)")
+    gen.add_argument("prompts", nargs="*", help="prompts (or use --file)")
+    gen.add_argument("--file", help="a text file with one prompt per line")
+    gen.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
+    _model_flags(gen)
+    _common(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat")
+    _model_flags(chat)
+    _common(chat)
+
+    plugins = sub.add_parser("plugins", help="list installed plugins")
+    plugins.add_argument("--json", action="store_true")
+    _common(plugins)
+
+    config = sub.add_parser("config", help="configuration")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="effective config with the source of each non-default value")
+    show.add_argument("--json", action="store_true")
+    _common(show)
+    return parser
+
+
+def _llm(args: argparse.Namespace) -> Any:
+    from deepinfer import LLM
+
+    overrides = set_flags_to_tree(args.set)
+    model = args.model
+    if model is None and "path" not in overrides.get("model", {}):
+        model = DEFAULT_MODEL
+    return LLM(model, config=args.config, **_tree_to_sections(overrides))
+
+
+def _tree_to_sections(tree: dict[str, Any]) -> dict[str, Any]:
+    return {("model_config" if k == "model" else k): v for k, v in tree.items()}
+
+
+def _params(args: argparse.Namespace) -> Any:
+    from deepinfer import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompts = list(args.prompts)
+    if args.file:
+        with open(args.file) as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("deepinfer generate: give prompts as arguments or with --file", file=sys.stderr)
+        return 2
+    llm = _llm(args)
+    t0 = time.perf_counter()
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], _params(args))
+    else:
+        outputs = llm.generate(prompts, _params(args))
+    seconds = time.perf_counter() - t0
+    for prompt, out in zip(prompts, outputs, strict=True):
+        print(f"### {prompt}\n{out.outputs[0].text}\n")
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"{len(outputs)} requests, {tokens} tokens in {seconds:.2f} s: {tokens / seconds:.1f} tok/s",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    history: list[dict[str, str]] = []
+    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        history.append({"role": "user", "content": line})
+        reply = llm.chat(history, _params(args), use_tqdm=False)[0].outputs[0].text
+        history.append({"role": "assistant", "content": reply})
+        print(reply)
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    installed = discover_plugins()
+    resolved = build_config(config=args.config, overrides=set_flags_to_tree(args.set),
+                            aliases=config_aliases(installed))
+    rows = PluginHost(resolved.config.plugins, installed).describe()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no plugins installed (entry-point group deepinfer.plugins)")
+    for row in rows:
+        state = "enabled" if row["enabled"] else "installed"
+        print(f"{row['name']:<14} {row['distribution']} {row['version']}  [{state}]")
+        if row["error"]:
+            print(f"  import error: {row['error']}")
+        print(f"  hooks: {', '.join(row['hooks']) or '-'}")
+    return 0
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    installed = discover_plugins()
+    resolved = build_config(config=args.config, overrides=set_flags_to_tree(args.set),
+                            aliases=config_aliases(installed))
+    data = resolved.config.model_dump(mode="json")
+    if args.json:
+        print(json.dumps({"config": data, "sources": resolved.sources}, indent=2))
+        return 0
+    for section, fields in data.items():
+        print(f"{section}:")
+        for name, value in (fields or {}).items():
+            source = resolved.sources.get(f"{section}.{name}")
+            print(f"  {name}: {json.dumps(value)}" + (f"    # from {source}" if source else ""))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plugins": cmd_plugins}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "config":
+            return cmd_config_show(args)
+        return COMMANDS[args.command](args)
+    except (DeepInferError, ValueError) as exc:
+        print(f"deepinfer: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

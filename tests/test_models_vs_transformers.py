@@ -1,0 +1,55 @@
+"""The Llama-family model code against transformers on tiny random configs (fp32, CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from tiny_models import TINY, record_logits, save_tiny
+
+DECODE_STEPS = 16
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def tiny(request, tmp_path_factory):
+    model, folder = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
+    return model, folder
+
+
+def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def test_prefill_and_cached_decode_logits_match(tiny):
+    model, folder = tiny
+    llm = LLM(folder, kv_cache_bytes=1 << 23, block_size=16)
+    steps = record_logits(llm)
+    prompts = _prompts(256, [5, 23, 40, 17], seed=1)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True),
+                        use_tqdm=False)
+    per_request: dict[str, list[torch.Tensor]] = {}
+    for ids, logits in steps:
+        for rid, row in zip(ids, logits, strict=True):
+            per_request.setdefault(rid, []).append(row)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ours = torch.stack(per_request[out.request_id])  # [1 + DECODE_STEPS, V]
+        assert ours.shape[0] == DECODE_STEPS + 1
+        full = torch.tensor([prompt + out.outputs[0].token_ids[:DECODE_STEPS]])
+        with torch.no_grad():
+            ref = model(full).logits[0, len(prompt) - 1:]
+        err = (ours - ref).abs().max().item()
+        assert err <= 1e-4 * ref.abs().max().item(), f"max |Δ| {err}"
+
+
+def test_greedy_ids_match_generate_in_a_mixed_batch(tiny):
+    model, folder = tiny
+    llm = LLM(folder, kv_cache_bytes=1 << 23, block_size=16, max_num_batched_tokens=48)
+    prompts = _prompts(256, [3, 31, 64, 12, 47, 9], seed=2)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)  # both stop at EOS
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()

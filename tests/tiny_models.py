@@ -1,0 +1,68 @@
+"""Tiny random transformers models saved as HF folders: the oracles for the model code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+# Every architecture the core supports, as (config class, model class, config kwargs).
+TINY = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "llama-tied-llama3rope": ("LlamaConfig", "LlamaForCausalLM", {
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    }),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32}),
+}
+
+BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "tie_word_embeddings": False}
+
+
+def build_tiny(name: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random model with weights large enough that greedy argmax margins are clear."""
+    cfg_cls, model_cls, extra = TINY[name]
+    config = getattr(transformers, cfg_cls)(**{**BASE, **extra})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.dim() == 1 and "norm" in pname:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def save_tiny(name: str, folder: Path, seed: int = 0) -> tuple[torch.nn.Module, Path]:
+    model = build_tiny(name, seed)
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def record_logits(llm) -> list[tuple[list[str], torch.Tensor]]:
+    """Patch an LLM so every step's sampled-row logits are kept with the request ids of the rows."""
+    steps: list[tuple[list[str], torch.Tensor]] = []
+    runner, model = llm.engine.runner, llm.engine.model
+    prepare, compute = runner.prepare, model.compute_logits
+    pending: list[list[str]] = []
+
+    def prepare_and_note(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        pending.append([s.request.request_id for s in inputs.samplers])
+        return inputs
+
+    def compute_and_keep(hidden, ctx):
+        logits = compute(hidden, ctx)
+        steps.append((pending.pop(), logits.clone()))
+        return logits
+
+    runner.prepare = prepare_and_note
+    model.compute_logits = compute_and_keep
+    return steps
