@@ -9,6 +9,7 @@ Plugin sections (``plugins.<name>``) are kept as plain dicts here and validated 
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -138,24 +139,24 @@ _CORE_KNOBS: dict[str, tuple[str, Any]] = {
 }
 
 # Every knob the reference documents (reference/deepinfer.md §1.5). Those nobody maps give one warning.
-REFERENCE_KNOBS = frozenset(
-    """ACCELERATOR COMPUTE_SUM_SMALLER_PROBS JIT_CACHE_DIR NCCL_NUM_SMS USERBUFFER_COMM_SMS GLOO_TIMEOUT
-    REARRANGE_P2P_GROUPS OVERRIDE_NUM_EXTRA_EXPERTS EXPERT_COUNT_WINDOW_SIZE
-    EXPERT_REARRANGEMENT_STEP_INTERVAL REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE MOE_LB_STAT_INTERVAL
-    FORCE_IMBALANCE_RATIO FORCE_LOAD_BALANCE SHOW_EPLB_DETAIL PREFILL_MAX_SUM_SEQLEN_K
-    INDEX_ATTN_MEMORY_LIMIT USE_NEXTN_DECODE ENABLE_MTP_VARLEN MAX_BACKTRACKING_TOKENS
-    DFLASH_CONFIDENCE_HEAD_TEMPERATURE ENGRAM_PAD_TOKEN ENGRAM_FORCE_GPU_STORAGE SAMPLER_FORCE_TOPK
-    DECODE_TOKEN_BLACKLIST ENFORCE_EAGER CUDAGRAPH_BATCH_SIZE_INTERVAL DFLASH_ENFORCE_EAGER
-    DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL DECODE_PERF_CACHE_DIR DECODE_PERF_CACHE_TTL_SEC
-    NUM_STATE_SLOTS_RATIO PREFILL_STORE_EXTRA_STATE PREFILL_STORE_EXTRA_SIZE XGRAMMAR_DEBUG
-    XGRAMMAR_TIMEOUT XGRAMMAR_DISABLE_CACHE XGRAMMAR_CACHE_LIMIT_BYTES SO_BUILDER_CPUS
-    PREFILL_ATTEMPT_INTERVAL PREFILL_ANY_ATTEMPT_INTERVAL ZERO_OVERHEAD_SCHEDULING LOGGING_INTERVAL_STEP
-    NCCL_MEMORY_SAMPLE_INTERVAL_STEPS RINGBUFFER_WARNING_INTERVAL GC_INTERVAL_STEP
-    YOCO_PREFILL_TRUNCATION_MODE YOCO_PREFILL_KEEP_TOKENS DISABLE_SYNC_GUARD
-    PROFILE_TORCH_CUDA_MEMORY ENABLE_MEMORY_TRACING PROFILE_HTTP_ENABLE PROFILE_HTTP_PORT_BASE
-    TORCH_PROFILER_DIR USE_MULTIMODAL_POOL MULTIMODAL_POOL_SIZE_GB MULTI_MODAL_BUFFER_SIZE
-    MULTI_MODAL_WORKER_TIMEOUT CPP_LOG_LEVEL HF_MODEL_DIR""".split()
-)
+REFERENCE_KNOBS = frozenset((
+    "ACCELERATOR", "COMPUTE_SUM_SMALLER_PROBS", "JIT_CACHE_DIR", "NCCL_NUM_SMS", "USERBUFFER_COMM_SMS",
+    "GLOO_TIMEOUT", "REARRANGE_P2P_GROUPS", "OVERRIDE_NUM_EXTRA_EXPERTS", "EXPERT_COUNT_WINDOW_SIZE",
+    "EXPERT_REARRANGEMENT_STEP_INTERVAL", "REARRANGE_AFTER_PREFILL_IN_NORMAL_ENGINE", "MOE_LB_STAT_INTERVAL",
+    "FORCE_IMBALANCE_RATIO", "FORCE_LOAD_BALANCE", "SHOW_EPLB_DETAIL", "PREFILL_MAX_SUM_SEQLEN_K",
+    "INDEX_ATTN_MEMORY_LIMIT", "USE_NEXTN_DECODE", "ENABLE_MTP_VARLEN", "MAX_BACKTRACKING_TOKENS",
+    "DFLASH_CONFIDENCE_HEAD_TEMPERATURE", "ENGRAM_PAD_TOKEN", "ENGRAM_FORCE_GPU_STORAGE", "SAMPLER_FORCE_TOPK",
+    "DECODE_TOKEN_BLACKLIST", "ENFORCE_EAGER", "CUDAGRAPH_BATCH_SIZE_INTERVAL", "DFLASH_ENFORCE_EAGER",
+    "DFLASH_CUDAGRAPH_BATCH_SIZE_INTERVAL", "DECODE_PERF_CACHE_DIR", "DECODE_PERF_CACHE_TTL_SEC",
+    "NUM_STATE_SLOTS_RATIO", "PREFILL_STORE_EXTRA_STATE", "PREFILL_STORE_EXTRA_SIZE", "XGRAMMAR_DEBUG",
+    "XGRAMMAR_TIMEOUT", "XGRAMMAR_DISABLE_CACHE", "XGRAMMAR_CACHE_LIMIT_BYTES", "SO_BUILDER_CPUS",
+    "PREFILL_ATTEMPT_INTERVAL", "PREFILL_ANY_ATTEMPT_INTERVAL", "ZERO_OVERHEAD_SCHEDULING",
+    "LOGGING_INTERVAL_STEP", "NCCL_MEMORY_SAMPLE_INTERVAL_STEPS", "RINGBUFFER_WARNING_INTERVAL",
+    "GC_INTERVAL_STEP", "YOCO_PREFILL_TRUNCATION_MODE", "YOCO_PREFILL_KEEP_TOKENS", "DISABLE_SYNC_GUARD",
+    "PROFILE_TORCH_CUDA_MEMORY", "ENABLE_MEMORY_TRACING", "PROFILE_HTTP_ENABLE", "PROFILE_HTTP_PORT_BASE",
+    "TORCH_PROFILER_DIR", "USE_MULTIMODAL_POOL", "MULTIMODAL_POOL_SIZE_GB", "MULTI_MODAL_BUFFER_SIZE",
+    "MULTI_MODAL_WORKER_TIMEOUT", "CPP_LOG_LEVEL", "HF_MODEL_DIR",
+))
 
 _warned_knobs: set[str] = set()
 
@@ -204,7 +205,12 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not file.is_file():
         raise ConfigError(f"config file {str(file)!r} does not exist")
     text = file.read_text()
-    data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    is_json = file.suffix == ".json"
+    try:
+        data = json.loads(text) if is_json else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        kind = "JSON" if is_json else "YAML"
+        raise ConfigError(f"config file {str(file)!r} is not valid {kind}: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -302,17 +308,31 @@ def build_config(
     try:
         validated = EngineConfig.model_validate(merged)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc)) from None
+        raise ConfigError(format_validation_error(exc, model=EngineConfig)) from None
     return ResolvedConfig(validated, sources)
 
 
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per problem: ``path: message`` (pydantic's message carries the allowed values)."""
+def _fields_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> list[str]:
+    """The field names of the (sub)model of ``model`` found at ``loc`` (empty if not a model)."""
+    for part in loc:
+        field = model.model_fields.get(str(part)) if model is not None else None
+        annotation = field.annotation if field is not None else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return list(model.model_fields) if model is not None else []
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """One line per problem: ``path: message`` (pydantic's message carries the allowed values; for an
+    unknown key, the allowed keys come from ``model``, the validated model, when given)."""
     lines = []
     for err in exc.errors():
         path = prefix + ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown config key")
+            allowed = _fields_at(model, tuple(err["loc"][:-1]))
+            close = difflib.get_close_matches(str(err["loc"][-1]), allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            hint += f"; allowed: {', '.join(allowed)}" if allowed else ""
+            lines.append(f"{path}: unknown config key{hint}")
         else:
             lines.append(f"{path}: {err['msg']} (got {err.get('input')!r})")
     return "invalid config: " + "; ".join(lines)

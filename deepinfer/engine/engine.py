@@ -97,6 +97,8 @@ class LLMEngine:
             world_size=1,
         )
         self.host.notify("deepinfer_validate_config", config=cfg, info=self.info)
+        if self.device.type == "cuda" and cfg.kernels.cuda_graphs:
+            logger.warning("kernels.cuda_graphs: CUDA graph capture is not implemented yet; running eagerly")
         backends = self._select_backends()
 
         if cfg.model.load_format == "dummy":
