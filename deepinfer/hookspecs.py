@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from deepinfer.engine.outputs import RequestOutput
     from deepinfer.interfaces import (
         AttentionBackend,
-        Drafter,
         EngineInfo,
         GemmBackend,
         KVStoreFactory,

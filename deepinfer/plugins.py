@@ -44,7 +44,7 @@ class InstalledPlugin:
         if self.loaded is None and self.error is None and self.entry_point is not None:
             try:
                 self.loaded = self.entry_point.load()
-            except Exception as exc:  # noqa: BLE001 - any import failure is reported by name
+            except Exception as exc:
                 self.error = f"{type(exc).__name__}: {exc}"
         return self.loaded
 
@@ -104,6 +104,7 @@ class PluginHost:
         self.pm.add_hookspecs(hookspecs)
         self.pm.register(BuiltinPlugin(), name=BUILTIN)
         self.enabled: dict[str, Any] = {}
+        self.disabled: dict[str, Any] = {}  # built (config validated) but not registered
         unknown = sorted(set(self.plugin_configs) - set(self.installed))
         if unknown:
             names = ", ".join(sorted(self.installed)) or "none"
@@ -121,6 +122,8 @@ class PluginHost:
             if enabled:
                 self.pm.register(instance, name=name)
                 self.enabled[name] = instance
+            else:
+                self.disabled[name] = instance
         for name, obj in self.extra:
             self.pm.register(obj, name=name)
             self.enabled[name] = obj
@@ -140,7 +143,7 @@ class PluginHost:
         try:
             config = model.model_validate(section)
         except ValidationError as exc:
-            raise ConfigError(f"plugin {name!r}: " + format_validation_error(exc, f"plugins.{name}.")) from None
+            raise ConfigError(f"plugin {name!r}: " + format_validation_error(exc, f"plugins.{name}.", model)) from None
         try:
             return obj(config)
         except ConfigError:
@@ -165,6 +168,24 @@ class PluginHost:
             if value is not None:
                 offers.append(_Offer(impl.plugin_name, value))
         return offers
+
+    def _disabled_offering(self, hook_name: str, offers: Callable[[Any], bool]) -> str:
+        """A hint naming the installed but disabled plugins whose ``hook_name`` answer satisfies
+        ``offers`` (API.md §2: an unknown name lists the plugin that would provide it)."""
+        names = []
+        for name, instance in sorted(self.disabled.items()):
+            func = getattr(instance, hook_name, None)
+            if not callable(func):
+                continue
+            try:
+                if offers(func()):
+                    names.append(name)
+            except Exception:  # a hint only; the plugin is not active
+                continue
+        if not names:
+            return ""
+        return "; provided by installed but disabled plugin " + ", ".join(
+            f"{n!r} (set plugins.{n}.enabled=true)" for n in names)
 
     def named_offers(self, hook_name: str) -> dict[str, _Offer]:
         """All strategies a provider hook offers, by name; a name offered twice is an error."""
@@ -193,7 +214,8 @@ class PluginHost:
             return table[builtin[0]].value
         if chosen not in table:
             offered = ", ".join(f"{k} (plugin {o.plugin})" for k, o in sorted(table.items())) or "none"
-            raise ConfigError(f"{config_path}: unknown name {chosen!r}; offered: {offered}")
+            hint = self._disabled_offering(hook_name, lambda value: chosen in (value or {}))
+            raise ConfigError(f"{config_path}: unknown name {chosen!r}; offered: {offered}{hint}")
         return table[chosen].value
 
     def select_backends(self, hook_name: str, chosen: str, config_path: str,
@@ -209,7 +231,9 @@ class PluginHost:
         if chosen != "auto":
             by_name = {b.name: b for b in backends}
             if chosen not in by_name:
-                raise ConfigError(f"{config_path}: unknown backend {chosen!r}; offered: {sorted(by_name)}")
+                hint = self._disabled_offering(
+                    hook_name, lambda value: any(getattr(b, "name", None) == chosen for b in value or ()))
+                raise ConfigError(f"{config_path}: unknown backend {chosen!r}; offered: {sorted(by_name)}{hint}")
             backend = by_name[chosen]
             if not backend.available():
                 raise ConfigError(f"{config_path}: backend {chosen!r} is not available on this machine")

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError, ModelNotFoundError
-from tiny_models import save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import random
 
 import pytest
 import torch
+from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
-from tiny_models import save_tiny
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import TINY, record_logits, save_tiny
 
 from deepinfer import LLM, SamplingParams
-from tiny_models import TINY, record_logits, save_tiny
 
 DECODE_STEPS = 16
 

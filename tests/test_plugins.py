@@ -161,6 +161,17 @@ def test_disabled_plugin_offers_nothing(sjf: str, make_llm: Any, prompts: list[l
     assert sjf not in llm.get_stats()  # its observers are not registered either
 
 
+def test_unknown_name_hint_names_every_disabled_provider(sjf: str, clash: str) -> None:
+    host = PluginHost({}, discover_plugins())
+    with pytest.raises(ConfigError) as err:
+        host.select("deepinfer_schedule_policies", "longest_first", "scheduler.policy")
+    msg = str(err.value)
+    assert f"plugins.{sjf}.enabled=true" in msg and f"plugins.{clash}.enabled=true" in msg
+    with pytest.raises(ConfigError) as err:
+        host.select("deepinfer_schedule_policies", "round_robin_ish", "scheduler.policy")
+    assert "fcfs" in str(err.value) and "disabled" not in str(err.value)
+
+
 # ------------------------------------------------------------------------------------- config errors
 
 
@@ -252,9 +263,6 @@ def test_observer_hooks_and_stats(sjf: str, make_llm: Any, prompts: list[list[in
     assert plugin.stopped
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug: EngineCore._step_stats runs after process() appended the sampled tokens, so "
-    "ScheduledRequest.samples is False for every row and decode rows are counted as prefill"))
 def test_step_stats_split_prefill_and_decode(sjf: str, make_llm: Any, prompts: list[list[int]]) -> None:
     llm = make_llm(max_num_seqs=2, plugins={sjf: {"enabled": True}})
     llm.generate(prompts, PARAMS, use_tqdm=False)

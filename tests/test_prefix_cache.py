@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.kv.blocks import BlockPool, KVCacheManager
-from tiny_models import save_tiny
 
 
 @pytest.fixture(scope="module")

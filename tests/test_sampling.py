@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
+from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.sampling.rng import Purpose, splitmix64, splitmix64_int, uniform
 from deepinfer.sampling.sampler import SamplingBatch, sample
-from tiny_models import save_tiny
 
 
 def test_splitmix_matches_its_python_twin():
@@ -28,7 +28,7 @@ def test_uniform_is_a_pure_function_of_seed_position_purpose():
     assert u[0] == u[1] and u[0] != u[2] and u[0] != u[3]
     assert uniform(seeds, pos, Purpose.ACCEPT)[0] != u[0]
     many = uniform(torch.full((100000,), 7), torch.arange(100000), Purpose.SAMPLE)
-    assert 0 <= many.min() and many.max() < 1
+    assert many.min() >= 0 and many.max() < 1
     assert abs(many.mean().item() - 0.5) < 0.005
 
 
@@ -101,10 +101,11 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(tiny_llm):
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, max_tokens=20, seed=2024, ignore_eos=True)
     alone = tiny_llm.generate([target], params, use_tqdm=False)[0].outputs[0].token_ids
     gen = torch.Generator().manual_seed(5)
-    others = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(2, 60, (8,), generator=gen)]
+    lengths = torch.randint(2, 60, (8,), generator=gen)
+    others = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in lengths]
     other_params = [SamplingParams(temperature=1.0, max_tokens=int(m), ignore_eos=True) for m in range(5, 40, 4)][:8]
-    batch = others[:4] + [target] + others[4:]
-    outs = tiny_llm.generate(batch, other_params[:4] + [params] + other_params[4:], use_tqdm=False)
+    batch = [*others[:4], target, *others[4:]]
+    outs = tiny_llm.generate(batch, [*other_params[:4], params, *other_params[4:]], use_tqdm=False)
     assert outs[4].outputs[0].token_ids == alone
     # a different seed gives a different continuation (20 tokens over a 256-token vocabulary)
     other_seed = SamplingParams(**{**params.__dict__, "seed": 7, "seq_seed": None})

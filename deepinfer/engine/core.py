@@ -64,6 +64,7 @@ class EngineCore:
         if results is None:
             return outputs
         batch = scheduled.batch
+        num_decodes = sum(1 for s in batch.scheduled if s.num_new_tokens == 1 and s.samples)  # before appending
         with scheduled.timer.phase("sample"):
             tokens = results.sampled.tokens.tolist() if results.sampled is not None else []  # the step's one read
         with scheduled.timer.phase("process"):
@@ -97,7 +98,7 @@ class EngineCore:
         for name, secs in scheduled.timer.seconds.items():
             self.stats.phase_seconds[name] += secs
         if self.on_step_end is not None:
-            self.on_step_end(self._step_stats(batch, scheduled.timer))
+            self.on_step_end(self._step_stats(batch, scheduled.timer, num_decodes))
         return outputs
 
     # ---------------------------------------------------------------------------------------- helpers
@@ -156,8 +157,7 @@ class EngineCore:
         self.pending.append(self.output_of(req))
         return True
 
-    def _step_stats(self, batch: SchedulerOutput, timer: StepTimer) -> StepStats:
-        decode = sum(1 for s in batch.scheduled if s.num_new_tokens == 1 and s.samples)
+    def _step_stats(self, batch: SchedulerOutput, timer: StepTimer, decode: int) -> StepStats:
         return StepStats(
             step=self.stats.steps,
             num_requests=len(batch.scheduled),

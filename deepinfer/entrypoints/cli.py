@@ -145,12 +145,20 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"config": data, "sources": resolved.sources}, indent=2))
         return 0
-    for section, fields in data.items():
-        print(f"{section}:")
-        for name, value in (fields or {}).items():
-            source = resolved.sources.get(f"{section}.{name}")
-            print(f"  {name}: {json.dumps(value)}" + (f"    # from {source}" if source else ""))
+    _print_tree(data, resolved.sources)
     return 0
+
+
+def _print_tree(data: dict[str, Any], sources: dict[str, str], prefix: str = "", indent: str = "") -> None:
+    """Print nested config as YAML-like lines, each leaf with its source when not a default."""
+    for name, value in data.items():
+        path = f"{prefix}{name}"
+        if isinstance(value, dict) and value:
+            print(f"{indent}{name}:")
+            _print_tree(value, sources, path + ".", indent + "  ")
+        else:
+            source = sources.get(path)
+            print(f"{indent}{name}: {json.dumps(value)}" + (f"    # from {source}" if source else ""))
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plugins": cmd_plugins}
