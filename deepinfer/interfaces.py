@@ -375,6 +375,11 @@ class MoEBackend(Backend, Protocol):
 
 
 class GemmBackend(Backend, Protocol):
-    """Implements op ``linear``: ``x [T, in] @ weight[out, in]ᵀ``."""
+    """Implements op ``linear``: ``x [T, in] @ weight[out, in]ᵀ (+ bias)``.
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    ``prepare_weight`` is called once per GEMM weight after loading; it returns a tensor with the
+    same shape and values, laid out (or packed) the way this backend's ``linear`` reads fastest.
+    """
+
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor: ...
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...

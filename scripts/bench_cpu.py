@@ -59,7 +59,7 @@ def run_transformers(model, work: list[tuple[list[int], int]], batch: int) -> tu
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--requests", type=int, default=0, help="requests per batch size (default 4×B, ≥ 8)")
+    ap.add_argument("--requests", type=int, default=0, help="requests per batch size (default max(8, B))")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--output")
@@ -73,7 +73,7 @@ def main() -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     results = []
     for batch in args.batch:
-        n = args.requests or max(8, 4 * batch)
+        n = args.requests or max(8, batch)
         work = workload(n, seed=batch)
         llm = llm_by_batch.setdefault(batch, LLM(folder, max_num_seqs=batch, max_model_len=1024,
                                                  kv_cache_bytes=3 << 30))

@@ -105,6 +105,10 @@ class LLMEngine:
             init_dummy(self.model, cfg.sampling.seed)
         else:
             load_checkpoint(self.model, self.model_path, self.dtype)
+        gemm = backends["linear"]
+        with torch.no_grad():
+            for weight in self.model.gemm_weights():
+                weight.data = gemm.prepare_weight(weight.data)
 
         num_blocks = self._num_kv_blocks(specs)
         self.pool = KVPool(specs, num_blocks, cfg.cache.block_size, self.dtype, self.device)

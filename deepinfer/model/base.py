@@ -18,7 +18,8 @@ class CausalLM(Protocol):
     ``[T, hidden]``; ``compute_logits`` maps selected hidden rows to float32 logits ``[N, vocab]``.
     ``bind_cache`` hands each layer its cache tensors (one tuple per spec of ``cache_specs()``).
     ``load_weights`` takes ``(name, tensor)`` pairs as HF saves them and returns the names of the
-    parameters it filled.
+    parameters it filled. ``gemm_weights`` lists the parameters used as ``linear`` weights, so the
+    GEMM backend can lay them out once after loading (``GemmBackend.prepare_weight``).
     """
 
     vocab_size: int
@@ -28,6 +29,7 @@ class CausalLM(Protocol):
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
     def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor: ...
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+    def gemm_weights(self) -> list[torch.nn.Parameter]: ...
     def named_parameters(self) -> Any: ...
 
 

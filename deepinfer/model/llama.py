@@ -149,6 +149,12 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return ctx.backends["linear"].linear(hidden, weight).float()
 
+    def gemm_weights(self) -> list[nn.Parameter]:
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        per_layer = [w for layer in self.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
+                                                          layer.mlp.gate_up_weight, layer.mlp.down_weight)]
+        return [*per_layer, head]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         d = self.d
