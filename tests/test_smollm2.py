@@ -56,3 +56,21 @@ def test_greedy_ids_equal_transformers_one_at_a_time(smol, reference_ids):
 def test_greedy_ids_equal_transformers_batched(smol, reference_ids):
     outs = smol.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference_ids
+
+
+def test_stop_string_is_cut_from_the_text_but_its_tokens_are_kept(smol):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smol.chat(question, SamplingParams(temperature=0, max_tokens=32, stop=["Paris"]), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert completion.text == "The capital of France is "
+    assert completion.finish_reason == "stop"
+    assert smol.tokenizer.decode(completion.token_ids).endswith("Paris")
+
+
+def test_stop_token_ids_and_max_tokens(smol):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = smol.chat(question, SamplingParams(temperature=0, max_tokens=32, stop_token_ids=[4649]),
+                    use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [504, 3575, 282, 4649] and out.finish_reason == "stop"
+    out = smol.chat(question, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [504, 3575, 282] and out.finish_reason == "length"

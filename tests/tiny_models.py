@@ -24,10 +24,11 @@ BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hid
         "tie_word_embeddings": False}
 
 
-def build_tiny(name: str, seed: int = 0) -> torch.nn.Module:
-    """A tiny random model with weights large enough that greedy argmax margins are clear."""
+def build_tiny(name: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """A tiny random model with weights large enough that greedy argmax margins are clear;
+    ``overrides`` change config fields (e.g. ``vocab_size``)."""
     cfg_cls, model_cls, extra = TINY[name]
-    config = getattr(transformers, cfg_cls)(**{**BASE, **extra})
+    config = getattr(transformers, cfg_cls)(**{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -40,8 +41,8 @@ def build_tiny(name: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def save_tiny(name: str, folder: Path, seed: int = 0) -> tuple[torch.nn.Module, Path]:
-    model = build_tiny(name, seed)
+def save_tiny(name: str, folder: Path, seed: int = 0, **overrides: object) -> tuple[torch.nn.Module, Path]:
+    model = build_tiny(name, seed, **overrides)
     model.save_pretrained(folder)
     return model, folder
 

@@ -137,6 +137,10 @@ class LLMEngine:
             on_step_end=self._on_step_end if self.host.has_observers("deepinfer_step_end") else None,
             on_request_end=self._on_request_end if self.host.has_observers("deepinfer_request_end") else None,
         )
+        # Strategies used by later stages (sliding-window restore, data parallelism) are resolved now so
+        # a misspelt name fails at start-up rather than when it is first needed.
+        self.host.select("deepinfer_replay_planners", cfg.cache.replay, "cache.replay")
+        self.host.select("deepinfer_request_routers", cfg.parallel.router, "parallel.router")
         factory = self.host.select("deepinfer_step_executors", cfg.scheduler.executor, "scheduler.executor")
         self.executor = factory(self.core)
         self._counter = 0
