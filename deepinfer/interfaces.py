@@ -112,14 +112,22 @@ class SchedulePolicy(Protocol):
 
 
 class StepContext(Protocol):
-    """The core's step primitives that an executor composes into ``step()`` (API.md §3).
+    """The core's step primitives that an executor composes into ``step()`` (API.md §3;
+    ``deepinfer/engine/core.py``).
 
-    The synchronous executor calls them in order: ``schedule`` → ``execute`` (build inputs,
-    forward, sample) → ``process``; an overlapped executor interleaves the same primitives across
-    steps. ``has_work`` tells the engine loop whether anything is queued or in flight.
+    ``schedule()`` picks a batch on optimistic state (tokens of steps whose results are unread stand
+    as pending). ``prepare(scheduled, previous)`` builds the step's tensors on the host and the remap
+    of its pending input tokens onto ``previous``'s sampled rows. ``run(prepared, previous_results)``
+    is the device part (fill pending inputs, forward, sample) and never reads the device.
+    ``process(scheduled, results)`` is where the host reads a step's tokens (one sync), commits them,
+    applies stops and returns outputs; ``process(None, None)`` only flushes outputs of aborts.
+    ``execute(scheduled)`` is prepare + run when nothing is in flight. ``has_work()`` tells whether
+    anything is queued or running.
     """
 
     def schedule(self) -> Any: ...
+    def prepare(self, scheduled: Any, previous: Any = None) -> Any: ...
+    def run(self, prepared: Any, previous_results: Any = None) -> Any: ...
     def execute(self, scheduled: Any) -> Any: ...
     def process(self, scheduled: Any, results: Any) -> list[RequestOutput]: ...
     def has_work(self) -> bool: ...

@@ -1,30 +1,60 @@
-"""The core's step primitives (the ``StepContext`` executors compose): schedule, execute, process.
+"""The core's step primitives (the ``StepContext`` executors compose).
 
-``process`` is where the host reads a step's results: it advances each request, appends sampled
-tokens, applies the stop rules, frees finished requests' blocks and builds their outputs.
+- ``schedule``: pick the batch and advance every scheduled request *optimistically*: its computed
+  count moves past this step's tokens, and a request that samples gets a ``PENDING`` token.
+- ``prepare``: build the step's tensors on the host; rows whose input is a token of the previous,
+  still unread step are matched to that step's sampler rows (the remap).
+- ``run``: the device part — fill those rows from the previous step's sampled tokens, forward,
+  sample. Nothing here reads the device.
+- ``process``: the host reads the step's tokens once, resolves the ``PENDING`` tokens, applies the
+  stop rules and builds outputs. Results of requests preempted or finished since they were
+  scheduled are dropped; blocks of requests finished while a step is in flight are released when
+  that step has been processed.
+
+The synchronous executor runs schedule → prepare → run → process for one step at a time; an
+overlapped executor processes step N while step N+1 runs.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from deepinfer.engine.outputs import FinishReason, RequestOutput
-from deepinfer.engine.request import Request
+from deepinfer.engine.request import PENDING, Request
 from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
 from deepinfer.engine.stats import EngineStats, StepTimer
 from deepinfer.interfaces import StepStats
-from deepinfer.model.runner import ModelRunner, StepResults, prompt_logprobs_of
+from deepinfer.model.runner import ModelRunner, StepInputs, StepResults, prompt_logprobs_of
 from deepinfer.tokenizer import Tokenizer
 
 
 @dataclass
 class Scheduled:
-    """A scheduled step and the timer that follows it through its phases."""
+    """A scheduled step, the timer that follows it through its phases, and (once prepared) the
+    row of each sampling request in the step's sampled tokens."""
 
     batch: SchedulerOutput
     timer: StepTimer
+    sampler_rows: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.batch.is_empty
+
+
+@dataclass
+class Prepared:
+    """Host-built inputs of a step plus the remap onto the previous step's sampled tokens:
+    ``fill_rows`` of ``input_ids`` take ``previous.tokens[fill_from]``."""
+
+    inputs: StepInputs
+    fill_rows: torch.Tensor | None = None
+    fill_from: torch.Tensor | None = None
 
 
 class EngineCore:
@@ -41,60 +71,111 @@ class EngineCore:
         self.on_request_end = on_request_end
         self.stream = False
         self.pending: list[RequestOutput] = []  # outputs of requests finished outside a step (aborts)
+        self.inflight: Counter[str] = Counter()  # request id -> scheduled steps not processed yet
+        self.awaiting_release: dict[str, Request] = {}  # finished while in flight
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self.pending)
+
+    # ------------------------------------------------------------------------------------ phases
 
     def schedule(self) -> Scheduled:
         timer = StepTimer()
         with timer.phase("schedule"):
             batch = self.scheduler.schedule()
-        return Scheduled(batch, timer)
-
-    def execute(self, scheduled: Scheduled) -> StepResults | None:
-        if scheduled.batch.is_empty:
-            return None
-        with scheduled.timer.phase("prepare"):
-            inputs = self.runner.prepare(scheduled.batch, self.scheduler.kv.table)
-        with scheduled.timer.phase("forward"):
-            return self.runner.execute(inputs)
-
-    def process(self, scheduled: Scheduled, results: StepResults | None) -> list[RequestOutput]:
-        outputs, self.pending = self.pending, []
-        if results is None:
-            return outputs
-        batch = scheduled.batch
-        num_decodes = sum(1 for s in batch.scheduled if s.num_new_tokens == 1 and s.samples)  # before appending
-        with scheduled.timer.phase("sample"):
-            tokens = results.sampled.tokens.tolist() if results.sampled is not None else []  # the step's one read
-        with scheduled.timer.phase("process"):
-            if results.prompt_spans:
-                for s, first, rows in prompt_logprobs_of(results):
-                    plp = s.request.prompt_logprobs
-                    assert plp is not None
-                    plp[first:first + len(rows)] = rows
             for s in batch.scheduled:
                 req = s.request
                 req.num_computed_tokens = s.start + s.num_new_tokens
-                self.scheduler.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+                self.inflight[req.request_id] += 1
+                if s.samples:
+                    s.token_slot = req.num_tokens
+                    req.all_token_ids.append(PENDING)
+                    req.num_pending += 1
+        return Scheduled(batch, timer)
+
+    def prepare(self, scheduled: Scheduled, previous: Scheduled | None = None) -> Prepared:
+        """Tensors for ``scheduled``; ``previous`` is the step whose sampled tokens are still unread."""
+        with scheduled.timer.phase("prepare"):
+            inputs = self.runner.prepare(scheduled.batch, self.scheduler.kv.table)
+            scheduled.sampler_rows = {s.request.request_id: i for i, s in enumerate(inputs.samplers)}
+            if not inputs.pending_rows:
+                return Prepared(inputs)
+            assert previous is not None, "a pending input token needs the step that sampled it"
+            source = [previous.sampler_rows[rid] for rid in inputs.pending_requests]
+            device = inputs.input_ids.device
+            return Prepared(inputs, torch.tensor(inputs.pending_rows, device=device),
+                            torch.tensor(source, device=device))
+
+    def run(self, prepared: Prepared, previous_results: StepResults | None = None) -> StepResults:
+        """Device work of a step: fill pending inputs from ``previous_results``, forward, sample."""
+        fill = None
+        if prepared.fill_rows is not None:
+            assert previous_results is not None and previous_results.sampled is not None
+            fill = (prepared.fill_rows, previous_results.sampled.tokens.index_select(0, prepared.fill_from))
+        return self.runner.execute(prepared.inputs, fill)
+
+    def execute(self, scheduled: Scheduled) -> StepResults | None:
+        """prepare + run for the synchronous path (nothing is in flight)."""
+        if scheduled.is_empty:
+            return None
+        prepared = self.prepare(scheduled)
+        with scheduled.timer.phase("forward"):
+            return self.run(prepared)
+
+    def process(self, scheduled: Scheduled | None, results: StepResults | None) -> list[RequestOutput]:
+        """Read a step's results, commit tokens, stop finished requests, return outputs (plus those
+        of requests aborted since the last call)."""
+        outputs, self.pending = self.pending, []
+        if scheduled is None or results is None:
+            return outputs
+        batch = scheduled.batch
+        num_decodes = sum(1 for s in batch.scheduled if s.num_new_tokens == 1 and s.samples)
+        with scheduled.timer.phase("sample"):
+            tokens = results.sampled.tokens.tolist() if results.sampled is not None else []  # the step's one read
+        with scheduled.timer.phase("process"):
+            live = [s for s in batch.scheduled if s.request.epoch == s.epoch]
+            if results.prompt_spans:
+                for s, first, rows in prompt_logprobs_of(results):
+                    if s.request.epoch == s.epoch and s.request.prompt_logprobs is not None:
+                        s.request.prompt_logprobs[first:first + len(rows)] = rows
             logprob_rows = self._logprob_rows(results)
-            now = time.time()
+            sampled = []
             for i, (s, token) in enumerate(zip(results.samplers, tokens, strict=True)):
                 req = s.request
-                req.all_token_ids.append(token)
-                if req.metrics.first_token_time is None:
-                    req.metrics.first_token_time = now
+                if req.epoch != s.epoch:
+                    continue  # preempted or finished since this step was scheduled
+                req.all_token_ids[s.token_slot] = token
+                req.num_pending -= 1
                 if req.logprobs is not None:
                     req.logprobs.append(logprob_rows[i])
-                reason = self._stop_reason(req, token)
+                sampled.append((s, token))
+            for s in live:
+                req = s.request
+                resolved = req.num_tokens - req.num_pending
+                self.scheduler.kv.cache_full_blocks(req.request_id, req.all_token_ids,
+                                                    min(req.num_computed_tokens, resolved))
+            for s in batch.scheduled:
+                self.inflight[s.request.request_id] -= 1
+                if self.inflight[s.request.request_id] == 0:
+                    del self.inflight[s.request.request_id]
+                    late = self.awaiting_release.pop(s.request.request_id, None)
+                    if late is not None:
+                        self.scheduler.release_blocks(late)
+            now = time.time()
+            for s, token in sampled:
+                req = s.request
+                if req.metrics.first_token_time is None:
+                    req.metrics.first_token_time = now
+                reason = self._stop_reason(req, token, s.token_slot + 1)
                 if reason is not None:
-                    req.finish(reason)
-                    self.scheduler.finish(req)
+                    del req.all_token_ids[s.token_slot + 1:]  # tokens sampled after the stop never count
+                    req.num_pending = 0
+                    self._finish(req, reason)
                     outputs.append(self.output_of(req))
                 elif self.stream:
                     outputs.append(self.output_of(req))
             self.stats.steps += 1
-            self.stats.generated_tokens += len(tokens)
+            self.stats.generated_tokens += len(sampled)
         for name, secs in scheduled.timer.seconds.items():
             self.stats.phase_seconds[name] += secs
         if self.on_step_end is not None:
@@ -102,6 +183,14 @@ class EngineCore:
         return outputs
 
     # ---------------------------------------------------------------------------------------- helpers
+
+    def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
+        """Finish a request; its blocks are released now unless a step in flight still uses them."""
+        req.finish(reason, error)
+        in_flight = self.inflight[req.request_id] > 0
+        self.scheduler.finish(req, release=not in_flight)
+        if in_flight:
+            self.awaiting_release[req.request_id] = req
 
     @staticmethod
     def _logprob_rows(results: StepResults) -> list[dict[int, float]]:
@@ -118,18 +207,19 @@ class EngineCore:
             rows.append(row)
         return rows
 
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+    def _stop_reason(self, req: Request, token: int, length: int) -> FinishReason | None:
+        """Why the request stops after its token at index ``length − 1`` (None: it goes on)."""
         if token in req.eos_token_ids or token in req.stop_token_ids:
             return "stop"
-        if req.params.stop and self.tokenizer is not None and self._hit_stop_string(req):
+        if req.params.stop and self.tokenizer is not None and self._hit_stop_string(req, length):
             return "stop"
-        if req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= req.max_total_tokens:
+        if length - req.num_prompt_tokens >= req.params.max_tokens or length >= req.max_total_tokens:
             return "length"
         return None
 
-    def _hit_stop_string(self, req: Request) -> bool:
+    def _hit_stop_string(self, req: Request, length: int) -> bool:
         assert self.tokenizer is not None
-        text = self.tokenizer.decode(req.output_token_ids)
+        text = self.tokenizer.decode(req.all_token_ids[req.num_prompt_tokens:length])
         cut = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
         if cut:
             req.stop_text_len = min(cut)
@@ -152,8 +242,7 @@ class EngineCore:
         req = self.scheduler.find(request_id)
         if req is None:
             return False
-        req.finish("abort")
-        self.scheduler.finish(req)
+        self._finish(req, "abort")
         self.pending.append(self.output_of(req))
         return True
 

@@ -15,12 +15,18 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+PENDING = -1  # a sampled token whose value is still on the device (overlapped execution)
+
+
 class Request:
     """Tokens, progress and lifecycle of one request.
 
-    ``num_computed_tokens`` counts the leading tokens whose KV is in the cache. The tokens still to
-    compute are ``all_token_ids[num_computed_tokens:]``; when they are all computed, the step's logits
-    give the next token.
+    ``num_computed_tokens`` counts the leading tokens whose KV is in the cache (or is being computed
+    by a step in flight). The tokens still to compute are ``all_token_ids[num_computed_tokens:]``;
+    when they are all computed, the step's logits give the next token. A token sampled by a step
+    whose results the host has not read yet stands in ``all_token_ids`` as ``PENDING``
+    (``num_pending`` of them, always at the end). ``epoch`` changes whenever the request is
+    preempted or finished, so results of steps scheduled before that are recognised and dropped.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
@@ -46,6 +52,8 @@ class Request:
         self.prompt_logprobs: list[TokenLogprobs | None] | None = (
             [None] if params.prompt_logprobs is not None else None)
         self.num_preemptions = 0
+        self.num_pending = 0
+        self.epoch = 0
 
     # SchedulableRequest view ------------------------------------------------------------------------
     @property
@@ -66,13 +74,22 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[len(self.prompt_token_ids):]
+        """Generated tokens whose values are known (pending ones excluded)."""
+        return self.all_token_ids[len(self.prompt_token_ids):len(self.all_token_ids) - self.num_pending]
+
+    def drop_pending(self) -> None:
+        """Forget tokens still on the device (their step's results will be discarded)."""
+        if self.num_pending:
+            del self.all_token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        self.drop_pending()
+        self.epoch += 1
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.error = error

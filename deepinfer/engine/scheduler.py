@@ -10,7 +10,6 @@ waiting, to be recomputed from its tokens (its cached full blocks usually make t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from deepinfer.engine.request import Request, RequestStatus
@@ -20,16 +19,22 @@ from deepinfer.kv.blocks import KVCacheManager
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute ``num_new_tokens`` tokens from ``start``."""
+    """One request's share of a step: compute ``num_new_tokens`` tokens from ``start``.
+
+    ``samples``: the chunk reaches the end of the request's tokens, so its logits give a new token,
+    which goes to ``all_token_ids[token_slot]``. ``epoch`` is the request's epoch when scheduled.
+    """
 
     request: Request
     start: int
     num_new_tokens: int
+    samples: bool = False
+    epoch: int = 0
+    token_slot: int = -1
 
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens, so its logits give a new token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+    @classmethod
+    def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
+        return cls(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens, request.epoch)
 
 
 @dataclass
@@ -52,8 +57,7 @@ class Scheduler:
     """Owns the waiting and running queues and the KV block tables."""
 
     def __init__(self, kv: KVCacheManager, policy: SchedulePolicy, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, chunked_prefill: bool,
-                 on_finish: Callable[[Request], None] | None = None) -> None:
+                 max_num_batched_tokens: int, chunked_prefill: bool) -> None:
         self.kv = kv
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -62,7 +66,6 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self.on_finish = on_finish
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -76,7 +79,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
-        queue = list(self.running)
+        queue = [r for r in self.running if not self._at_limit(r)]
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = self._chunk(req, budget)
@@ -92,7 +95,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, req.num_computed_tokens, num_new))
+                out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, num_new))
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
         if not out.preempted:
@@ -100,6 +103,11 @@ class Scheduler:
         # Decode rows first: the runner batches them together.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
+
+    @staticmethod
+    def _at_limit(req: Request) -> bool:
+        """A request whose in-flight token is its last (under overlap) waits for that result."""
+        return req.num_output_tokens >= req.params.max_tokens or req.num_tokens >= req.max_total_tokens
 
     def _chunk(self, req: Request, budget: int) -> int:
         remaining = req.num_tokens - req.num_computed_tokens
@@ -125,13 +133,18 @@ class Scheduler:
             req.num_computed_tokens = computed
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, computed, num_new))
+            out.scheduled.append(ScheduledRequest.of(req, computed, num_new))
             budget -= num_new
         return budget
 
     def _preempt(self, req: Request) -> None:
+        """Free the request's blocks now and queue it for recompute. A step still in flight may write
+        into those blocks, but steps run in order on the device, so whoever gets them next writes
+        after it; the in-flight token is dropped (recomputing gives the same one)."""
         self.running.remove(req)
         self.kv.free(req.request_id)
+        req.drop_pending()
+        req.epoch += 1
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -140,15 +153,18 @@ class Scheduler:
 
     # ------------------------------------------------------------------------------------- finish
 
-    def finish(self, req: Request) -> None:
-        """Take a finished request out of the queues and release its blocks."""
+    def finish(self, req: Request, *, release: bool = True) -> None:
+        """Take a finished request out of the queues; release its blocks now, or later with
+        ``release_blocks`` when a step in flight may still touch them."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if release:
+            self.release_blocks(req)
+
+    def release_blocks(self, req: Request) -> None:
         self.kv.forget(req.request_id)
-        if self.on_finish is not None:
-            self.on_finish(req)
 
     def find(self, request_id: str) -> Request | None:
         for req in (*self.running, *self.waiting):

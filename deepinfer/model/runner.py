@@ -39,6 +39,10 @@ class StepInputs:
     sample_rows: torch.Tensor
     sampling: SamplingBatch | None
     prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    # Rows whose input token was sampled by the previous step and is still on the device, with the
+    # request each belongs to; the executor fills them from that step's results before the forward.
+    pending_rows: list[int] = field(default_factory=list)
+    pending_requests: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -74,6 +78,8 @@ class ModelRunner:
         samplers: list[ScheduledRequest] = []
         sample_rows: list[int] = []
         spans: list[PromptLogprobSpan] = []
+        pending_rows: list[int] = []
+        pending_requests: list[str] = []
         for s in sched.scheduled:
             req, start, n = s.request, s.start, s.num_new_tokens
             table = block_table(req.request_id)
@@ -82,6 +88,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             first_row = starts[-1]
+            if req.num_pending and end > req.num_tokens - req.num_pending:
+                pending_rows.append(first_row + req.num_tokens - req.num_pending - start)
+                pending_requests.append(req.request_id)
             starts.append(first_row + n)
             seq_lens.append(end)
             tables.append(table)
@@ -121,11 +130,15 @@ class ModelRunner:
                 [s.request.num_tokens for s in samplers],
                 dev,
             )
-        return StepInputs(tensor(ids), ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans)
+        return StepInputs(tensor(ids), ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans,
+                          pending_rows, pending_requests)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> StepResults:
-        """Forward, LM head on the selected rows, and sampling (all on the device)."""
+    def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResults:
+        """Forward, LM head on the selected rows, and sampling (all on the device). ``fill`` =
+        ``(rows, tokens)`` writes tokens still on the device into ``input_ids`` first."""
+        if fill is not None:
+            inputs.input_ids[fill[0]] = fill[1]
         hidden = self.model.forward(inputs.input_ids, inputs.ctx)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
         sampled = None
