@@ -55,8 +55,8 @@ DIGIT_EDGE_STRINGS = ["a  1", "   \n\n  3", "x²+y³ ½ Ⅻ", "total:    42"]
 
 
 @pytest.fixture(scope="session")
-def smol_dir() -> Path:
-    return resolve_model_path(ALIAS)
+def smol_dir(smollm2_dir: Path) -> Path:
+    return smollm2_dir
 
 
 @pytest.fixture(scope="session")

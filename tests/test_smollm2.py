@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.model.assets import resolve_model_path
 
 PROMPTS = [
     "The three primary colors are",
@@ -16,8 +15,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smol_dir():
-    return resolve_model_path("smollm2-135m-instruct")
+def smol_dir(smollm2_dir):
+    return smollm2_dir
 
 
 @pytest.fixture(scope="module")

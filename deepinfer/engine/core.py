@@ -75,7 +75,8 @@ class EngineCore:
         self.awaiting_release: dict[str, Request] = {}  # finished while in flight
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.pending)
+        """Requests queued or running, a step whose results are unread, or outputs to flush."""
+        return self.scheduler.has_work() or bool(self.inflight) or bool(self.pending)
 
     # ------------------------------------------------------------------------------------ phases
 

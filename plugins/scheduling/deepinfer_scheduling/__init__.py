@@ -1,0 +1,1 @@
+"""deepinfer-scheduling: the overlapped (zero-overhead) step executor and scheduling policies."""

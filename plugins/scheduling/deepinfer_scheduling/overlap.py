@@ -1,0 +1,99 @@
+"""The overlapped step executor (the reference's zero-overhead scheduler, reference/deepinfer.md §2).
+
+While the device runs step N+1, the host post-processes step N. One ``step()`` call:
+
+1. schedule N+1 on optimistic state (step N's tokens are still unread; they stand as pending);
+2. prepare N+1 on the host, with the remap of its pending input tokens onto N's sampled rows, and
+   hand it to the device, which fills those inputs from N's results and runs forward and sampling;
+3. wait for step N (the one event the host waits on) and post-process it: commit tokens, stops,
+   outputs, release of blocks that N+1 no longer touches.
+
+The "device" is one worker thread that runs steps strictly in order, like a CUDA stream, so the
+overlap is real on CPU too (torch releases the GIL inside its kernels). Outputs equal the
+synchronous executor's: every draw is a pure function of (seed, position), and results of requests
+preempted, aborted or finished while a step was in flight are dropped (core ``process``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer.interfaces import StepContext
+
+
+@dataclass
+class _InFlight:
+    scheduled: Any
+    future: Future
+
+
+class DeviceTimeline:
+    """Busy intervals of the device worker, for the idle time between steps."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.steps = 0
+        self.busy = 0.0
+        self.idle = 0.0
+        self._last_end: float | None = None
+
+    def record(self, start: float, end: float) -> None:
+        with self._lock:
+            if self._last_end is not None:
+                self.idle += max(0.0, start - self._last_end)
+            self._last_end = end
+            self.busy += end - start
+            self.steps += 1
+
+    def mark_drained(self) -> None:
+        """The executor ran out of work: the gap until the next step is not the executor's idle time."""
+        with self._lock:
+            self._last_end = None
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            total = self.busy + self.idle
+            return {"device_steps": self.steps, "device_busy_s": self.busy, "device_idle_s": self.idle,
+                    "device_idle_fraction": self.idle / total if total else 0.0}
+
+
+class OverlapExecutor:
+    """Runs step N+1 on the device while the host post-processes step N."""
+
+    def __init__(self, context: StepContext) -> None:
+        self.context = context
+        self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-device")
+        self.timeline = DeviceTimeline()
+        self.inflight: _InFlight | None = None
+
+    def step(self) -> list[Any]:
+        scheduled = self.context.schedule()
+        launched = None
+        if not scheduled.is_empty:
+            previous = self.inflight
+            prepared = self.context.prepare(scheduled, previous.scheduled if previous else None)
+            future = self.device.submit(self._device_step, prepared, previous.future if previous else None)
+            launched = _InFlight(scheduled, future)
+        if self.inflight is None:
+            outputs = self.context.process(None, None)
+        else:
+            outputs = self.context.process(self.inflight.scheduled, self.inflight.future.result())
+        self.inflight = launched
+        if launched is None:
+            self.timeline.mark_drained()
+        return outputs
+
+    def _device_step(self, prepared: Any, previous: Future | None) -> Any:
+        # The worker runs steps in order, so the previous step is complete here.
+        previous_results = previous.result() if previous is not None else None
+        start = time.perf_counter()
+        results = self.context.run(prepared, previous_results)
+        self.timeline.record(start, time.perf_counter())
+        return results
+
+    def shutdown(self) -> None:
+        self.device.shutdown(wait=True)

@@ -1,0 +1,54 @@
+"""The plugin's face: its config model and hookimpls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer import hookimpl
+from deepinfer.interfaces import StepContext
+from deepinfer_scheduling.config import SchedulingConfig
+from deepinfer_scheduling.overlap import OverlapExecutor
+from deepinfer_scheduling.policies import PriorityPolicy, ShortestPromptFirst
+
+
+class Plugin:
+    """Offers the ``overlap`` executor and the ``priority`` and ``spf`` policies."""
+
+    config_model = SchedulingConfig
+
+    def __init__(self, config: SchedulingConfig) -> None:
+        self.config = config
+        self.executors: list[OverlapExecutor] = []
+
+    @staticmethod
+    def deepinfer_config_aliases() -> dict[str, str]:
+        return {"DEEPINFER_ZERO_OVERHEAD_SCHEDULING": "plugins.scheduling.enabled"}
+
+    def _overlap(self, context: StepContext) -> OverlapExecutor:
+        executor = OverlapExecutor(context)
+        self.executors.append(executor)
+        return executor
+
+    @hookimpl
+    def deepinfer_step_executors(self) -> dict[str, Any]:
+        return {"overlap": self._overlap}
+
+    @hookimpl
+    def deepinfer_schedule_policies(self) -> dict[str, Any]:
+        return {"priority": PriorityPolicy(), "spf": ShortestPromptFirst()}
+
+    @hookimpl
+    def deepinfer_stats(self) -> dict[str, float]:
+        merged: dict[str, float] = {}
+        for executor in self.executors:
+            for key, value in executor.timeline.stats().items():
+                merged[key] = merged.get(key, 0.0) + value
+        busy, idle = merged.get("device_busy_s", 0.0), merged.get("device_idle_s", 0.0)
+        if merged:
+            merged["device_idle_fraction"] = idle / (busy + idle) if busy + idle else 0.0
+        return merged
+
+    @hookimpl
+    def deepinfer_engine_stopping(self) -> None:
+        for executor in self.executors:
+            executor.shutdown()
