@@ -80,13 +80,13 @@ def force_tokens(llm: LLM, forced: dict[tuple[int, ...], Sequence[int]]) -> None
     runner = llm.engine.runner
     execute = runner.execute
 
-    def execute_forced(inputs: Any) -> Any:
-        results = execute(inputs)
+    def execute_forced(inputs: Any, fill: Any = None) -> Any:
+        results = execute(inputs, fill)
         if results.sampled is not None:
             tokens = results.sampled.tokens.clone()
             for row, s in enumerate(results.samplers):
                 teacher = forced.get(tuple(s.request.prompt_token_ids), ())
-                i = s.request.num_output_tokens  # this step produces output token i
+                i = s.token_slot - s.request.num_prompt_tokens  # this step produces output token i
                 if i < len(teacher):
                     tokens[row] = teacher[i]
             results.sampled = SampleResult(tokens, results.sampled.token_logprobs, results.sampled.top_logprobs,
