@@ -2,34 +2,23 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from deepinfer_scheduling.policies import PriorityPolicy, ShortestPromptFirst
+from fakes import FakeRequest
 from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
 
 
-@dataclass
-class Req:
-    request_id: str
-    arrival_time: float
-    priority: int = 0
-    num_prompt_tokens: int = 10
-    num_output_tokens: int = 0
-    num_computed_tokens: int = 0
-
-
 def test_priority_orders_by_level_then_arrival():
-    reqs = [Req("a", 1.0, priority=2), Req("b", 2.0, priority=0), Req("c", 0.5, priority=2), Req("d", 3.0)]
+    reqs = [FakeRequest("a", 1.0, priority=2), FakeRequest("b", 2.0, priority=0), FakeRequest("c", 0.5, priority=2), FakeRequest("d", 3.0)]
     policy = PriorityPolicy()
     assert [r.request_id for r in policy.order(reqs, 9.0)] == ["b", "d", "c", "a"]
     assert policy.preemption_victim(reqs).request_id == "a"
 
 
 def test_spf_orders_by_prompt_length():
-    reqs = [Req("a", 1.0, num_prompt_tokens=50), Req("b", 2.0, num_prompt_tokens=5),
-            Req("c", 0.5, num_prompt_tokens=5)]
+    reqs = [FakeRequest("a", 1.0, num_prompt_tokens=50), FakeRequest("b", 2.0, num_prompt_tokens=5),
+            FakeRequest("c", 0.5, num_prompt_tokens=5)]
     policy = ShortestPromptFirst()
     assert [r.request_id for r in policy.order(reqs, 9.0)] == ["c", "b", "a"]
     assert policy.preemption_victim(reqs).request_id == "a"
