@@ -10,7 +10,8 @@ from deepinfer import LLM, SamplingParams
 
 
 def test_priority_orders_by_level_then_arrival():
-    reqs = [FakeRequest("a", 1.0, priority=2), FakeRequest("b", 2.0, priority=0), FakeRequest("c", 0.5, priority=2), FakeRequest("d", 3.0)]
+    reqs = [FakeRequest("a", 1.0, priority=2), FakeRequest("b", 2.0, priority=0),
+            FakeRequest("c", 0.5, priority=2), FakeRequest("d", 3.0)]
     policy = PriorityPolicy()
     assert [r.request_id for r in policy.order(reqs, 9.0)] == ["b", "d", "c", "a"]
     assert policy.preemption_victim(reqs).request_id == "a"
