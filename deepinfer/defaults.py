@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from deepinfer.engine.executor import SyncExecutor
 from deepinfer.hookspecs import hookimpl
 from deepinfer.interfaces import CacheLayout, RankLoad, ReplayPlan, SchedulableRequest
+from deepinfer.model.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from deepinfer.model.layers.reference import TorchAttentionBackend, TorchGemmBackend
+from deepinfer.model.layers.reference_deepseek import TorchMLABackend, TorchMoEBackend
 from deepinfer.model.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
 
 
@@ -50,11 +52,12 @@ class RoundRobinRouter:
 
 class BuiltinPlugin:
     """The core's strategies: ``sync`` executor, ``fcfs`` policy, ``exact`` replay, ``round_robin``
-    router, the Llama-family models and the plain-torch reference backends."""
+    router, the Llama-family and DeepSeek-V2/V3 models and the plain-torch reference backends."""
 
     @hookimpl(trylast=True)
     def deepinfer_model_architectures(self) -> dict[str, type]:
-        return {cls.architecture: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)}
+        return {cls.architecture: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+                                                  DeepseekV3ForCausalLM, DeepseekV2ForCausalLM)}
 
     @hookimpl(trylast=True)
     def deepinfer_step_executors(self) -> dict[str, type]:
@@ -73,8 +76,12 @@ class BuiltinPlugin:
         return {"round_robin": RoundRobinRouter()}
 
     @hookimpl(trylast=True)
-    def deepinfer_attention_backends(self) -> list[TorchAttentionBackend]:
-        return [TorchAttentionBackend()]
+    def deepinfer_attention_backends(self) -> list[TorchAttentionBackend | TorchMLABackend]:
+        return [TorchAttentionBackend(), TorchMLABackend()]
+
+    @hookimpl(trylast=True)
+    def deepinfer_moe_backends(self) -> list[TorchMoEBackend]:
+        return [TorchMoEBackend()]
 
     @hookimpl(trylast=True)
     def deepinfer_gemm_backends(self) -> list[TorchGemmBackend]:

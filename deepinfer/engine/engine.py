@@ -78,8 +78,11 @@ class LLMEngine:
         offers = self.host.named_offers("deepinfer_model_architectures")
         architectures = {name: offer.value for name, offer in offers.items()}
         model_cls = resolve_architecture(self.hf_config, architectures, str(self.model_path))
+        # Engine switches a model may honour travel as documented hf_config keys (the model protocol
+        # takes only hf_config): kernels.force_balanced_routing → "deepinfer_force_balanced_routing".
+        model_config = dict(self.hf_config, deepinfer_force_balanced_routing=cfg.kernels.force_balanced_routing)
         with torch.device(self.device):
-            self.model = model_cls(self.hf_config, dtype=self.dtype, device=self.device,
+            self.model = model_cls(model_config, dtype=self.dtype, device=self.device,
                                    max_positions=self.max_model_len)
         self.model.eval()
         specs = self.model.cache_specs()

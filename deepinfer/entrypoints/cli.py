@@ -1,4 +1,4 @@
-"""The ``deepinfer`` command (API.md §6): generate, chat, plugins, config show."""
+"""The ``deepinfer`` command (API.md §6): generate, chat, plugins, config show, bench, ab."""
 
 from __future__ import annotations
 
@@ -54,7 +54,48 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="effective config with the source of each non-default value")
     show.add_argument("--json", action="store_true")
     _common(show)
+
+    bench = sub.add_parser("bench", help="benchmark a workload: offline or a concurrency sweep (docs/bench.md)")
+    bench.add_argument("--model", default=None, help=f"HF folder or alias (default {DEFAULT_MODEL})")
+    bench.add_argument("--concurrency", default=None, metavar="C,...",
+                       help="requests in flight, comma-separated for a sweep (default: offline, all at once)")
+    bench.add_argument("--baseline", choices=["transformers"], default=None,
+                       help="also run the workload through transformers' generate (static padded batches)")
+    bench.add_argument("--baseline-batch", type=int, default=8, help="baseline batch size in offline mode")
+    bench.add_argument("--output", default=None, help="write the JSON report here")
+    bench.add_argument("--plot", default=None, metavar="DIR", help="write pareto.png and latency_cdf.png here")
+    _bench_workload_flags(bench)
+    _common(bench)
+
+    ab = sub.add_parser("ab", help="A/B-compare two configurations with repeats and bootstrap CIs")
+    ab.add_argument("--a", required=True, metavar="SPEC", help="config file or section.field=value,... overrides")
+    ab.add_argument("--b", required=True, metavar="SPEC", help="config file or section.field=value,... overrides")
+    ab.add_argument("--model", default=None, help=f"HF folder or alias (default {DEFAULT_MODEL})")
+    ab.add_argument("--repeats", type=int, default=5, help="measured runs per configuration (default 5)")
+    ab.add_argument("--warmup", type=int, default=1, help="A B pairs run first and discarded (default 1)")
+    ab.add_argument("--concurrency", type=int, default=None, help="requests in flight (default: offline)")
+    ab.add_argument("--fresh-process", action="store_true", help="a new worker process for every run")
+    ab.add_argument("--bootstrap-seed", type=int, default=None)
+    ab.add_argument("--output", default=None, help="write OUT.json and OUT.md")
+    _bench_workload_flags(ab)
+    _common(ab)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
+    serve.add_argument("--model", default=None, help=f"HF folder or alias (default {DEFAULT_MODEL})")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    serve.add_argument("--api-key", default=None, help="required Bearer key for /v1 (default: $DEEPINFER_API_KEY)")
+    serve.add_argument("--max-queue-len", type=int, default=1024, help="requests in flight before 503")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+    _common(serve)
     return parser
+
+
+def _bench_workload_flags(parser: argparse.ArgumentParser) -> None:
+    from deepinfer.bench.command import add_workload_flags
+
+    add_workload_flags(parser)
 
 
 def _llm(args: argparse.Namespace) -> Any:
@@ -161,7 +202,56 @@ def _print_tree(data: dict[str, Any], sources: dict[str, str], prefix: str = "",
             print(f"{indent}{name}: {json.dumps(value)}" + (f"    # from {source}" if source else ""))
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plugins": cmd_plugins}
+def _bench_model(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    overrides = set_flags_to_tree(args.set)
+    model = args.model or overrides.get("model", {}).get("path") or DEFAULT_MODEL
+    return str(model), overrides
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from deepinfer.bench.command import run_bench, summary_table
+
+    model, overrides = _bench_model(args)
+    report = run_bench(args, model, overrides)
+    print(summary_table(report["runs"]))
+    for row in report["baseline"]:
+        c = "offline" if row["concurrency"] is None else f"C={row['concurrency']}"
+        print(f"{c}: deepinfer / transformers output tok/s = {row['output_throughput_ratio']:.2f}x, "
+              f"token match {row['token_match']:.0%}")
+    for path in ([args.output] if args.output else []) + report["plots"]:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from deepinfer.bench.ab import markdown, run_ab
+
+    model, overrides = _bench_model(args)
+    report = run_ab(args, model, overrides)
+    print(markdown(report))
+    for path in report.get("files", []):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+
+    try:
+        from deepinfer.server.app import serve
+    except ImportError as exc:
+        print(f"deepinfer serve needs the 'serve' extra (pip install 'deepinfer[serve]'): {exc}", file=sys.stderr)
+        return 2
+    overrides = set_flags_to_tree(args.set)
+    model = str(args.model or overrides.get("model", {}).get("path") or DEFAULT_MODEL)
+    serve(model, host=args.host, port=args.port, served_model_name=args.served_model_name,
+          api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY"), config=args.config,
+          max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes, **_tree_to_sections(overrides))
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plugins": cmd_plugins, "bench": cmd_bench,
+            "ab": cmd_ab, "serve": cmd_serve}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -43,3 +43,24 @@ class PagedKVSpec:
 
     def info(self) -> LayerCacheInfo:
         return LayerCacheInfo(kind="sliding" if self.window else "full", window=self.window)
+
+
+@dataclass(frozen=True)
+class PagedLatentSpec:
+    """MLA's paged latent cache (DeepSeek-V2/V3): per token the compressed KV latent
+    (``latent_dim`` = ``kv_lora_rank``, after ``kv_a_layernorm``) and the shared rope key
+    (``rope_dim``, already rotated), side by side in one ``[num_blocks, block_size,
+    latent_dim + rope_dim]`` tensor."""
+
+    latent_dim: int
+    rope_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return block_size * (self.latent_dim + self.rope_dim) * dtype.itemsize
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> tuple[torch.Tensor, ...]:
+        return (torch.zeros(num_blocks, block_size, self.latent_dim + self.rope_dim, dtype=dtype, device=device),)
+
+    def info(self) -> LayerCacheInfo:
+        return LayerCacheInfo(kind="full")

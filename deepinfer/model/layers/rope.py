@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from deepinfer.errors import ConfigError
+from deepinfer.model.layers.yarn import yarn_inverse_frequencies
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -22,6 +23,8 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
         params.setdefault("rope_type" if key == "type" else key, value)
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     params.setdefault("rope_type", "default")
+    if params["rope_type"] == "yarn" and hf_config.get("max_position_embeddings") is not None:
+        params.setdefault("original_max_position_embeddings", hf_config["max_position_embeddings"])
     return params
 
 
@@ -44,7 +47,9 @@ def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> tuple[torch.
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled), 1.0
-    raise ConfigError(f"config.json rope_type {kind!r} is not supported (supported: default, linear, llama3)")
+    if kind == "yarn":
+        return yarn_inverse_frequencies(params, rotary_dim)
+    raise ConfigError(f"config.json rope_type {kind!r} is not supported (supported: default, linear, llama3, yarn)")
 
 
 class RotaryEmbedding(nn.Module):

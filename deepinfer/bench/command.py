@@ -1,0 +1,144 @@
+"""``deepinfer bench``: a workload through the engine (offline or a concurrency sweep), optionally
+through the transformers baseline too; JSON report (``docs/bench.md``) and PNG plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from deepinfer.bench import BENCH_SCHEMA
+from deepinfer.bench.runner import build_llm, environment, measure, public
+from deepinfer.bench.workloads import WorkloadSpec, build_workload, describe, materialize, warmup_workload
+
+
+def add_workload_flags(parser: argparse.ArgumentParser) -> None:
+    """The workload flags shared by ``bench`` and ``ab``."""
+    parser.add_argument("--dataset", default="random",
+                        help="random | shared-prefix | repeat | FILE.jsonl (default random)")
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=256, help="mean prompt length in tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="mean output length in tokens (EOS ignored)")
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="lengths uniform in L*(1 ± r) (default 0: every request the same)")
+    parser.add_argument("--prefix-len", type=int, default=None,
+                        help="shared-prefix: tokens shared per group (default 3/4 of --input-len)")
+    parser.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: number of groups")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed (and sampling seeds when T > 0)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def workload_spec(args: argparse.Namespace) -> WorkloadSpec:
+    return WorkloadSpec(dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len, range_ratio=args.range_ratio, prefix_len=args.prefix_len,
+                        num_prefixes=args.num_prefixes, seed=args.seed)
+
+
+def parse_concurrency(text: str | None) -> list[int | None]:
+    """``"1,4,16"`` → [1, 4, 16]; ``None`` → [None] (offline: every request queued at once)."""
+    if not text:
+        return [None]
+    values: list[int | None] = []
+    for item in text.split(","):
+        item = item.strip()
+        if item in ("inf", "offline"):
+            values.append(None)
+            continue
+        try:
+            value = int(item)
+        except ValueError:
+            raise ValueError(f"--concurrency {text!r}: expected comma-separated integers") from None
+        if value < 1:
+            raise ValueError(f"--concurrency {text!r}: values must be at least 1")
+        values.append(value)
+    return values
+
+
+def arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's flags as given (the ``arguments`` object of the reports)."""
+    return {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | list | type(None))}
+
+
+def _row(run: dict[str, Any]) -> str:
+    c = "offline" if run["concurrency"] is None else str(run["concurrency"])
+    med = {k: run[k]["median"] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}
+    cells = [f"{v:.1f}" if v is not None else "-" for v in med.values()]
+    return (f"| {run['engine']} | {c} | {run['request_throughput']:.2f} | {run['output_throughput']:.1f} | "
+            + " | ".join(cells) + " |")
+
+
+def summary_table(runs: list[dict[str, Any]]) -> str:
+    lines = ["| engine | concurrency | req/s | output tok/s | TTFT ms | TPOT ms | ITL ms | E2EL ms |",
+             "|---|---|---|---|---|---|---|---|"]
+    return "\n".join(lines + [_row(r) for r in runs])
+
+
+def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Everything ``deepinfer bench`` does; returns the report (also written to ``--output``)."""
+    points = parse_concurrency(args.concurrency)
+    spec = workload_spec(args)
+    progress = not args.no_progress
+    llm = build_llm(model, args.config, overrides)
+    engine = llm.engine
+    vocab = engine.model.vocab_size
+    work = materialize(build_workload(spec, vocab), engine.tokenizer)
+    model_path, device, dtype = engine.model_path, engine.device, str(engine.dtype).removeprefix("torch.")
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    runs: list[dict[str, Any]] = []
+    engine_ids: list[list[list[int]]] = []
+    config: dict[str, Any] = {}
+    for i, c in enumerate(points):
+        run, ids, config = measure(model, work, config=args.config, overrides=overrides, concurrency=c,
+                                   temperature=args.temperature, seed=args.seed, progress=progress,
+                                   desc=f"deepinfer {'offline' if c is None else f'C={c}'}",
+                                   llm=llm if i == 0 else None)
+        llm = None
+        runs.append(run)
+        engine_ids.append(ids)
+    comparison = []
+    if args.baseline == "transformers":
+        from deepinfer.bench.baseline import load_transformers, run_transformers, token_match
+
+        if args.temperature > 0:
+            raise ValueError("--baseline transformers compares greedy runs; drop --temperature")
+        hf = load_transformers(model_path, device=device.type, dtype=dtype)
+        run_transformers(hf, warmup_workload(vocab), batch_size=2, offline=True, progress=False)
+        for c, ours, ids in zip(points, list(runs), engine_ids, strict=True):
+            batch = c if c is not None else args.baseline_batch
+            theirs, their_ids = run_transformers(hf, work, batch_size=batch, offline=c is None, progress=progress,
+                                                 desc=f"transformers B={batch}")
+            runs.append(theirs)
+            comparison.append({
+                "concurrency": c,
+                "baseline_batch_size": batch,
+                "output_throughput_ratio": ours["output_throughput"] / theirs["output_throughput"],
+                "token_match": token_match(ids, their_ids),
+            })
+        del hf
+    plots = []
+    if args.plot:
+        from deepinfer.bench.plots import write_plots
+
+        plots = write_plots(runs, args.plot)
+    report = {
+        "schema": BENCH_SCHEMA,
+        "created": started,
+        "arguments": arguments(args),
+        "environment": environment(),
+        "model": str(model_path),
+        "device": device.type,
+        "dtype": dtype,
+        "config": config,
+        "workload": describe(spec, work),
+        "runs": [public(r) for r in runs],
+        "baseline": comparison,
+        "plots": plots,
+    }
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+    return report

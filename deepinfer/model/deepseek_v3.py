@@ -1,0 +1,389 @@
+"""DeepSeek-V2/V3 decoders: ``DeepseekV3ForCausalLM`` and ``DeepseekV2ForCausalLM``.
+
+Attention is MLA (multi-head latent attention). The cache holds only, per token, the compressed
+latent (``kv_lora_rank``, after ``kv_a_layernorm``) and the shared rope key (``qk_rope_head_dim``,
+rotated): a ``PagedLatentSpec`` row. The backend op ``mla_attention`` expands keys and values through
+``kv_b_proj`` for prefill and uses the weight-absorbed form for decode
+(``model/layers/reference_deepseek.py``). ``q_a_proj`` (or ``q_proj`` without ``q_lora_rank``) and
+``kv_a_proj_with_mqa`` both read the hidden state and are stored fused as one GEMM.
+
+Rope: only the ``qk_rope_head_dim`` slice is rotated. With ``rope_interleave`` (V3's default, and
+always for V2) the pairs are ``(x0, x1), (x2, x3), …``; the rotated halves are written out
+de-interleaved (``[even', odd']``), which is what V3 does; V2 writes them back interleaved, but q and
+k are permuted alike so every dot product, hence the output, is the same. YaRN (with mscale) and the
+other rope types come from ``layers/rope.py``; the softmax scale is ``qk_head_dim**-0.5`` times
+``mscale(factor, mscale_all_dim)**2`` for a scaled rope (``layers/yarn.py``). ``q_a_layernorm`` and
+``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps`` says, as transformers does.
+
+MoE (layers ``>= first_k_dense_replace``): routed experts through the backend op ``experts`` (stacked
+``w13 [E, 2I, H]``, gate rows then up rows, and ``w2 [E, H, I]``) plus the shared experts (one fused
+MLP of width ``moe_intermediate_size · n_shared_experts``). The router runs in float32 (its weight and
+``e_score_correction_bias`` are float32 parameters whatever the model dtype).
+
+- V3 (``noaux_tc``, always, as transformers does): sigmoid scores; the correction bias is added for
+  the *choice* only; a group's score is the sum of its top-2 biased scores; the ``topk_group`` best
+  groups are kept; top-k on the biased scores of the kept groups; weights are the un-biased scores,
+  divided by their sum (+1e-20) if ``norm_topk_prob``, times ``routed_scaling_factor``.
+- V2 (softmax scores): ``topk_method`` ``greedy`` (plain top-k) or ``group_limited_greedy`` (group
+  score = max, other groups' scores set to 0); weights times ``routed_scaling_factor``, never
+  normalized (transformers' DeepseekV2 ignores ``norm_topk_prob``, and so do we).
+
+Balanced routing for benchmarks: when ``hf_config["deepinfer_force_balanced_routing"]`` is true (the
+engine sets it from ``kernels.force_balanced_routing``), each token's k experts are instead drawn
+uniformly at random, without repetition, from a counter-based hash (SplitMix64) of (position, layer,
+expert), so the draw does not depend on the batch; the weights are still the router's scores of the
+chosen experts (normalized and scaled as above).
+
+Weights load under the names transformers saves (per-expert ``mlp.experts.{e}.{gate,up,down}_proj``;
+the fused in-memory ``mlp.experts.gate_up_proj``/``down_proj`` are accepted too). MTP layers
+(``model.layers.{N}.*`` with N >= ``num_hidden_layers``, from ``num_nextn_predict_layers``) are
+skipped for now: they are not loaded and nothing exposes them to drafters yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.errors import ConfigError
+from deepinfer.interfaces import ForwardContext
+from deepinfer.kv.specs import PagedLatentSpec
+from deepinfer.model.base import config_value
+from deepinfer.model.layers.norm import RMSNorm
+from deepinfer.model.layers.rope import inverse_frequencies, rope_parameters
+from deepinfer.model.layers.yarn import yarn_softmax_scale
+from deepinfer.sampling.rng import splitmix64
+
+logger = logging.getLogger(__name__)
+
+FORCE_BALANCED_ROUTING_KEY = "deepinfer_force_balanced_routing"
+_LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
+
+
+class _Dims:
+    """The shape and routing facts of a DeepSeek-V2/V3 config."""
+
+    def __init__(self, hf_config: dict[str, Any], arch: str) -> None:
+        self.v3 = arch == "DeepseekV3ForCausalLM"
+        self.hidden = hf_config["hidden_size"]
+        self.heads = hf_config["num_attention_heads"]
+        self.layers = hf_config["num_hidden_layers"]
+        self.vocab = hf_config["vocab_size"]
+        self.eps = config_value(hf_config, "rms_norm_eps", default=1e-6)
+        self.tied = bool(hf_config.get("tie_word_embeddings", False))
+        self.q_lora = hf_config.get("q_lora_rank")
+        self.kv_lora = hf_config["kv_lora_rank"]
+        self.nope = hf_config["qk_nope_head_dim"]
+        self.rope = hf_config["qk_rope_head_dim"]
+        self.v_dim = hf_config["v_head_dim"]
+        self.qk_head = self.nope + self.rope
+        self.intermediate = hf_config["intermediate_size"]
+        self.moe_intermediate = hf_config.get("moe_intermediate_size")
+        self.n_routed = config_value(hf_config, "n_routed_experts", "num_local_experts", "num_experts", default=0)
+        self.n_shared = hf_config.get("n_shared_experts") or 0
+        self.top_k = hf_config.get("num_experts_per_tok") or 0
+        self.n_group = hf_config.get("n_group") or 1
+        self.topk_group = hf_config.get("topk_group") or 1
+        self.first_dense = hf_config.get("first_k_dense_replace") or 0
+        self.scaling = float(config_value(hf_config, "routed_scaling_factor", default=2.5 if self.v3 else 1.0))
+        self.norm_topk = bool(config_value(hf_config, "norm_topk_prob", default=True)) if self.v3 else False
+        self.topk_method = "noaux_tc" if self.v3 else (hf_config.get("topk_method") or "greedy")
+        self.interleave = bool(config_value(hf_config, "rope_interleave", default=True)) if self.v3 else True
+        self.balanced = bool(hf_config.get(FORCE_BALANCED_ROUTING_KEY, False))
+        self.rope_params = rope_parameters(hf_config)
+        self.num_mtp = config_value(hf_config, "num_nextn_predict_layers", "num_mtp_layers", default=0)
+        if config_value(hf_config, "hidden_act", default="silu") != "silu":
+            raise ConfigError(f"config.json hidden_act must be 'silu' for {arch}")
+        if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):
+            raise ConfigError(f"config.json attention_bias/mlp_bias=true is not supported for {arch}")
+        if self.topk_method not in ("noaux_tc", "greedy", "group_limited_greedy"):
+            raise ConfigError(f"config.json topk_method {self.topk_method!r} is not supported for {arch} "
+                              "(supported: greedy, group_limited_greedy)")
+        if self.n_routed and (self.n_routed % self.n_group or not 0 < self.top_k <= self.n_routed):
+            raise ConfigError(f"config.json: n_routed_experts={self.n_routed} must split into n_group="
+                              f"{self.n_group} groups and hold num_experts_per_tok={self.top_k}")
+
+    def is_moe(self, layer: int) -> bool:
+        return bool(self.n_routed) and layer >= self.first_dense
+
+
+class MLARotary(nn.Module):
+    """cos/sin tables ``[positions, rope/2]`` (times the rope's attention factor) for the rope slice."""
+
+    def __init__(self, d: _Dims, max_positions: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        inv_freq, factor = inverse_frequencies(d.rope_params, d.rope)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.interleave = d.interleave
+        self.register_buffer("cos", (freqs.cos() * factor).to(device), persistent=False)
+        self.register_buffer("sin", (freqs.sin() * factor).to(device), persistent=False)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [..., R]``; pairs are ``(x[2i], x[2i+1])`` when interleaved, else
+        ``(x[i], x[i+R/2])``; the result is always in the half-split layout."""
+        x32 = x.float()
+        if self.interleave:
+            x1, x2 = x32[..., 0::2], x32[..., 1::2]
+        else:
+            x1, x2 = x32.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    def forward(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, R/2]
+        return self.rotate(q_pe, cos.unsqueeze(1), sin.unsqueeze(1)), self.rotate(k_pe, cos, sin)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, d: _Dims, rotary: MLARotary, **kw: Any) -> None:
+        super().__init__()
+        self.d = d
+        self.q_out = d.q_lora if d.q_lora else d.heads * d.qk_head
+        self.qkv_a_weight = nn.Parameter(torch.empty(self.q_out + d.kv_lora + d.rope, d.hidden, **kw))
+        if d.q_lora:
+            self.q_a_layernorm = RMSNorm(d.q_lora, _LATENT_NORM_EPS, **kw)
+            self.q_b_weight = nn.Parameter(torch.empty(d.heads * d.qk_head, d.q_lora, **kw))
+        self.kv_a_layernorm = RMSNorm(d.kv_lora, _LATENT_NORM_EPS, **kw)
+        self.kv_b_weight = nn.Parameter(torch.empty(d.heads * (d.nope + d.v_dim), d.kv_lora, **kw))
+        self.o_weight = nn.Parameter(torch.empty(d.hidden, d.heads * d.v_dim, **kw))
+        self.rotary = rotary
+        self.scale = yarn_softmax_scale(d.rope_params, d.qk_head)
+        self.kv_cache: tuple[torch.Tensor, ...] = ()
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        d, gemm = self.d, ctx.backends["linear"]
+        q, latent, k_pe = gemm.linear(x, self.qkv_a_weight).split([self.q_out, d.kv_lora, d.rope], dim=-1)
+        if d.q_lora:
+            q = gemm.linear(self.q_a_layernorm(q), self.q_b_weight)
+        q_nope, q_pe = q.reshape(-1, d.heads, d.qk_head).split([d.nope, d.rope], dim=-1)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+        out = ctx.backends["mla_attention"].mla_attention(
+            q_nope, q_pe, self.kv_a_layernorm(latent), k_pe, self.kv_cache, ctx,
+            kv_b_weight=self.kv_b_weight, scale=self.scale)
+        return gemm.linear(out.reshape(-1, d.heads * d.v_dim), self.o_weight)
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU with gate and up fused into one GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int, **kw: Any) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_weight = nn.Parameter(torch.empty(2 * intermediate, hidden, **kw))
+        self.down_weight = nn.Parameter(torch.empty(hidden, intermediate, **kw))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        gemm = ctx.backends["linear"]
+        gate, up = gemm.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+        return gemm.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, d: _Dims, layer: int, **kw: Any) -> None:
+        super().__init__()
+        self.d, self.layer = d, layer
+        dev = kw["device"]
+        experts, inter = d.n_routed, d.moe_intermediate
+        self.gate_weight = nn.Parameter(torch.empty(experts, d.hidden, dtype=torch.float32, device=dev))
+        if d.v3:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32, device=dev),
+                                                        requires_grad=False)
+        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, d.hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(experts, d.hidden, inter, **kw))
+        self.shared_experts = DenseMLP(d.hidden, inter * d.n_shared, **kw) if d.n_shared else None
+
+    def route(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
+        d = self.d
+        logits = F.linear(x.float(), self.gate_weight)
+        t, e, g = logits.shape[0], d.n_routed, d.n_group
+        if d.v3:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            if g > 1:
+                group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
+                choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
+            ids = choice.topk(d.top_k, dim=-1).indices
+        else:
+            scores = logits.softmax(dim=-1)
+            choice = scores
+            if d.topk_method == "group_limited_greedy" and g > 1:
+                group_scores = scores.view(t, g, e // g).amax(dim=-1)
+                choice = scores.masked_fill(~self._group_mask(group_scores), 0.0)
+            ids = choice.topk(d.top_k, dim=-1).indices
+        if d.balanced:
+            ids = self._balanced_ids(positions)
+        weights = scores.gather(1, ids) if d.balanced or d.v3 else choice.gather(1, ids)
+        if d.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return ids, weights * d.scaling
+
+    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` True for the experts of each token's ``topk_group`` best groups."""
+        d = self.d
+        keep = group_scores.topk(d.topk_group, dim=-1).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return mask.repeat_interleave(d.n_routed // d.n_group, dim=1)
+
+    def _balanced_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        """k distinct experts per token, uniformly at random from a hash of (position, layer, expert)."""
+        experts = torch.arange(self.d.n_routed, device=positions.device)
+        key = splitmix64(positions.to(torch.int64) * 65536 + self.layer)
+        draws = splitmix64(key.unsqueeze(1) + experts) & ((1 << 62) - 1)
+        return draws.topk(self.d.top_k, dim=-1).indices
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        ids, weights = self.route(x, positions)
+        out = ctx.backends["experts"].experts(x, ids, weights, (self.w13, self.w2))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x, ctx)
+        return out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, d: _Dims, layer: int, rotary: MLARotary, **kw: Any) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(d.hidden, d.eps, **kw)
+        self.self_attn = MLAttention(d, rotary, **kw)
+        self.post_attention_layernorm = RMSNorm(d.hidden, d.eps, **kw)
+        self.is_moe = d.is_moe(layer)
+        self.mlp = DeepseekMoE(d, layer, **kw) if self.is_moe else DenseMLP(d.hidden, d.intermediate, **kw)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), ctx)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, positions, ctx) if self.is_moe else self.mlp(h, ctx))
+
+
+_MLP_NAMES = {"gate_proj.weight": ("gate_up_weight", 0), "up_proj.weight": ("gate_up_weight", 1),
+              "down_proj.weight": ("down_weight", None)}
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """DeepSeek-V3 (and, as a subclass, V2): MLA over the paged latent cache, MoE with shared experts."""
+
+    architecture = "DeepseekV3ForCausalLM"
+
+    def __init__(self, hf_config: dict[str, Any], *, dtype: torch.dtype, device: torch.device,
+                 max_positions: int) -> None:
+        super().__init__()
+        self.d = d = _Dims(hf_config, self.architecture)
+        kw = {"dtype": dtype, "device": device}
+        self.vocab_size = d.vocab
+        self.embed_tokens = nn.Embedding(d.vocab, d.hidden, **kw)
+        rotary = MLARotary(d, max_positions, device=device)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(d, i, rotary, **kw) for i in range(d.layers))
+        self.norm = RMSNorm(d.hidden, d.eps, **kw)
+        self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, **kw))
+
+    def cache_specs(self) -> Sequence[PagedLatentSpec]:
+        return [PagedLatentSpec(self.d.kv_lora, self.d.rope) for _ in range(self.d.layers)]
+
+    def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
+        for layer, cache in zip(self.layers, caches, strict=True):
+            layer.self_attn.kv_cache = cache
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(ctx.positions, x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return ctx.backends["linear"].linear(hidden, weight).float()
+
+    def gemm_weights(self) -> list[nn.Parameter]:
+        """Linear weights for the GEMM backend. ``kv_b_weight`` is not listed (the MLA backend reads
+        it per head), nor the experts (the MoE backend) or the float32 router."""
+        out: list[nn.Parameter] = []
+        for layer in self.layers:
+            attn = layer.self_attn
+            out += [attn.qkv_a_weight, attn.o_weight] + ([attn.q_b_weight] if self.d.q_lora else [])
+            mlp = layer.mlp.shared_experts if layer.is_moe else layer.mlp
+            if mlp is not None:
+                out += [mlp.gate_up_weight, mlp.down_weight]
+        return [*out, self.embed_tokens.weight if self.lm_head is None else self.lm_head]
+
+    def _destination(self, name: str, params: dict[str, nn.Parameter]) -> tuple[str, torch.Tensor] | None:
+        """The parameter an HF tensor fills and the view of it to copy into (None: not ours)."""
+        d = self.d
+        if name == "lm_head.weight":
+            return ("lm_head", self.lm_head.data) if self.lm_head is not None else ("", torch.empty(0))
+        if not name.startswith("layers."):
+            return (name, params[name].data) if name in params else None
+        _, idx, rest = name.split(".", 2)
+        prefix = f"layers.{idx}."
+        attn = {"self_attn.q_a_proj.weight": (0, d.q_lora or 0),
+                "self_attn.q_proj.weight": (0, d.heads * d.qk_head),
+                "self_attn.kv_a_proj_with_mqa.weight": (d.q_lora or d.heads * d.qk_head, d.kv_lora + d.rope)}
+        simple = {"self_attn.q_b_proj.weight": "self_attn.q_b_weight",
+                  "self_attn.kv_b_proj.weight": "self_attn.kv_b_weight",
+                  "self_attn.o_proj.weight": "self_attn.o_weight",
+                  "mlp.gate.weight": "mlp.gate_weight",
+                  "mlp.gate.e_score_correction_bias": "mlp.e_score_correction_bias",
+                  "mlp.experts.gate_up_proj": "mlp.w13", "mlp.experts.down_proj": "mlp.w2"}
+        target, view = None, None
+        if rest in attn:
+            target = prefix + "self_attn.qkv_a_weight"
+            if target in params:
+                view = params[target].data.narrow(0, *attn[rest])
+        elif rest in simple:
+            target = prefix + simple[rest]
+        elif rest.startswith("mlp.experts."):
+            _, _, e, proj = rest.split(".", 3)
+            if proj in _MLP_NAMES:
+                target = prefix + ("mlp.w2" if proj == "down_proj.weight" else "mlp.w13")
+                if target in params:
+                    view = params[target].data[int(e)]
+                    if proj != "down_proj.weight":
+                        view = view.narrow(0, _MLP_NAMES[proj][1] * d.moe_intermediate, d.moe_intermediate)
+        else:
+            parts = rest.rsplit(".", 2)  # e.g. mlp.shared_experts | gate_proj | weight
+            owner, proj = parts[0], ".".join(parts[1:])
+            if proj in _MLP_NAMES and owner in ("mlp", "mlp.shared_experts"):
+                suffix, part = _MLP_NAMES[proj]
+                target = f"{prefix}{owner}.{suffix}"
+                if target in params and part is not None:
+                    half = params[target].shape[0] // 2
+                    view = params[target].data.narrow(0, part * half, half)
+            else:
+                target = prefix + rest
+        if target is None or target not in params:
+            return None
+        return target, params[target].data if view is None else view
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        skipped_mtp = 0
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if name.startswith("layers.") and int(name.split(".", 2)[1]) >= self.d.layers:
+                skipped_mtp += 1  # MTP layers (num_nextn_predict_layers): not loaded yet
+                continue
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            dest = self._destination(name, params)
+            if dest is None:
+                raise ValueError(f"weight {name!r} does not belong to {self.architecture}")
+            target, view = dest
+            if not target:  # lm_head of a tied model
+                continue
+            if view.shape != tensor.shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}")
+            view.copy_(tensor)
+            filled[target] = filled.get(target, 0) + view.numel()
+        if skipped_mtp:
+            logger.info("%s: skipped %d MTP tensors (layers >= %d); MTP is not loaded yet",
+                        self.architecture, skipped_mtp, self.d.layers)
+        return {n for n, count in filled.items() if count >= params[n].numel()}
+
+
+class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):
+    architecture = "DeepseekV2ForCausalLM"

@@ -1,0 +1,1 @@
+"""``deepinfer serve``: an OpenAI-compatible HTTP server on ``AsyncLLM`` (needs the ``serve`` extra)."""

@@ -1,0 +1,199 @@
+"""Request bodies of the OpenAI-compatible endpoints, their validation, and OpenAI-style errors.
+
+Bodies are strict: unknown fields, wrong types and bad values are HTTP 400 with
+``{"error": {"message", "type", "param", "code"}}``. Fields of the OpenAI API that deepinfer does
+not implement are unknown fields (400), except penalties, which are accepted when 0.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from deepinfer.sampling.params import SamplingParams
+
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered as an OpenAI-style body with an HTTP status."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by both endpoints (``top_k``, ``min_p``, ``stop_token_ids``, ``ignore_eos`` are
+    vLLM-style extensions)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    user: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+    def common_checks(self) -> None:
+        if self.n != 1:
+            raise bad_request(f"n must be 1 (deepinfer returns one choice per request), got {self.n}", "n")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if value not in (None, 0, 0.0):
+                raise bad_request(f"{name} is not supported (only 0), got {value}", name)
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if self.temperature is not None and self.temperature > 2:
+            raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        kwargs: dict[str, Any] = {
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": -1 if self.top_k is None else self.top_k,
+            "min_p": 0.0 if self.min_p is None else self.min_p,
+            "seed": self.seed,
+            "stop": stop,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "logprobs": logprobs,
+        }
+        if max_tokens is not None:
+            kwargs["max_tokens"] = max_tokens
+        try:
+            return SamplingParams(**kwargs)
+        except ValueError as exc:
+            match = re.search(r"SamplingParams\.(\w+)", str(exc))
+            raise bad_request(str(exc).replace("SamplingParams.", ""), match[1] if match else None) from exc
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+
+    def the_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) != 1:
+                raise bad_request(f"one prompt per request is supported, got {len(prompt)}", "prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, list) and not prompt:
+            raise bad_request("prompt is empty: at least one token is needed", "prompt")
+        return prompt  # type: ignore[return-value]
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.common_checks()
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        max_tokens = 16 if self.max_tokens is None else self.max_tokens  # OpenAI's default for completions
+        return self.sampling_params(max_tokens=max_tokens, logprobs=self.logprobs)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        if isinstance(self.content, list):
+            content = "\n".join(part.text for part in self.content)
+        else:
+            content = self.content or ""
+        message: dict[str, Any] = {"role": self.role, "content": content}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+
+    def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self.common_checks()
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(f"response_format {self.response_format.type!r} is not supported yet "
+                              "(structured output is not implemented)", "response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                                  "top_logprobs")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+                                    logprobs=logprobs)
+
+
+def parse_body(raw: bytes, model: type[_Body]) -> Any:
+    """JSON → the request model; every failure is an ``APIError`` 400 naming the field."""
+    try:
+        data = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(data, dict):
+        raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        loc = [str(p) for p in err["loc"]]
+        param = loc[0] if loc else None
+        if err["type"] == "extra_forbidden":
+            message = f"unknown field {'.'.join(loc)!r}"
+            code = "unknown_field"
+        else:
+            message = f"{'.'.join(loc)}: {err['msg']}"
+            code = "invalid_value"
+        raise bad_request(message, param, code) from exc
