@@ -499,3 +499,21 @@ def test_cli_serve_builds_the_app_and_binds_loopback(tiny_llama_tok_dir: Path, m
     assert state.llm is not None
     state.llm.shutdown()
 
+
+
+def test_bench_against_the_server(server: ServerThread, tiny_llama_tok_dir: Path, tmp_path: Path) -> None:
+    """``deepinfer bench --url``: the workload over HTTP at two request rates, every token counted."""
+    from deepinfer.entrypoints import cli
+
+    out = tmp_path / "http.json"
+    code = cli.main(["bench", "--url", server.base, "--model", str(tiny_llama_tok_dir), "--served-model-name", NAME,
+                     "--num-prompts", "6", "--input-len", "12", "--output-len", "5", "--request-rate", "50,inf",
+                     "--output", str(out), "--no-progress"])
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert [r["request_rate"] for r in report["runs"]] == [50.0, "inf"]
+    for run in report["runs"]:
+        assert run["engine"] == "http" and run["failed_requests"] == 0
+        assert run["num_requests"] == 6 and run["total_output_tokens"] == 30
+        assert run["ttft_ms"]["median"] > 0 and run["tpot_ms"]["median"] > 0
+    wait_idle(server)

@@ -63,7 +63,10 @@ def arguments(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _row(run: dict[str, Any]) -> str:
-    c = "offline" if run["concurrency"] is None else str(run["concurrency"])
+    if "request_rate" in run:
+        c = f"rate {run['request_rate']}/s"
+    else:
+        c = "offline" if run["concurrency"] is None else str(run["concurrency"])
     med = {k: run[k]["median"] for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")}
     cells = [f"{v:.1f}" if v is not None else "-" for v in med.values()]
     return (f"| {run['engine']} | {c} | {run['request_throughput']:.2f} | {run['output_throughput']:.1f} | "
@@ -71,13 +74,46 @@ def _row(run: dict[str, Any]) -> str:
 
 
 def summary_table(runs: list[dict[str, Any]]) -> str:
-    lines = ["| engine | concurrency | req/s | output tok/s | TTFT ms | TPOT ms | ITL ms | E2EL ms |",
+    lines = ["| engine | load | req/s | output tok/s | TTFT ms | TPOT ms | ITL ms | E2EL ms |",
              "|---|---|---|---|---|---|---|---|"]
     return "\n".join(lines + [_row(r) for r in runs])
 
 
+def _write(report: dict[str, Any], output: str | None) -> None:
+    if output:
+        out = Path(output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def run_http_bench(args: argparse.Namespace, model: str) -> dict[str, Any]:
+    """``deepinfer bench --url``: the workload against a running server at each ``--request-rate``.
+    The local model folder gives the vocabulary and tokenizer to build the same workload."""
+    from deepinfer.bench.http import parse_rates, run_http
+    from deepinfer.model.assets import resolve_model_path
+    from deepinfer.model.loader import read_hf_config
+    from deepinfer.tokenizer import Tokenizer
+
+    folder = resolve_model_path(model)
+    spec = workload_spec(args)
+    tokenizer = Tokenizer(folder) if Tokenizer.exists(folder) else None
+    work = materialize(build_workload(spec, read_hf_config(folder)["vocab_size"]), tokenizer)
+    served = args.served_model_name or model
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    run_http(args.url, served, work[:2], rate=float("inf"), api_key=args.api_key)  # warm-up, not measured
+    runs = [run_http(args.url, served, work, rate=rate, seed=args.seed, api_key=args.api_key)
+            for rate in parse_rates(args.request_rate or "inf")]
+    report = {"schema": BENCH_SCHEMA, "created": started, "arguments": arguments(args), "environment": environment(),
+              "model": str(folder), "url": args.url, "workload": describe(spec, work), "runs": runs, "baseline": [],
+              "plots": []}
+    _write(report, args.output)
+    return report
+
+
 def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """Everything ``deepinfer bench`` does; returns the report (also written to ``--output``)."""
+    if args.url:
+        return run_http_bench(args, model)
     points = parse_concurrency(args.concurrency)
     spec = workload_spec(args)
     progress = not args.no_progress
@@ -137,8 +173,5 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
         "baseline": comparison,
         "plots": plots,
     }
-    if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2) + "\n")
+    _write(report, args.output)
     return report

@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--baseline-batch", type=int, default=8, help="baseline batch size in offline mode")
     bench.add_argument("--output", default=None, help="write the JSON report here")
     bench.add_argument("--plot", default=None, metavar="DIR", help="write pareto.png and latency_cdf.png here")
+    bench.add_argument("--url", default=None, help="benchmark a running server (deepinfer serve) instead")
+    bench.add_argument("--request-rate", default=None, metavar="R,...",
+                       help="with --url: Poisson request rates per second, comma-separated, or inf")
+    bench.add_argument("--served-model-name", default=None, help="with --url: the model name (default --model)")
+    bench.add_argument("--api-key", default=None, help="with --url: Bearer key")
     _bench_workload_flags(bench)
     _common(bench)
 
