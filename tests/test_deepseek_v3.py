@@ -83,7 +83,7 @@ def _build(name: str, folder: Path, seed: int = 0) -> torch.nn.Module:
         raw["rope_theta"] = rope.pop("rope_theta")
         raw["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
         path.write_text(json.dumps(raw))
-        n = config.num_hidden_layers  # MTP weights past the last layer are skipped for now
+        n = config.num_hidden_layers  # an incomplete MTP layer past the last layer: dropped with a warning
         save_file({f"model.layers.{n}.enorm.weight": torch.ones(64),
                    f"model.layers.{n}.eh_proj.weight": torch.zeros(64, 128)}, str(folder / "mtp.safetensors"))
     return model

@@ -254,4 +254,12 @@ class EngineCore:
             num_prefill_tokens=batch.num_tokens - decode,
             num_decode_tokens=decode,
             timings=dict(timer.seconds),
+            router_loads=self._router_loads(),
         )
+
+    def _router_loads(self) -> torch.Tensor | None:
+        """Tokens per expert per MoE layer since the previous call (a model's ``take_router_stats``,
+        on its device; None for dense models). With an overlapped executor the next step's forward
+        may already be counted."""
+        take = getattr(getattr(self.runner, "model", None), "take_router_stats", None)
+        return take() if take is not None else None

@@ -17,8 +17,9 @@ class CausalLM(Protocol):
     ``forward`` maps ``input_ids [T]`` (all requests' new tokens, flattened) to hidden states
     ``[T, hidden]``; ``compute_logits`` maps selected hidden rows to float32 logits ``[N, vocab]``.
     ``bind_cache`` hands each layer its cache tensors (one tuple per spec of ``cache_specs()``).
-    ``load_weights`` takes ``(name, tensor)`` pairs as HF saves them and returns the names of the
-    parameters it filled. ``gemm_weights`` lists the parameters used as ``linear`` weights, so the
+    ``load_weights`` takes ``(name, tensor)`` pairs as HF saves them, in the checkpoint's dtype (copy
+    them in with ``param.copy_``, which casts into the parameter's own dtype), and returns the names
+    of the parameters it filled. ``gemm_weights`` lists the parameters used as ``linear`` weights, so the
     GEMM backend can lay them out once after loading (``GemmBackend.prepare_weight``).
     """
 

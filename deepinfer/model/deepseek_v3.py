@@ -35,9 +35,37 @@ expert), so the draw does not depend on the batch; the weights are still the rou
 chosen experts (normalized and scaled as above).
 
 Weights load under the names transformers saves (per-expert ``mlp.experts.{e}.{gate,up,down}_proj``;
-the fused in-memory ``mlp.experts.gate_up_proj``/``down_proj`` are accepted too). MTP layers
-(``model.layers.{N}.*`` with N >= ``num_hidden_layers``, from ``num_nextn_predict_layers``) are
-skipped for now: they are not loaded and nothing exposes them to drafters yet.
+the fused in-memory ``mlp.experts.gate_up_proj``/``down_proj`` are accepted too).
+
+Router statistics: ``model.router_stats`` is an int64 ``[num MoE layers, n_routed_experts]`` buffer on
+the model's device; every MoE forward of the main layers adds its tokens per chosen expert with
+``index_add_`` (no host sync). ``take_router_stats()`` returns the counts so far and zeroes the
+buffer; the engine core calls it once per step for ``StepStats.router_loads`` when a
+``deepinfer_step_end`` observer is registered. ``moe_layer_ids`` maps rows to decoder layer indices.
+
+MTP (multi-token prediction, ``num_nextn_predict_layers``): checkpoints that carry
+``model.layers.{N}.*`` for ``N`` in ``[num_hidden_layers, num_hidden_layers + num_nextn_predict_layers)``
+(``enorm``, ``hnorm``, ``eh_proj``, a full decoder block with its MoE, ``shared_head.norm``; the
+``shared_head.head``/``embed_tokens`` copies are skipped, the main model's are shared) load into
+``model.mtp_layers`` (an ``nn.ModuleList``, empty when the checkpoint has no MTP weights; an incomplete
+MTP layer is dropped with a warning). transformers' ``MtpModel`` calls ``shared_head.norm``
+``post_norm``. For drafters:
+
+- ``mtp_forward(hidden [T, H], next_token_ids [T], positions [T], ctx, depth=0) -> logits [T, V]``
+  (float32). Row t takes the main model's output ``hidden[t]`` (after the final norm: what
+  ``forward`` returns) for the token at ``positions[t]`` and the *next* token's id, and predicts the
+  token after that: ``eh_proj(cat(enorm(embed(next)), hnorm(hidden)))`` → decoder block →
+  ``shared_head.norm`` → LM head. ``mtp_hidden`` returns that normed hidden (the input of depth + 1).
+- The MTP block attends over its own latent cache, which shares the main model's paging: the same
+  ``ctx`` (slot mapping, block tables, lengths) and ``positions = ctx.positions``, so the MTP row of
+  the token at position p lives in the slot of p. ``mtp_cache_specs()`` gives one ``PagedLatentSpec``
+  per loaded MTP layer and ``bind_mtp_cache`` binds tensors allocated with the main pool's
+  ``num_blocks``/``block_size``. These are *not* part of ``cache_specs()`` (the engine sizes the
+  cache before weights load, and a model without a drafter should not pay for them); a drafter that
+  uses MTP allocates them, and must run ``mtp_forward`` on every token the main model computes
+  (prefill included, shifted ids: the last row takes the token just sampled), so that every visible
+  row of the MTP cache is written. Rolling back drafts needs nothing: rows past ``num_computed``
+  are never read and are overwritten.
 """
 
 from __future__ import annotations
@@ -196,6 +224,8 @@ class DeepseekMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, d.hidden, **kw))
         self.w2 = nn.Parameter(torch.empty(experts, d.hidden, inter, **kw))
         self.shared_experts = DenseMLP(d.hidden, inter * d.n_shared, **kw) if d.n_shared else None
+        # Row of the model's ``router_stats`` ``[n_routed]`` this layer counts into (None: not counted).
+        self.stats: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
@@ -239,6 +269,9 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ids, weights = self.route(x, positions)
+        if self.stats is not None:
+            flat = ids.reshape(-1)
+            self.stats.index_add_(0, flat, torch.ones_like(flat))
         out = ctx.backends["experts"].experts(x, ids, weights, (self.w13, self.w2))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ctx)
@@ -260,6 +293,29 @@ class DeepseekDecoderLayer(nn.Module):
         return x + (self.mlp(h, positions, ctx) if self.is_moe else self.mlp(h, ctx))
 
 
+class DeepseekMTPLayer(nn.Module):
+    """One MTP depth: ``eh_proj(cat(enorm(embedding), hnorm(hidden)))`` → decoder block → ``shared_head_norm``."""
+
+    def __init__(self, d: _Dims, layer: int, rotary: MLARotary, **kw: Any) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(d.hidden, d.eps, **kw)
+        self.hnorm = RMSNorm(d.hidden, d.eps, **kw)
+        self.eh_proj_weight = nn.Parameter(torch.empty(d.hidden, 2 * d.hidden, **kw))
+        self.block = DeepseekDecoderLayer(d, layer, rotary, **kw)
+        self.shared_head_norm = RMSNorm(d.hidden, d.eps, **kw)
+
+    def forward(self, positions: torch.Tensor, embedded: torch.Tensor, hidden: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        x = torch.cat([self.enorm(embedded), self.hnorm(hidden)], dim=-1)
+        x = ctx.backends["linear"].linear(x, self.eh_proj_weight)
+        return self.shared_head_norm(self.block(positions, x, ctx))
+
+
+# MTP tensor names (after ``model.layers.{N}.``) that are not part of the decoder block.
+_MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+              "eh_proj.weight": "eh_proj_weight", "shared_head.norm.weight": "shared_head_norm.weight"}
+_MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # copies of the main model's
+
 _MLP_NAMES = {"gate_proj.weight": ("gate_up_weight", 0), "up_proj.weight": ("gate_up_weight", 1),
               "down_proj.weight": ("down_weight", None)}
 
@@ -280,6 +336,21 @@ class DeepseekV3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DeepseekDecoderLayer(d, i, rotary, **kw) for i in range(d.layers))
         self.norm = RMSNorm(d.hidden, d.eps, **kw)
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, **kw))
+        self._rotary, self._kw = rotary, kw
+        self.mtp_layers = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
+        moe = [layer.mlp for layer in self.layers if layer.is_moe]
+        self.moe_layer_ids = [i for i, layer in enumerate(self.layers) if layer.is_moe]
+        self.register_buffer("router_stats", torch.zeros(len(moe), d.n_routed, dtype=torch.int64, device=device),
+                             persistent=False)
+        for row, mlp in enumerate(moe):
+            mlp.stats = self.router_stats[row]
+
+    def take_router_stats(self) -> torch.Tensor:
+        """Tokens routed to each expert ``[num MoE layers, n_routed]`` (int64, on the model's device)
+        since the last call, and zero the buffer. No host sync."""
+        out = self.router_stats.clone()
+        self.router_stats.zero_()
+        return out
 
     def cache_specs(self) -> Sequence[PagedLatentSpec]:
         return [PagedLatentSpec(self.d.kv_lora, self.d.rope) for _ in range(self.d.layers)]
@@ -287,6 +358,24 @@ class DeepseekV3ForCausalLM(nn.Module):
     def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
+
+    def mtp_cache_specs(self) -> Sequence[PagedLatentSpec]:
+        """One latent cache per loaded MTP layer (empty without MTP weights); not in ``cache_specs``."""
+        return [PagedLatentSpec(self.d.kv_lora, self.d.rope) for _ in self.mtp_layers]
+
+    def bind_mtp_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
+        for layer, cache in zip(self.mtp_layers, caches, strict=True):
+            layer.block.self_attn.kv_cache = cache
+
+    def mtp_hidden(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
+                   ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
+        """The normed output ``[T, H]`` of MTP layer ``depth`` (see the module docstring)."""
+        return self.mtp_layers[depth](positions, self.embed_tokens(next_token_ids), hidden, ctx)
+
+    def mtp_forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
+                    ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
+        """Float32 logits ``[T, V]`` of MTP layer ``depth`` for the token after ``next_token_ids``."""
+        return self.compute_logits(self.mtp_hidden(hidden, next_token_ids, positions, ctx, depth), ctx)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -301,8 +390,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     def gemm_weights(self) -> list[nn.Parameter]:
         """Linear weights for the GEMM backend. ``kv_b_weight`` is not listed (the MLA backend reads
         it per head), nor the experts (the MoE backend) or the float32 router."""
-        out: list[nn.Parameter] = []
-        for layer in self.layers:
+        out: list[nn.Parameter] = [mtp.eh_proj_weight for mtp in self.mtp_layers]
+        for layer in [*self.layers, *(mtp.block for mtp in self.mtp_layers)]:
             attn = layer.self_attn
             out += [attn.qkv_a_weight, attn.o_weight] + ([attn.q_b_weight] if self.d.q_lora else [])
             mlp = layer.mlp.shared_experts if layer.is_moe else layer.mlp
@@ -318,7 +407,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         if not name.startswith("layers."):
             return (name, params[name].data) if name in params else None
         _, idx, rest = name.split(".", 2)
-        prefix = f"layers.{idx}."
+        depth = int(idx) - d.layers
+        prefix = f"layers.{idx}." if depth < 0 else f"mtp_layers.{depth}.block."
+        if depth >= 0 and rest in _MTP_NAMES:
+            target = f"mtp_layers.{depth}.{_MTP_NAMES[rest]}"
+            return (target, params[target].data) if target in params else None
         attn = {"self_attn.q_a_proj.weight": (0, d.q_lora or 0),
                 "self_attn.q_proj.weight": (0, d.heads * d.qk_head),
                 "self_attn.kv_a_proj_with_mqa.weight": (d.q_lora or d.heads * d.qk_head, d.kv_lora + d.rope)}
@@ -358,17 +451,27 @@ class DeepseekV3ForCausalLM(nn.Module):
             return None
         return target, params[target].data if view is None else view
 
+    def _build_mtp(self) -> None:
+        """Create the MTP layers (on the first MTP tensor seen)."""
+        d = self.d
+        self.mtp_layers.extend(DeepseekMTPLayer(d, d.layers + k, self._rotary, **self._kw) for k in range(d.num_mtp))
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         skipped_mtp = 0
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if name.startswith("layers.") and int(name.split(".", 2)[1]) >= self.d.layers:
-                skipped_mtp += 1  # MTP layers (num_nextn_predict_layers): not loaded yet
-                continue
             if name.endswith("rotary_emb.inv_freq"):
                 continue
+            if name.startswith("layers.") and int(name.split(".", 2)[1]) >= self.d.layers:
+                depth = int(name.split(".", 2)[1]) - self.d.layers
+                if depth >= self.d.num_mtp or name.split(".", 2)[2] in _MTP_SHARED:
+                    skipped_mtp += 1  # past num_nextn_predict_layers, or a copy of the shared embed/head
+                    continue
+                if not self.mtp_layers:
+                    self._build_mtp()
+                    params = dict(self.named_parameters())
             dest = self._destination(name, params)
             if dest is None:
                 raise ValueError(f"weight {name!r} does not belong to {self.architecture}")
@@ -380,9 +483,17 @@ class DeepseekV3ForCausalLM(nn.Module):
             view.copy_(tensor)
             filled[target] = filled.get(target, 0) + view.numel()
         if skipped_mtp:
-            logger.info("%s: skipped %d MTP tensors (layers >= %d); MTP is not loaded yet",
-                        self.architecture, skipped_mtp, self.d.layers)
-        return {n for n, count in filled.items() if count >= params[n].numel()}
+            logger.info("%s: skipped %d MTP tensors (shared embed/head copies, or past num_nextn_predict_layers)",
+                        self.architecture, skipped_mtp)
+        loaded = {n for n, count in filled.items() if count >= params[n].numel()}
+        mtp_names = {n for n in params if n.startswith("mtp_layers.")}
+        if mtp_names and not mtp_names <= loaded:
+            missing = sorted(mtp_names - loaded)
+            logger.warning("%s: the checkpoint's MTP layers are incomplete (%d tensors missing, e.g. %s); "
+                           "MTP is not loaded", self.architecture, len(missing), missing[0])
+            self.mtp_layers = nn.ModuleList()
+            loaded -= mtp_names
+        return loaded
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

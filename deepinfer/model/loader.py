@@ -37,18 +37,26 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the folder as ``(name, tensor)``, cast to ``dtype`` (integer tensors kept)."""
+def iter_safetensors(folder: Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the folder as ``(name, tensor)``, in the checkpoint's own dtype, or cast to
+    ``dtype`` when given (integer tensors are never cast)."""
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = f.get_tensor(name)
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                cast = dtype is not None and tensor.is_floating_point()
+                yield name, tensor.to(dtype) if cast else tensor
 
 
 def load_checkpoint(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """Fill ``model`` from the folder's safetensors; every parameter must be covered."""
-    loaded = model.load_weights(iter_safetensors(folder, dtype))
+    """Fill ``model`` from the folder's safetensors; every parameter must be covered.
+
+    Tensors reach ``load_weights`` uncast (the checkpoint's dtype): each model copies them into its
+    parameters with ``copy_``, which casts into the parameter's own dtype, so parameters a model keeps
+    in float32 whatever ``dtype`` is (DeepSeek's router weight and correction bias) keep the
+    checkpoint's full precision. ``dtype`` is the model dtype, kept for the signature's sake."""
+    del dtype
+    loaded = model.load_weights(iter_safetensors(folder))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

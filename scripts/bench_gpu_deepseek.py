@@ -1,0 +1,276 @@
+"""Decode speed of an 8-layer DeepSeek-V2-Lite-shaped dummy V3 model on one GPU (issue 3).
+
+    python scripts/bench_gpu_deepseek.py [--output bench.json] [--profile-out prof.txt] [--no-transformers]
+
+Model: ``DeepseekV3ForCausalLM``, hidden 2048, 16 heads, no q_lora, kv_lora 512, rope 64, nope 128,
+v 128, 64 routed experts top-6 + 2 shared, moe width 1408, dense width 10944, first layer dense,
+vocab 102400, 8 layers, bf16 (n_group 1, routed_scaling_factor 1.0, norm_topk_prob true). deepinfer
+builds it with ``load_format="dummy"`` and ``kernels.force_balanced_routing`` (each token's 6 experts
+uniformly at random). Workload per batch B in {1, 16}: B fresh random 128-token prompts (fresh per run,
+so the prefix cache never hits), greedy, EOS ignored. Each repeat times ``max_tokens=1`` (prefill +
+first token) and ``max_tokens=65``; decode tok/s = B * 64 / (t65 - t1). Median of ``--repeats``.
+
+transformers: ``DeepseekV3ForCausalLM`` from the same config, random init on the GPU in bf16 (a
+different random model; its router is not forced balanced: transformers has no such switch),
+``generate`` with ``max_new_tokens`` 1 and 65 (``min_new_tokens`` equal), timed the same way.
+
+Memory-bandwidth limit: bytes read per decode step (all attention and dense weights, the LM head, the
+shared experts, the router, and the expected number of distinct routed experts that B tokens touch
+under uniform top-6 routing, 64 * (1 - (1 - 6/64)^B), plus the latent KV of the mean context) over
+the copy bandwidth measured here (``dst.copy_(src)`` of 2 GiB, bytes read + written).
+
+Profile: ``torch.profiler`` over 8 decode steps at B = 16 (after prefill and 2 warm-up decode steps),
+top ops by device time, plus device-busy time over wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944, "moe_intermediate_size": 1408,
+    "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16,
+    "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1,
+    "routed_scaling_factor": 1.0, "norm_topk_prob": True, "first_k_dense_replace": 1,
+    "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+    "v_head_dim": 128, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6, "hidden_act": "silu",
+    "rope_theta": 10000.0, "rope_scaling": None, "rope_interleave": True, "tie_word_embeddings": False,
+    "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16",
+    "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
+}
+PROMPT_LEN, NEW = 128, 64
+
+
+def step_bytes(batch: int, ctx: float) -> dict[str, float]:
+    c = CONFIG
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    attn = (h * heads * qk + h * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
+            + c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"]) + heads * c["v_head_dim"] * h)
+    e, k, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    distinct = e * (1 - (1 - k / e) ** batch)
+    dense_layers = c["first_k_dense_replace"]
+    moe_layers = c["num_hidden_layers"] - dense_layers
+    params = (c["num_hidden_layers"] * attn + dense_layers * 3 * h * c["intermediate_size"]
+              + moe_layers * (3 * h * inter * c["n_shared_experts"] + distinct * 3 * h * inter)
+              + c["vocab_size"] * h + batch * h)
+    router = moe_layers * e * h * 4  # float32
+    kv = batch * ctx * c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
+    return {"weight_bytes": params * 2 + router, "kv_bytes": kv, "distinct_experts": distinct,
+            "total_bytes": params * 2 + router + kv}
+
+
+def copy_bandwidth() -> float:
+    n = 1 << 30  # 2 GiB of bf16
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / statistics.median(times)
+
+
+def prompts(batch: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, CONFIG["vocab_size"], (batch, PROMPT_LEN), generator=gen).tolist()
+
+
+def bench_deepinfer(folder: Path, batches: list[int], repeats: int, profile_out: Path | None) -> dict:
+    from deepinfer import LLM, SamplingParams
+
+    t = time.perf_counter()
+    llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda",
+              kernels={"force_balanced_routing": True}, kv_cache_bytes=4 << 30,
+              max_num_seqs=max(batches), max_num_batched_tokens=4096)
+    build_s = time.perf_counter() - t
+    seed = [1000]
+
+    def timed(batch: int, max_tokens: int) -> float:
+        seed[0] += 1
+        ps = prompts(batch, seed[0])
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(ps, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+        return dt
+
+    timed(max(batches), 4)  # warm-up
+    timed(1, 4)
+    result = {"build_s": build_s, "runs": {}}
+    for batch in batches:
+        t1s, t65s = [], []
+        for _ in range(repeats):
+            t1s.append(timed(batch, 1))
+            t65s.append(timed(batch, NEW + 1))
+        decode = [batch * NEW / (b - a) for a, b in zip(t1s, t65s, strict=True)]
+        result["runs"][batch] = {"t1_s": t1s, "t65_s": t65s, "decode_tok_s": decode,
+                                 "decode_tok_s_median": statistics.median(decode),
+                                 "prefill_s_median": statistics.median(t1s),
+                                 "decode_step_ms_median": 1000 * statistics.median(
+                                     [(b - a) / NEW for a, b in zip(t1s, t65s, strict=True)])}
+        print(f"deepinfer B={batch}: decode {result['runs'][batch]['decode_tok_s_median']:.1f} tok/s "
+              f"(runs {[round(x, 1) for x in decode]}), prefill+1 {statistics.median(t1s) * 1000:.1f} ms", flush=True)
+    if profile_out is not None:
+        try:
+            result["profile"] = profile_decode(llm, max(batches), profile_out)
+        except Exception as exc:
+            result["profile"] = {"error": repr(exc)}
+            print(f"profile failed: {exc!r}", flush=True)
+    llm.shutdown()
+    return result
+
+
+def profile_decode(llm, batch: int, out: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for p in prompts(batch, 77):
+        engine.add(engine.make_request(p, params))
+    for _ in range(3):  # prefill (one step: 16 x 128 tokens <= 4096) + 2 decode warm-up steps
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 8
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    while engine.has_unfinished():
+        engine.step()
+    avgs = prof.key_averages()
+    try:
+        table = avgs.table(sort_by="self_cuda_time_total", row_limit=25)
+    except Exception:
+        table = avgs.table(sort_by="self_device_time_total", row_limit=25)
+    out.write_text(table)
+    print(table, flush=True)
+
+    def dev(e) -> float:
+        return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
+
+    kernels = [e for e in avgs if dev(e) > 0]
+    total_dev_us = sum(dev(e) for e in kernels if not e.key.startswith("aten::"))
+    top = sorted(((e.key, dev(e) / steps / 1000, e.count // steps) for e in kernels if e.key.startswith("aten::")),
+                 key=lambda x: -x[1])[:15]
+    syncs = {e.key: e.count // steps for e in avgs if e.key in ("cudaStreamSynchronize", "cudaMemcpyAsync",
+                                                                  "cudaLaunchKernel", "cudaDeviceSynchronize")}
+    summary = {"steps": steps, "wall_ms_per_step": 1000 * wall / steps,
+               "device_kernel_ms_per_step": total_dev_us / steps / 1000,
+               "top_aten_ops_ms_per_step_and_calls": top, "runtime_calls_per_step": syncs}
+    print(json.dumps(summary, indent=1), flush=True)
+    return summary
+
+
+def bench_transformers(batches: list[int], repeats: int) -> dict:
+    import transformers
+
+    cfg = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
+    config = transformers.DeepseekV3Config(**cfg)
+    torch.manual_seed(0)
+    t = time.perf_counter()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.DeepseekV3ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(old)
+    model.to(torch.bfloat16)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t
+    info = {"transformers": transformers.__version__, "build_s": build_s,
+            "experts_implementation": getattr(model.config, "_experts_implementation", None),
+            "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    print(f"transformers {info}", flush=True)
+
+    def timed(batch: int, new: int, seed: int) -> float:
+        ids = torch.tensor(prompts(batch, seed), device="cuda")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        assert out.shape[1] == PROMPT_LEN + new
+        return time.perf_counter() - t0
+
+    timed(max(batches), 4, 1)
+    timed(1, 4, 2)
+    runs = {}
+    seed = 100
+    for batch in batches:
+        t1s, t65s = [], []
+        for _ in range(repeats):
+            seed += 1
+            t1s.append(timed(batch, 1, seed))
+            t65s.append(timed(batch, NEW + 1, seed))
+        decode = [batch * NEW / (b - a) for a, b in zip(t1s, t65s, strict=True)]
+        runs[batch] = {"t1_s": t1s, "t65_s": t65s, "decode_tok_s": decode,
+                       "decode_tok_s_median": statistics.median(decode), "prefill_s_median": statistics.median(t1s)}
+        print(f"transformers B={batch}: decode {runs[batch]['decode_tok_s_median']:.1f} tok/s "
+              f"(runs {[round(x, 1) for x in decode]}), prefill+1 {statistics.median(t1s) * 1000:.1f} ms", flush=True)
+    info["runs"] = runs
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--profile-out", type=Path)
+    parser.add_argument("--no-transformers", action="store_true")
+    args = parser.parse_args()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": CONFIG,
+              "date": time.strftime("%Y-%m-%d")}
+    bw = copy_bandwidth()
+    result["copy_bandwidth_bytes_s"] = bw
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        (folder / "config.json").write_text(json.dumps(CONFIG))
+        result["deepinfer"] = bench_deepinfer(folder, args.batch, args.repeats, args.profile_out)
+    torch.cuda.empty_cache()
+    if not args.no_transformers:
+        try:
+            result["transformers"] = bench_transformers(args.batch, args.repeats)
+        except Exception as exc:
+            result["transformers"] = {"error": repr(exc)}
+            print(f"transformers failed: {exc!r}", flush=True)
+    limits = {}
+    for batch in args.batch:
+        b = step_bytes(batch, PROMPT_LEN + NEW / 2)
+        limits[batch] = {**b, "limit_tok_s": batch * bw / b["total_bytes"],
+                         "fraction": result["deepinfer"]["runs"][batch]["decode_tok_s_median"]
+                         / (batch * bw / b["total_bytes"])}
+        print(f"B={batch}: {b['total_bytes'] / 1e9:.3f} GB/step ({b['distinct_experts']:.1f} experts/layer) "
+              f"-> limit {limits[batch]['limit_tok_s']:.0f} tok/s; deepinfer at {100 * limits[batch]['fraction']:.2f}%",
+              flush=True)
+    result["limits"] = limits
+    if args.output:
+        args.output.write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

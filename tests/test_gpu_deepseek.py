@@ -1,0 +1,118 @@
+"""DeepSeek-V3/V2 on CUDA in bf16 against fp32 CPU references (run on the lent H200: ``pytest -m gpu``).
+
+The same harness as ``tests/test_gpu.py`` (whose helpers this module imports): teacher-forced logits
+through the real prefill and paged-latent decode path, one request at a time, batched, with chunked
+prefill, fp32 on the device, and a free greedy run. The references in ``tests/gpu_refs_deepseek/`` are
+made on CPU by ``scripts/make_gpu_refs_deepseek.py`` from the tiny configs of
+``tests/test_deepseek_v3.py`` (``v3-yarn``: q_lora, YaRN + mscale, noaux_tc with a non-zero
+correction bias; ``v2-grouped``: no q_lora, softmax ``group_limited_greedy``, V2 YaRN).
+
+Tolerances: the scheme of ``tests/test_gpu.py`` (1.5x transformers' own bf16 worst case, never below
+``BF16_REL_TOL``/``BF16_RMS_TOL``), with transformers' bf16 worst measured per model on these very
+rows and stored in ``ref.pt`` (``hf_bf16_err``). With MoE routing, bf16 rounding can flip an expert
+choice at a near-tie, which moves a row more than in a dense model: transformers' bf16 v2-grouped
+reaches 0.061 x max|ref| (so its bound is 0.092), v3-yarn 0.030 (bound 0.06).
+Measured for the engine (worst over prompts x single/batched/chunked): see ``MEASURED_*`` below.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_gpu import (
+    BF16_REL_TOL,
+    BF16_RMS_TOL,
+    BLOCK_SIZE,
+    CONT_LEN,
+    DEVICE,
+    FP32_REL_TOL,
+    KV_BYTES,
+    _compare,
+    teacher_forced_logits,
+)
+
+from deepinfer import LLM, SamplingParams
+
+REFS = Path(__file__).parent / "gpu_refs_deepseek"
+NAMES = ("v2-grouped", "v3-yarn")
+# Engine bf16 vs fp32 reference, worst over the prompts x single/batched/chunked (max, RMS), 2026-11-29:
+# CPU bf16: v2-grouped 0.060, 0.024; v3-yarn 0.029, 0.023. H200: v2-grouped 0.060, 0.024 (passes);
+# v3-yarn FAILS at prompt 1, row 13 (position 29) only: 0.578 x max|ref|, because bf16 on CUDA flips the
+# last MoE layer's group choice there (experts (4, 7) instead of (0, 2); the fp32 group-score margin at
+# that position is 0.023). Every other row of that prompt is within 0.029. A routing near-tie, not an
+# engine bug (fp32 on the device: 1.6e-6); the comparison needs a routing-margin exclusion (open).
+# fp32 on the H200: <= 1.6e-6 (max), 1.3e-6 (RMS).
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def tolerances(ref: dict[str, Any]) -> tuple[float, float]:
+    hf_max, hf_rms = ref["hf_bf16_err"]
+    return max(BF16_REL_TOL, 1.5 * hf_max), max(BF16_RMS_TOL, 1.5 * hf_rms)
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def ref(request: pytest.FixtureRequest) -> dict[str, Any]:
+    folder = REFS / request.param
+    if not (folder / "ref.pt").is_file():
+        pytest.fail(f"{folder}/ref.pt is missing: run scripts/make_gpu_refs_deepseek.py")
+    data = torch.load(folder / "ref.pt", weights_only=True)
+    data["folder"] = folder
+    data["forced"] = [c[:CONT_LEN] for c in data["continuations"]]
+    assert data["cont_len"] == CONT_LEN
+    return data
+
+
+def test_bf16_teacher_forced_logits_one_request_at_a_time(ref: dict[str, Any]) -> None:
+    ours = teacher_forced_logits(ref["folder"], ref["prompts"], ref["forced"], dtype="bfloat16", device=DEVICE,
+                                 one_call=False)
+    _compare(ref, ours, *tolerances(ref), "bf16 single")
+
+
+def test_bf16_teacher_forced_logits_batched(ref: dict[str, Any]) -> None:
+    ours = teacher_forced_logits(ref["folder"], ref["prompts"], ref["forced"], dtype="bfloat16", device=DEVICE)
+    _compare(ref, ours, *tolerances(ref), "bf16 batched")
+
+
+def test_bf16_teacher_forced_logits_chunked_prefill(ref: dict[str, Any]) -> None:
+    ours = teacher_forced_logits(ref["folder"], ref["prompts"], ref["forced"], dtype="bfloat16", device=DEVICE,
+                                 max_num_batched_tokens=24)
+    _compare(ref, ours, *tolerances(ref), "bf16 chunked (budget 24)")
+
+
+def test_fp32_on_device_teacher_forced_logits(ref: dict[str, Any]) -> None:
+    ours = teacher_forced_logits(ref["folder"], ref["prompts"], ref["forced"], dtype="float32", device=DEVICE)
+    _compare(ref, ours, FP32_REL_TOL, FP32_REL_TOL, "fp32 batched")
+
+
+def test_bf16_free_greedy_tokens_match_reference(ref: dict[str, Any]) -> None:
+    """No forcing, all prompts batched: greedy tokens equal the fp32 continuation at clear-margin rows
+    (margin > 2 x the bf16 bound), until the first near-tie where they part."""
+    rel_tol, _ = tolerances(ref)
+    llm = LLM(ref["folder"], dtype="bfloat16", device=DEVICE, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE)
+    try:
+        outs = llm.generate(ref["prompts"], SamplingParams(temperature=0, max_tokens=CONT_LEN + 1, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    compared = []
+    for k, (out, cont, r) in enumerate(zip(outs, ref["continuations"], ref["logits"], strict=True)):
+        got = out.outputs[0].token_ids
+        assert len(got) == CONT_LEN + 1
+        tol = 2 * rel_tol * r.abs().max().item()
+        top2 = r.topk(2, dim=-1).values
+        n = 0
+        for j, (a, b) in enumerate(zip(got, cont, strict=True)):
+            if (top2[j, 0] - top2[j, 1]).item() > tol:
+                assert a == b, f"{ref['name']} prompt {k}: token {j} is {a}, reference {b} (clear margin)"
+            elif a != b:
+                break
+            n += 1
+        compared.append(n)
+    print(f"\nMEASURED {ref['name']:22s} free greedy: tokens compared per prompt {compared} of {CONT_LEN + 1}")
