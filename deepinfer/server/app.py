@@ -368,32 +368,15 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             payload["usage"] = _usage(final)
             return JSONResponse(payload)
 
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        def render(out: RequestOutput, text: str, first: int, last: int, finish: str | None,
+                   sent: int) -> dict[str, Any] | None:
+            if not (text or finish or (want_lp and last > first)):
+                return None
+            lp = fmt.completion_logprobs(out, first, last, sent - len(text)) if want_lp else None
+            return chunk(text, out, lp, finish)
 
-        async def events() -> AsyncGenerator[str, None]:
-            delta = _Delta(params.stop)
-            try:
-                async for out in gen:
-                    if out.outputs[0].finish_reason == "error":
-                        yield _sse(APIError(500, f"generation failed: {out.outputs[0].error}",
-                                            type="server_error").body())
-                        break
-                    text, first, last = delta.step(out)
-                    finish = _finish_reason(out) if out.finished else None
-                    if text or finish or (want_lp and last > first):
-                        lp = fmt.completion_logprobs(out, first, last, len(delta.sent) - len(text)) \
-                            if want_lp else None
-                        yield _sse(chunk(text, out, lp, finish))
-                    if out.finished and include_usage:
-                        yield _sse({"id": request_id, "object": "text_completion", "created": created,
-                                    "model": body.model, "choices": [], "usage": _usage(out)})
-            except RuntimeError as exc:
-                yield _sse(APIError(500, str(exc), type="server_error").body())
-            finally:
-                await gen.aclose()
-            yield "data: [DONE]\n\n"
-
-        return _EventStream(events(), release)
+        usage = _usage_chunk(body, request_id, "text_completion", created)
+        return _EventStream(_events(gen, params.stop, render, usage), release)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -434,37 +417,58 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             payload["usage"] = _usage(final)
             return JSONResponse(payload)
 
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        def render(out: RequestOutput, text: str, first: int, last: int, finish: str | None,
+                   sent: int) -> dict[str, Any] | None:
+            if not (text or finish or (body.logprobs and last > first)):
+                return None
+            lp = fmt.chat_logprobs(out, first, last, top_n) if body.logprobs else None
+            return envelope("chat.completion.chunk", {"index": 0, "delta": {"content": text} if text else {},
+                                                      "logprobs": lp, "finish_reason": finish})
 
-        async def events() -> AsyncGenerator[str, None]:
-            delta = _Delta(params.stop)
-            yield _sse(envelope("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                          "logprobs": None, "finish_reason": None}))
-            try:
-                async for out in gen:
-                    if out.outputs[0].finish_reason == "error":
-                        yield _sse(APIError(500, f"generation failed: {out.outputs[0].error}",
-                                            type="server_error").body())
-                        break
-                    text, first, last = delta.step(out)
-                    finish = _finish_reason(out) if out.finished else None
-                    if text or finish or (body.logprobs and last > first):
-                        lp = fmt.chat_logprobs(out, first, last, top_n) if body.logprobs else None
-                        yield _sse(envelope("chat.completion.chunk", {
-                            "index": 0, "delta": {"content": text} if text else {},
-                            "logprobs": lp, "finish_reason": finish}))
-                    if out.finished and include_usage:
-                        yield _sse({"id": request_id, "object": "chat.completion.chunk", "created": created,
-                                    "model": body.model, "choices": [], "usage": _usage(out)})
-            except RuntimeError as exc:
-                yield _sse(APIError(500, str(exc), type="server_error").body())
-            finally:
-                await gen.aclose()
-            yield "data: [DONE]\n\n"
-
-        return _EventStream(events(), release)
+        head = envelope("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None})
+        usage = _usage_chunk(body, request_id, "chat.completion.chunk", created)
+        return _EventStream(_events(gen, params.stop, render, usage, head), release)
 
     return app
+
+
+def _usage_chunk(body: Any, request_id: str, obj: str, created: int
+                 ) -> Callable[[RequestOutput], dict[str, Any]] | None:
+    """The final ``usage`` chunk of a stream, when the client asked for it (``stream_options``)."""
+    if body.stream_options is None or not body.stream_options.include_usage:
+        return None
+    return lambda out: {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [],
+                        "usage": _usage(out)}
+
+
+async def _events(gen: AsyncGenerator[RequestOutput, None], stop: list[str], render: Callable[..., Any],
+                  usage: Callable[[RequestOutput], dict[str, Any]] | None,
+                  head: dict[str, Any] | None = None) -> AsyncGenerator[str, None]:
+    """Server-sent events of one streaming request. ``render(out, text, first, last, finish, sent)``
+    builds the chunk for the text that became safe to send (or None to send nothing); ``usage`` adds
+    the final usage chunk; a generation error becomes an error event; the stream always ends with
+    ``[DONE]`` and closes the generator (which aborts the request if it is still running)."""
+    delta = _Delta(stop)
+    if head is not None:
+        yield _sse(head)
+    try:
+        async for out in gen:
+            if out.outputs[0].finish_reason == "error":
+                yield _sse(APIError(500, f"generation failed: {out.outputs[0].error}", type="server_error").body())
+                break
+            text, first, last = delta.step(out)
+            finish = _finish_reason(out) if out.finished else None
+            payload = render(out, text, first, last, finish, len(delta.sent))
+            if payload is not None:
+                yield _sse(payload)
+            if out.finished and usage is not None:
+                yield _sse(usage(out))
+    except RuntimeError as exc:
+        yield _sse(APIError(500, str(exc), type="server_error").body())
+    finally:
+        await gen.aclose()
+    yield "data: [DONE]\n\n"
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
