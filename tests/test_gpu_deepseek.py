@@ -40,16 +40,13 @@ import torch
 from test_gpu import (
     BF16_REL_TOL,
     BF16_RMS_TOL,
-    BLOCK_SIZE,
     CONT_LEN,
     DEVICE,
     FP32_REL_TOL,
-    KV_BYTES,
     _compare,
+    check_free_greedy,
     teacher_forced_logits,
 )
-
-from deepinfer import LLM, SamplingParams
 
 REFS = Path(__file__).parent / "gpu_refs_deepseek"
 NAMES = ("v2-grouped", "v3-yarn")
@@ -131,24 +128,4 @@ def test_bf16_free_greedy_tokens_match_reference(ref: dict[str, Any]) -> None:
     """No forcing, all prompts batched: greedy tokens equal the fp32 continuation at clear-margin rows
     (margin > 2 x the bf16 bound), until the first near-tie where they part."""
     rel_tol, _ = tolerances(ref)
-    llm = LLM(ref["folder"], dtype="bfloat16", device=DEVICE, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE)
-    try:
-        outs = llm.generate(ref["prompts"], SamplingParams(temperature=0, max_tokens=CONT_LEN + 1, ignore_eos=True),
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
-    compared = []
-    for k, (out, cont, r) in enumerate(zip(outs, ref["continuations"], ref["logits"], strict=True)):
-        got = out.outputs[0].token_ids
-        assert len(got) == CONT_LEN + 1
-        tol = 2 * rel_tol * r.abs().max().item()
-        top2 = r.topk(2, dim=-1).values
-        n = 0
-        for j, (a, b) in enumerate(zip(got, cont, strict=True)):
-            if (top2[j, 0] - top2[j, 1]).item() > tol:
-                assert a == b, f"{ref['name']} prompt {k}: token {j} is {a}, reference {b} (clear margin)"
-            elif a != b:
-                break
-            n += 1
-        compared.append(n)
-    print(f"\nMEASURED {ref['name']:22s} free greedy: tokens compared per prompt {compared} of {CONT_LEN + 1}")
+    check_free_greedy(ref, rel_tol)
