@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "tests"))
 
@@ -15,3 +16,12 @@ def smollm2_dir() -> Path:
     from deepinfer.model.assets import resolve_model_path
 
     return resolve_model_path("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny models run several times faster on one intra-op thread than on two on a busy 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -10,10 +10,12 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from tiny_models import record_logits
+from tiny_models import randomize, record_logits
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 256
 DECODE_STEPS = 32
@@ -64,12 +66,8 @@ def _build(name: str, folder: Path, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
     gen = torch.Generator().manual_seed(seed + 1)
+    randomize(model, gen)
     with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if p.dim() == 1 and "norm" in pname:
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(0.15 * torch.randn(p.shape, generator=gen))
         for bname, b in model.named_buffers():
             if bname.endswith("e_score_correction_bias"):
                 b.copy_(0.1 * torch.randn(b.shape, generator=gen))
@@ -100,13 +98,6 @@ CONVERSATIONS = [_SYSTEM + tail for tail in _prompts([3, 17, 9], seed=4)]
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These models are tiny: one intra-op thread is several times faster than two on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))

@@ -19,15 +19,11 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.pools import KVPool
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _ctx(llm: LLM, start: int, end: int, table: list[int]) -> ForwardContext:

@@ -31,14 +31,18 @@ def build_tiny(name: str, seed: int = 0, **overrides: object) -> torch.nn.Module
     config = getattr(transformers, cfg_cls)(**{**BASE, **extra, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
+    randomize(model, torch.Generator().manual_seed(seed + 1))
+    return model
+
+
+def randomize(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """Norm scales near 1, every other parameter N(0, 0.15²): logits spread enough for clear argmax."""
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if p.dim() == 1 and "norm" in pname:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(0.15 * torch.randn(p.shape, generator=gen))
-    return model
 
 
 def save_tiny(name: str, folder: Path, seed: int = 0, **overrides: object) -> tuple[torch.nn.Module, Path]:

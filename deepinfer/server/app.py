@@ -237,6 +237,18 @@ async def _last_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput | Non
     return last
 
 
+async def _final_output(gen: AsyncIterator[RequestOutput], request: Request,
+                        release: Callable[[], None]) -> RequestOutput | None:
+    """A non-streaming request's checked final output (None: the client left), releasing its queue slot."""
+    try:
+        final = await _run_unless_disconnected(gen, request)
+    finally:
+        release()
+    if final is not None:
+        _check_error(final)
+    return final
+
+
 async def _run_unless_disconnected(gen: AsyncIterator[RequestOutput], request: Request) -> RequestOutput | None:
     """The final output, or None when the client went away (the request is then aborted)."""
     task = asyncio.ensure_future(_last_output(gen))
@@ -356,13 +368,9 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
         if not body.stream:
-            try:
-                final = await _run_unless_disconnected(gen, request)
-            finally:
-                release()
+            final = await _final_output(gen, request, release)
             if final is None:
                 return Response(status_code=499)
-            _check_error(final)
             lp = fmt.completion_logprobs(final, 0, len(final.outputs[0].token_ids), 0) if want_lp else None
             payload = chunk(final.outputs[0].text, final, lp, _finish_reason(final))
             payload["usage"] = _usage(final)
@@ -403,13 +411,9 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             return {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice]}
 
         if not body.stream:
-            try:
-                final = await _run_unless_disconnected(gen, request)
-            finally:
-                release()
+            final = await _final_output(gen, request, release)
             if final is None:
                 return Response(status_code=499)
-            _check_error(final)
             lp = fmt.chat_logprobs(final, 0, len(final.outputs[0].token_ids), top_n) if body.logprobs else None
             payload = envelope("chat.completion", {
                 "index": 0, "message": {"role": "assistant", "content": final.outputs[0].text},
