@@ -54,9 +54,12 @@ class CacheSection(_Section):
 
 
 class SamplingSection(_Section):
-    """Engine-wide sampling defaults."""
+    """Engine-wide sampling defaults, and the structured-output compiler (threads, timeout, cache)."""
 
     seed: int = 0
+    grammar_threads: int = Field(default=2, ge=1, le=64)
+    grammar_timeout_s: float = Field(default=20.0, gt=0)
+    grammar_cache: bool = True
 
 
 class SchedulerSection(_Section):
@@ -136,6 +139,9 @@ _CORE_KNOBS: dict[str, tuple[str, Any]] = {
     "DEEPINFER_BATCH_INVARIANT": ("kernels.batch_invariant", lambda v: _truthy(v)),
     "DEEPINFER_ENFORCE_EAGER": ("kernels.cuda_graphs", lambda v: not _truthy(v)),
     "DEEPINFER_FORCE_LOAD_BALANCE": ("kernels.force_balanced_routing", lambda v: _truthy(v)),
+    "DEEPINFER_XGRAMMAR_TIMEOUT": ("sampling.grammar_timeout_s", lambda v: _parse_scalar(v)),
+    "DEEPINFER_SO_BUILDER_CPUS": ("sampling.grammar_threads", lambda v: _parse_scalar(v)),
+    "DEEPINFER_XGRAMMAR_DISABLE_CACHE": ("sampling.grammar_cache", lambda v: not _truthy(v)),
 }
 
 # Every knob the reference documents (reference/deepinfer.md §1.5). Those nobody maps give one warning.

@@ -106,7 +106,8 @@ def deepinfer_attention_backends() -> list[AttentionBackend]:
 @hookspec
 def deepinfer_moe_backends() -> list[MoEBackend]:
     """MoE backends (op ``experts``; ``dispatch``/``combine`` for expert parallelism); chosen by
-    ``kernels.moe`` like attention backends."""
+    ``kernels.moe`` like attention backends. A backend may lay out or quantize the expert weights once
+    through the optional ``prepare_experts`` (``interfaces.MoEBackend``)."""
 
 
 @hookspec

@@ -62,8 +62,11 @@ class StepStats:
     """One executor step, observed after it finished (times in seconds).
 
     ``timings`` has the keys ``schedule``, ``prepare``, ``forward``, ``sample``, ``process``.
-    ``accepted_drafts``/``draft_confidence`` are empty without speculative decoding;
-    ``router_loads`` is ``[layers, experts]`` tokens per expert, or None for dense models.
+    ``num_decode_tokens`` counts the query tokens of decode rows (1 + verified drafts each).
+    Speculative decoding, one entry per request that verified drafts this step (empty otherwise):
+    ``verified_drafts`` how many, ``accepted_drafts`` how many were accepted, ``draft_confidence``
+    the confidences the plan ranked them by (calibrated) and ``draft_raw_confidence`` the drafter's
+    own. ``router_loads`` is ``[layers, experts]`` tokens per expert, or None for dense models.
     """
 
     step: int
@@ -71,8 +74,10 @@ class StepStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     timings: Mapping[str, float]
+    verified_drafts: tuple[int, ...] = ()
     accepted_drafts: tuple[int, ...] = ()
     draft_confidence: tuple[tuple[float, ...], ...] = ()
+    draft_raw_confidence: tuple[tuple[float, ...], ...] = ()
     router_loads: torch.Tensor | None = None
 
 
@@ -163,31 +168,72 @@ class RequestRouter(Protocol):
 
 @dataclass(frozen=True)
 class DraftInputs:
-    """What a drafter gets after sampling (on the device).
+    """What a drafter gets after a step committed tokens (on the model's device).
 
-    ``last_tokens [B]`` the last committed token per request; ``history [B, H]`` recent committed
-    tokens, right-aligned, −1 padded; ``positions [B]`` the position of ``last_tokens``;
-    ``hidden`` the captured hidden states by layer id (``[B, hidden]`` rows of the last tokens).
+    ``last_tokens [B]`` the last committed token per request; ``history [B, H]`` the committed
+    tokens (prompt included), right-aligned, −1 padded; ``positions [B]`` the position of
+    ``last_tokens``; ``seeds [B]`` the requests' seeds and ``temperature [B]`` their temperatures
+    (0 = greedy), for drafters that sample; ``k`` the most drafts wanted per request;
+    ``hidden`` the captured hidden states by layer id (``[B, hidden]`` rows of the last tokens);
+    ``rows`` the main model's committed rows of the step, for drafters that run layers of their own
+    over them (``mtp``; None for the others). ``B`` may be 0 when only ``rows`` has work (a prefill
+    chunk that sampled nothing still fills an MTP cache).
     """
 
     last_tokens: torch.Tensor
     history: torch.Tensor
     positions: torch.Tensor
+    seeds: torch.Tensor
+    temperature: torch.Tensor
+    k: int
     hidden: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    rows: CommittedRows | None = None
+
+
+@dataclass(frozen=True)
+class CommittedRows:
+    """The rows a step computed and committed, for a drafter with its own paged cache (MTP).
+
+    ``hidden [R, H]``: the main model's final hidden state (after its final norm: what ``forward``
+    returns) of every committed token the step computed, for every request of the step (prefill
+    chunks and requests that just finished included; a verifying request's rows are its last token
+    and its accepted drafts). ``next_tokens [R]``: the id of the token after each row (the next prompt
+    token, or a token the step emitted). ``ctx``: a ``ForwardContext`` over exactly these rows on the
+    main model's paging (``ctx.positions`` are their positions; ``seq_lens`` the committed lengths), so
+    a cache sharing the main pool's block ids gets the row of position p in the slot of p.
+    ``last_rows [B]``: for each drafting request (``DraftInputs`` order), its last committed row,
+    whose next token is the request's last token. ``chain(offset)``: a ``ForwardContext`` of one
+    decode row per drafting request at ``DraftInputs.positions + offset`` (offset 0 is the last
+    token, offset j the j-th draft), KV length ``position + 1``, for chained drafts that write their
+    own cache rows past the committed tokens; the core allocates blocks for those positions on the
+    first call, and a request's rows past what it may still emit, or past the blocks it could get,
+    run on the reserved scratch block (the core drops the drafts that depend on them). Rows past the
+    committed length are overwritten when those positions are computed for real.
+    """
+
+    hidden: torch.Tensor
+    next_tokens: torch.Tensor
+    ctx: ForwardContext
+    last_rows: torch.Tensor
+    chain: Callable[[int], ForwardContext]
 
 
 @dataclass(frozen=True)
 class DraftProposal:
-    """``tokens [B, k]`` int64; ``probs [B, k, V]`` or None (one-hot drafts); ``confidence [B, k]``
-    float32 in [0, 1], the drafter's belief that each draft is accepted given its prefix was."""
+    """``tokens [B, k]`` int64, −1 where a request has no further draft; ``probs [B, k, V]`` or
+    None (one-hot drafts; a drafter that gives probabilities must draw its drafts from them, or
+    verification is not lossless); ``confidence [B, k]`` float32 in [0, 1], the drafter's belief
+    that each draft is accepted given its prefix was (what verification plans rank by);
+    ``raw_confidence`` the uncalibrated values when ``confidence`` was calibrated (None: the same)."""
 
     tokens: torch.Tensor
     probs: torch.Tensor | None
     confidence: torch.Tensor
+    raw_confidence: torch.Tensor | None = None
 
 
 class Drafter(Protocol):
-    """Proposes up to ``k`` draft tokens per request."""
+    """Proposes up to ``inputs.k`` draft tokens per request."""
 
     def propose(self, inputs: DraftInputs) -> DraftProposal: ...
 
@@ -204,7 +250,11 @@ class VerificationPlan(Protocol):
 
     def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
         """Total query tokens over decode rows, Σ(1 + drafts verified), from host-side confidences
-        ``[B, k]`` of the previous round (missing = 1.0). Fixes the batch bucket."""
+        ``[B, k]`` of the previous round. Fixes the batch bucket.
+
+        Confidence matrices hold each request's per-draft conditional confidences in (0, 1]; a
+        position past a request's last draft is exactly 0 (nothing to verify there); a draft whose
+        confidence is not known yet counts as 1.0."""
         ...
 
     def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
@@ -346,6 +396,11 @@ class ForwardContext:
     this step), ``block_tables [B, max_blocks]``. ``num_decodes``: the first rows are decode rows
     with exactly one query token each. Host copies (``*_host``) let reference backends loop without
     reading the device. ``backends`` maps op name to the selected backend object.
+
+    Models with per-request state (``kv/state.py``) also get ``state_slots [B]`` (each request's state
+    slot, host copy ``state_slots_host``) and ``write_floor_host`` (per request, the positions below
+    which its blocks are shared through the prefix cache: rows there only rebuild state, exact replay,
+    and must not rewrite paged entries); all three are None for other models.
     """
 
     positions: torch.Tensor
@@ -358,6 +413,9 @@ class ForwardContext:
     seq_lens_host: list[int]
     block_size: int
     backends: Mapping[str, Any]
+    state_slots: torch.Tensor | None = None
+    state_slots_host: list[int] | None = None
+    write_floor_host: list[int] | None = None
 
 
 class AttentionBackend(Backend, Protocol):
@@ -375,11 +433,22 @@ class AttentionBackend(Backend, Protocol):
 
 class MoEBackend(Backend, Protocol):
     """Implements op ``experts``: ``x [T, H]``, ``topk_ids``/``topk_weights [T, k]`` → ``[T, H]``,
-    the weighted sum of each token's experts (SwiGLU). ``dispatch``/``combine`` serve expert
-    parallelism; the core's all-to-all is the reference."""
+    the weighted sum of each token's experts (SwiGLU). ``swiglu_limit`` (DeepSeek-V4), when given, clamps
+    the gate to ``≤ limit`` and the up projection to ``[-limit, limit]`` before ``silu(gate)·up``.
+    ``dispatch``/``combine`` serve expert parallelism; the core's all-to-all is the reference.
+
+    Optional ``prepare_experts(w13, w2) -> Any``: the model calls it once per MoE layer with the layer's
+    parameters ``w13 [E, 2I, H]`` (gate rows then up rows) and ``w2 [E, H, I]`` once they are loaded
+    (``DeepseekV3ForCausalLM.prepare_experts``, or on the layer's first forward), and hands what it
+    returns back to ``experts`` as ``weights``; a backend without it gets ``(w13, w2)``. It may re-lay
+    the parameters out in place (``param.data = ...``, same shape and values, as
+    ``GemmBackend.prepare_weight`` does) or return its own copy (e.g. FP8 with block scales, which then
+    adds its bytes next to the originals and does not follow later writes to them). Weights reaching
+    ``experts`` without it (expert parallelism's local slots) are raw ``(w13, w2)``; a backend that
+    cannot use those raises."""
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                weights: Any) -> torch.Tensor: ...
+                weights: Any, *, swiglu_limit: float | None = None) -> torch.Tensor: ...
 
 
 class GemmBackend(Backend, Protocol):

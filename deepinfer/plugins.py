@@ -83,6 +83,18 @@ def _plugin_hooks(obj: Any) -> list[str]:
     return sorted(n for n in dir(obj) if n.startswith("deepinfer_") and callable(getattr(obj, n, None)))
 
 
+class UnfitBackend:
+    """Stands for an op that no backend can serve in this run but that the model does not call: any
+    use raises ``ConfigError`` with ``reason`` (never a silent fallback to a backend that lacks a
+    required capability)."""
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+
+    def __getattr__(self, name: str) -> Any:
+        raise ConfigError(self._reason)
+
+
 @dataclass
 class _Offer:
     plugin: str
@@ -219,9 +231,13 @@ class PluginHost:
         return table[chosen].value
 
     def select_backends(self, hook_name: str, chosen: str, config_path: str,
-                        req: RunRequirements) -> dict[str, Backend]:
+                        req: RunRequirements, required: frozenset[str] | None = None) -> dict[str, Backend]:
         """Per op, the backend to use: ``chosen`` for the ops it implements (error if it cannot serve
-        the run), and for the other ops the highest-priority available backend that fits."""
+        the run), and for the other ops the highest-priority available backend that fits.
+
+        ``required``: the ops the model calls (``backend_ops`` of the model class; None = every op).
+        An op outside it with no fitting backend (e.g. another model family's attention under
+        ``kernels.batch_invariant``) gets an ``UnfitBackend`` that raises, naming the gap, if ever used."""
         backends: list[Backend] = [b for offer in self._call_each(hook_name) for b in offer.value]
         names = [b.name for b in backends]
         dupes = sorted({n for n in names if names.count(n) > 1})
@@ -243,6 +259,9 @@ class PluginHost:
             selected = dict.fromkeys(backend.ops, backend)
         for op in sorted({op for b in backends for op in b.ops} - set(selected)):
             fitting = [b for b in backends if op in b.ops and b.available() and not req.missing(b.capabilities)]
+            if not fitting and required is not None and op not in required:
+                selected[op] = UnfitBackend(f"{config_path}: no backend for op {op!r} fits this run ({req})")
+                continue
             if not fitting:
                 raise ConfigError(f"{config_path}: no backend for op {op!r} fits this run ({req})")
             selected[op] = max(fitting, key=lambda b: b.priority)

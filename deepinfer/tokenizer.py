@@ -7,6 +7,7 @@ template (``chat_template.jinja`` or ``tokenizer_config.json``) renders with a s
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -63,22 +64,37 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The chat template applied to ``messages`` with the generation prompt on."""
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+        """The chat template applied to ``messages`` with the generation prompt on; ``options`` are extra
+        template variables (``chat_template_kwargs``, e.g. ``enable_thinking`` for templates that read it)."""
         if not self.chat_template:
             raise ValueError(f"tokenizer in {str(self.folder)!r} has no chat template; use generate() instead")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         template = env.from_string(self.chat_template)
-        return template.render(messages=messages, add_generation_prompt=True,
-                               **{k: v for k, v in self.special_tokens.items() if v is not None})
+        specials = {k: v for k, v in self.special_tokens.items() if v is not None}
+        return template.render(messages=messages, add_generation_prompt=True, **{**specials, **options})
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> tuple[str, list[int]]:
+        """The rendered chat prompt and its token ids (no special tokens added: the template has them)."""
+        text = self.render_chat(messages, **options)
+        return text, self.encode(text)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id of tokenizer_config.json's ``eos_token``, if it names one in the vocabulary."""
+        eos = self.special_tokens.get("eos_token")
+        return None if eos is None else self.token_id(eos)
 
 
-def eos_token_ids(folder: Path, hf_config: dict[str, Any]) -> frozenset[int]:
-    """EOS ids from ``generation_config.json``, then ``config.json`` (API.md §4)."""
+def eos_token_ids(folder: Path, hf_config: dict[str, Any], tokenizer: Tokenizer | None = None) -> frozenset[int]:
+    """EOS ids from ``generation_config.json``, then ``config.json`` (API.md §4), then the tokenizer's
+    ``eos_token`` (a model folder without either, used with e.g. ``tokenizer="deepseek-v4"``)."""
     for source in (_read_json(folder / "generation_config.json"), hf_config):
         eos = source.get("eos_token_id")
         if eos is not None:
             return frozenset(eos if isinstance(eos, list) else [eos])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return frozenset([tokenizer.eos_token_id])
     return frozenset()

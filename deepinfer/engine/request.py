@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from deepinfer.engine.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, TokenLogprobs
 from deepinfer.sampling.params import SamplingParams
@@ -54,6 +55,19 @@ class Request:
         self.num_preemptions = 0
         self.num_pending = 0
         self.epoch = 0
+        # Structured output: the request's grammar (``deepinfer.structured.grammar.RequestGrammar``), set by
+        # the engine when the params ask for one; the scheduler admits the request once it is ready.
+        self.grammar: Any = None
+        self.clear_drafts()
+
+    def clear_drafts(self) -> None:
+        """Forget the drafts proposed after the last committed token (speculative decoding):
+        ``draft_tokens``, the ``draft_confidence`` the plan ranks them by (calibrated), the drafter's
+        ``draft_raw_confidence`` and ``draft_probs`` (``[k, V]`` on the device, None = one-hot)."""
+        self.draft_tokens: list[int] = []
+        self.draft_confidence: list[float] = []
+        self.draft_raw_confidence: list[float] = []
+        self.draft_probs = None
 
     # SchedulableRequest view ------------------------------------------------------------------------
     @property
@@ -89,6 +103,7 @@ class Request:
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.drop_pending()
+        self.clear_drafts()
         self.epoch += 1
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason

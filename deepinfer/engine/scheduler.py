@@ -10,10 +10,11 @@ waiting, to be recomputed from its tokens (its cached full blocks usually make t
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.interfaces import SchedulePolicy
+from deepinfer.interfaces import CacheLayout, ReplayPlanner, SchedulePolicy
 from deepinfer.kv.blocks import KVCacheManager
 
 
@@ -23,6 +24,9 @@ class ScheduledRequest:
 
     ``samples``: the chunk reaches the end of the request's tokens, so its logits give a new token,
     which goes to ``all_token_ids[token_slot]``. ``epoch`` is the request's epoch when scheduled.
+    ``drafts``: draft tokens verified after the request's last token (speculative decoding); the
+    row then computes ``1 + len(drafts)`` tokens and may commit up to that many. ``confidence`` /
+    ``raw_confidence``: the drafter's (calibrated / raw) confidences of those drafts, for statistics.
     """
 
     request: Request
@@ -31,6 +35,9 @@ class ScheduledRequest:
     samples: bool = False
     epoch: int = 0
     token_slot: int = -1
+    drafts: list[int] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+    raw_confidence: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
@@ -53,19 +60,48 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(frozen=True)
+class ReplayStart:
+    """Where a request resumes when its first ``computed`` tokens are in the cache (a prefix hit, or
+    a preempted request's surviving blocks) but its per-request state (sliding-window rings,
+    compressor windows) is not: the replay planner's ``first_token``. The tokens in between are
+    recomputed only to rebuild that state; they do not rewrite the shared blocks
+    (``KVCacheManager.write_floor``)."""
+
+    planner: ReplayPlanner
+    layout: CacheLayout
+
+    def first_token(self, req: Request, computed: int) -> int:
+        reason = "preempted" if req.num_preemptions else "prefix_hit"
+        before, req.num_computed_tokens = req.num_computed_tokens, computed
+        plan = self.planner.plan(req, self.layout, reason)
+        req.num_computed_tokens = before
+        return min(computed, max(0, plan.first_token))
+
+
+DraftPlanner = Callable[[Sequence[Request]], list[int]]
+"""Drafts to verify per decode request (speculative decoding), in the order given."""
+
+
 class Scheduler:
-    """Owns the waiting and running queues and the KV block tables."""
+    """Owns the waiting and running queues and the KV block tables. With a ``draft_planner``
+    (speculative decoding), a decode row also verifies the drafts the planner grants it; blocks are
+    allocated for all of them (the worst case: every draft accepted)."""
 
     def __init__(self, kv: KVCacheManager, policy: SchedulePolicy, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, chunked_prefill: bool) -> None:
+                 max_num_batched_tokens: int, chunked_prefill: bool,
+                 draft_planner: DraftPlanner | None = None) -> None:
         self.kv = kv
         self.policy = policy
+        self.draft_planner = draft_planner
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Set by the engine for models with per-request state (kv/state.py): exact state restore.
+        self.replay: ReplayStart | None = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -80,11 +116,14 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         queue = [r for r in self.running if not self._at_limit(r)]
+        drafts = self._plan_drafts(queue)
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = self._chunk(req, budget)
             if num_new == 0:
                 break
+            verified = drafts.get(req.request_id, [])[:budget - num_new]
+            num_new += len(verified)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
                 victim = self.policy.preemption_victim(candidates)
@@ -95,14 +134,28 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest.of(req, req.num_computed_tokens, num_new))
+                row = ScheduledRequest.of(req, req.num_computed_tokens, num_new - len(verified))
+                row.num_new_tokens, row.drafts = num_new, verified
+                row.confidence = req.draft_confidence[:len(verified)]
+                row.raw_confidence = req.draft_raw_confidence[:len(verified)]
+                out.scheduled.append(row)
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
         if not out.preempted:
             budget = self._admit(out, budget)
-        # Decode rows first: the runner batches them together.
+        # Single-token decode rows first: the runner batches them together.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
+
+    def _plan_drafts(self, queue: Sequence[Request]) -> dict[str, list[int]]:
+        """The drafts each decode request verifies this step, from the draft planner."""
+        if self.draft_planner is None:
+            return {}
+        decoding = [r for r in queue if r.draft_tokens and r.num_computed_tokens == r.num_tokens - 1]
+        if not decoding:
+            return {}
+        granted = self.draft_planner(decoding)
+        return {r.request_id: r.draft_tokens[:n] for r, n in zip(decoding, granted, strict=True) if n > 0}
 
     @staticmethod
     def _at_limit(req: Request) -> bool:
@@ -120,20 +173,24 @@ class Scheduler:
         for req in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if req.grammar is not None and not req.grammar.ready:
+                continue  # structured output: waits until its grammar has compiled (EngineCore polls it)
             prefix = self.kv.find_prefix(req.request_id, req.all_token_ids) if req.params.prompt_logprobs is None \
                 else None
             computed = prefix.num_tokens if prefix else 0
-            remaining = req.num_tokens - computed
+            # With per-request state, cached tokens still rebuild it from the replay's first token.
+            start = self.replay.first_token(req, computed) if self.replay is not None and computed else computed
+            remaining = req.num_tokens - start
             num_new = remaining if remaining <= budget else (budget if self.chunked_prefill else 0)
-            if num_new == 0 or not self.kv.allocate(req.request_id, computed + num_new, prefix):
+            if num_new == 0 or not self.kv.allocate(req.request_id, max(computed, start + num_new), prefix):
                 break
             self.waiting.remove(req)
             if prefix is not None:
                 self.kv.record_lookup(req.num_tokens, computed)
-            req.num_computed_tokens = computed
+            req.num_computed_tokens = start
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest.of(req, computed, num_new))
+            out.scheduled.append(ScheduledRequest.of(req, start, num_new))
             budget -= num_new
         return budget
 
@@ -144,6 +201,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.drop_pending()
+        req.clear_drafts()
         req.epoch += 1
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING

@@ -37,9 +37,17 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, *, config: Any = None,
                  **overrides: Any) -> None:
         from deepinfer.config import overrides_to_tree
+        from deepinfer.parallel.launch import requested_world_size
 
-        self.engine = LLMEngine(None if model is None else str(model), config=config,
-                                overrides=overrides_to_tree(overrides))
+        path = None if model is None else str(model)
+        tree = overrides_to_tree(overrides)
+        if requested_world_size(path, config, tree) > 1:
+            from deepinfer.parallel.driver import ParallelEngine
+
+            # N rank processes (DP attention + EP MoE), driven from here (API.md §4).
+            self.engine: LLMEngine | ParallelEngine = ParallelEngine(path, config=config, overrides=tree)
+        else:
+            self.engine = LLMEngine(path, config=config, overrides=tree)
 
     @property
     def tokenizer(self) -> Any:
@@ -57,16 +65,20 @@ class LLM:
 
     def chat(self, messages: Sequence[Message] | Sequence[Sequence[Message]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """Generate replies: one conversation (a list of ``{"role", "content"}``) or a list of them,
-        rendered with the model's chat template (generation prompt on)."""
+        rendered with the model's chat template (generation prompt on) and tokenized without adding
+        special tokens. ``chat_template_kwargs`` are extra template variables; with
+        ``tokenizer="deepseek-v4"`` they are the V4 encoding's options, e.g. ``{"thinking": True}``."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError(f"chat() needs a tokenizer; {str(self.engine.model_path)!r} has none")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        texts = [tokenizer.render_chat([dict(m) for m in conv]) for conv in conversations]
-        params = self._params_for(len(texts), sampling_params)
-        requests = [self.engine.make_request(t, sp) for t, sp in zip(texts, params, strict=True)]
+        options = dict(chat_template_kwargs or {})
+        encoded = [tokenizer.encode_chat([dict(m) for m in conv], **options) for conv in conversations]
+        params = self._params_for(len(encoded), sampling_params)
+        requests = [self.engine.make_request(ids, sp, text=text)
+                    for (text, ids), sp in zip(encoded, params, strict=True)]
         return self._run(requests, use_tqdm)
 
     @staticmethod

@@ -99,15 +99,28 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    """Block tables of requests on top of a ``BlockPool``."""
+    """Block tables of requests on top of a ``BlockPool``.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    With ``num_state_slots`` > 0 (models with per-request state, ``kv/state.py``) a request also gets a
+    state slot with its first allocation and gives it back with its blocks (``free``), so a preempted
+    or finished request releases both at once, under the same deferred-release rule. ``write_floor``
+    is the number of leading tokens whose blocks came from the prefix cache: positions below it may be
+    recomputed to rebuild state (exact replay) but their paged entries must not be rewritten.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 num_state_slots: int = 0) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.tables: dict[str, list[int]] = {}
         self.hashes: dict[str, list[bytes]] = {}
         self.lookup_tokens = 0
         self.hit_tokens = 0
+        # Free state slots, lowest last (slot 0 is reserved), and the slot of each request holding one.
+        self.num_state_slots = num_state_slots
+        self.free_slots: list[int] = list(range(num_state_slots - 1, 0, -1))
+        self.slots: dict[str, int] = {}
+        self.shared_tokens: dict[str, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -154,10 +167,29 @@ class KVCacheManager:
         taken_free = sum(1 for b in reused if self.pool.ref_count[b] == 0)
         if extra > self.pool.num_free - taken_free:
             return False
+        needs_slot = self.has_state_slots and request_id not in self.slots
+        if needs_slot and not self.free_slots:
+            return False
+        if needs_slot:
+            self.slots[request_id] = self.free_slots.pop()
+        if reused:
+            self.shared_tokens[request_id] = len(reused) * self.block_size
         self.pool.touch(reused)
         fresh = self.pool.allocate(max(extra, 0)) or []
         self.tables[request_id] = table + reused + fresh
         return True
+
+    @property
+    def has_state_slots(self) -> bool:
+        return self.num_state_slots > 1
+
+    def state_slot(self, request_id: str) -> int:
+        """The state slot of a request that holds blocks (models with per-request state)."""
+        return self.slots[request_id]
+
+    def write_floor(self, request_id: str) -> int:
+        """Leading token positions of the request whose blocks are shared through the prefix cache."""
+        return self.shared_tokens.get(request_id, 0)
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed: int) -> None:
         """Register every full block whose tokens are all computed, for later prefix hits."""
@@ -173,6 +205,11 @@ class KVCacheManager:
         table = self.tables.pop(request_id, None)
         if table:
             self.pool.free(table)
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+            self.free_slots.sort(reverse=True)
+        self.shared_tokens.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         """Free the blocks and drop the memoized hashes of a request that is gone for good."""

@@ -30,11 +30,22 @@ def num_blocks_for(budget_bytes: int, specs: Sequence[CacheSpec], block_size: in
     return int(blocks)
 
 
+def state_bytes(specs: Sequence[CacheSpec], num_slots: int, max_backtrack: int, dtype: torch.dtype) -> int:
+    """Bytes the state-slot rings of all layers take (``kv/state.py``; 0 for models without state)."""
+    per_slot = sum(spec.bytes_per_slot(max_backtrack, dtype) for spec in specs if hasattr(spec, "bytes_per_slot"))
+    return num_slots * per_slot
+
+
 class KVPool:
-    """One tuple of cache tensors per layer, all indexed by the same block ids."""
+    """One tuple of cache tensors per layer, all indexed by the same block ids; a layer whose spec keeps
+    per-request state (``kv/state.py``) gets its ring tensors for ``num_state_slots`` slots appended."""
 
     def __init__(self, specs: Sequence[CacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, num_state_slots: int = 0, max_backtrack: int = 1) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.num_state_slots = num_state_slots
         self.layers = [spec.allocate(num_blocks, block_size, dtype, device) for spec in specs]
+        for i, spec in enumerate(specs):
+            if hasattr(spec, "allocate_state"):
+                self.layers[i] = self.layers[i] + spec.allocate_state(num_state_slots, max_backtrack, dtype, device)

@@ -35,7 +35,12 @@ expert), so the draw does not depend on the batch; the weights are still the rou
 chosen experts (normalized and scaled as above).
 
 Weights load under the names transformers saves (per-expert ``mlp.experts.{e}.{gate,up,down}_proj``;
-the fused in-memory ``mlp.experts.gate_up_proj``/``down_proj`` are accepted too).
+the fused in-memory ``mlp.experts.gate_up_proj``/``down_proj`` are accepted too). FP8 checkpoints
+(``X.weight`` in e4m3 with ``X.weight_scale_inv`` per ``quantization_config.weight_block_size`` tile)
+are dequantized at load (``dequantize_fp8_checkpoint``); an FP8 MoE backend re-quantizes the experts
+in its ``prepare_experts`` with the same tiles, which gives back the checkpoint's FP8 values.
+The MoE backend's optional ``prepare_experts`` runs once per layer (``prepare_experts(backend)`` at load,
+or on the layer's first forward); its result is what the ``experts`` op reads.
 
 Router statistics: ``model.router_stats`` is an int64 ``[num MoE layers, n_routed_experts]`` buffer on
 the model's device; every MoE forward of the main layers adds its tokens per chosen expert with
@@ -60,12 +65,13 @@ MTP layer is dropped with a warning). transformers' ``MtpModel`` calls ``shared_
   ``ctx`` (slot mapping, block tables, lengths) and ``positions = ctx.positions``, so the MTP row of
   the token at position p lives in the slot of p. ``mtp_cache_specs()`` gives one ``PagedLatentSpec``
   per loaded MTP layer and ``bind_mtp_cache`` binds tensors allocated with the main pool's
-  ``num_blocks``/``block_size``. These are *not* part of ``cache_specs()`` (the engine sizes the
-  cache before weights load, and a model without a drafter should not pay for them); a drafter that
-  uses MTP allocates them, and must run ``mtp_forward`` on every token the main model computes
-  (prefill included, shifted ids: the last row takes the token just sampled), so that every visible
-  row of the MTP cache is written. Rolling back drafts needs nothing: rows past ``num_computed``
-  are never read and are overwritten.
+  ``num_blocks``/``block_size``. These are *not* part of ``cache_specs()`` (a model without a drafter
+  should not pay for them): when the drafter is ``mtp`` the engine allocates them in the main pool,
+  after the weights loaded, and the drafter runs ``mtp_hidden`` on every token the main model
+  computes (prefill included, shifted ids: the last row takes the token just sampled; the core's
+  ``CommittedRows``), so that every visible row of the MTP cache is written. Rolling back drafts
+  needs nothing: rows past ``num_computed`` are never read and are overwritten.
+  ``build_mtp_layers()`` creates the layers without weights (for ``load_format=dummy``).
 """
 
 from __future__ import annotations
@@ -125,6 +131,8 @@ class _Dims:
         self.balanced = bool(hf_config.get(FORCE_BALANCED_ROUTING_KEY, False))
         self.rope_params = rope_parameters(hf_config)
         self.num_mtp = config_value(hf_config, "num_nextn_predict_layers", "num_mtp_layers", default=0)
+        quant = hf_config.get("quantization_config") or {}
+        self.fp8_block = tuple(quant.get("weight_block_size") or (128, 128))  # FP8 checkpoints' scale tiles
         if config_value(hf_config, "hidden_act", default="silu") != "silu":
             raise ConfigError(f"config.json hidden_act must be 'silu' for {arch}")
         if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):
@@ -138,6 +146,40 @@ class _Dims:
 
     def is_moe(self, layer: int) -> bool:
         return bool(self.n_routed) and layer >= self.first_dense
+
+
+def dequantize_fp8_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], block: Sequence[int]
+                              ) -> Iterable[tuple[str, torch.Tensor]]:
+    """FP8 checkpoints (DeepSeek-V3's ``quant_method: fp8``) store a linear weight ``X.weight`` in
+    float8_e4m3fn next to ``X.weight_scale_inv`` (float32, one dequantization multiplier per
+    ``block = (rows, cols)`` tile, partial tiles at the edges). Yield each such pair as one float32
+    ``X.weight``; other tensors pass through. The halves may come in any order."""
+    rows, cols = block
+    weights_fp8: dict[str, torch.Tensor] = {}
+    scales: dict[str, torch.Tensor] = {}
+
+    def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        full = scale.float().repeat_interleave(rows, 0)[: q.shape[0]].repeat_interleave(cols, 1)[:, : q.shape[1]]
+        return q.float() * full
+
+    for name, tensor in weights:
+        if name.endswith(".weight_scale_inv"):
+            base = name.removesuffix("_scale_inv")
+            if base in weights_fp8:
+                yield base, dequantize(weights_fp8.pop(base), tensor)
+            else:
+                scales[base] = tensor
+        elif tensor.dtype == torch.float8_e4m3fn:
+            if name in scales:
+                yield name, dequantize(tensor, scales.pop(name))
+            else:
+                weights_fp8[name] = tensor
+        else:
+            yield name, tensor
+    unpaired = sorted(weights_fp8) + sorted(n + "_scale_inv" for n in scales)
+    if unpaired:
+        raise ValueError(f"FP8 checkpoint: {len(unpaired)} tensors lack their weight/weight_scale_inv partner, "
+                         f"e.g. {unpaired[0]!r}")
 
 
 class MLARotary(nn.Module):
@@ -226,11 +268,18 @@ class DeepseekMoE(nn.Module):
         self.shared_experts = DenseMLP(d.hidden, inter * d.n_shared, **kw) if d.n_shared else None
         # Row of the model's ``router_stats`` ``[n_routed]`` this layer counts into (None: not counted).
         self.stats: torch.Tensor | None = None
+        # Set by ``deepinfer.parallel.moe.attach_expert_parallel`` on a rank of an expert-parallel group:
+        # it holds this rank's expert slots and replaces the ``experts`` op with dispatch/compute/combine.
+        self.expert_parallel: Any = None
+        # What the MoE backend's optional ``prepare_experts`` made of (w13, w2), and for which backend.
+        self._prepared: Any = None
+        self._prepared_for: Any = None
 
-    def route(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, x: torch.Tensor, positions: torch.Tensor, gemm: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
         d = self.d
-        logits = F.linear(x.float(), self.gate_weight)
+        # Through the ``linear`` op when given (the forward passes it), so batch-invariant mode covers the gate.
+        logits = F.linear(x.float(), self.gate_weight) if gemm is None else gemm.linear(x.float(), self.gate_weight)
         t, e, g = logits.shape[0], d.n_routed, d.n_group
         if d.v3:
             scores = logits.sigmoid()
@@ -267,12 +316,26 @@ class DeepseekMoE(nn.Module):
         draws = splitmix64(key.unsqueeze(1) + experts) & ((1 << 62) - 1)
         return draws.topk(self.d.top_k, dim=-1).indices
 
+    def expert_weights(self, backend: Any) -> Any:
+        """The ``weights`` argument of ``backend.experts``: ``(w13, w2)``, or what the backend's optional
+        ``prepare_experts(w13, w2)`` (``MoEBackend``) returned — prepared once per backend, on the first
+        forward unless ``DeepseekV3ForCausalLM.prepare_experts`` ran at load."""
+        if self._prepared_for is not backend:
+            prepare = getattr(backend, "prepare_experts", None)
+            self._prepared = (self.w13, self.w2) if prepare is None else prepare(self.w13, self.w2)
+            self._prepared_for = backend
+        return self._prepared
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        ids, weights = self.route(x, positions)
+        ids, weights = self.route(x, positions, ctx.backends["linear"])
         if self.stats is not None:
             flat = ids.reshape(-1)
             self.stats.index_add_(0, flat, torch.ones_like(flat))
-        out = ctx.backends["experts"].experts(x, ids, weights, (self.w13, self.w2))
+        if self.expert_parallel is not None:
+            out = self.expert_parallel(x, ids, weights, ctx)
+        else:
+            backend = ctx.backends["experts"]
+            out = backend.experts(x, ids, weights, self.expert_weights(backend))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, ctx)
         return out
@@ -324,6 +387,8 @@ class DeepseekV3ForCausalLM(nn.Module):
     """DeepSeek-V3 (and, as a subclass, V2): MLA over the paged latent cache, MoE with shared experts."""
 
     architecture = "DeepseekV3ForCausalLM"
+    # The backend ops this model calls on one rank (``dispatch``/``combine`` only under expert parallelism).
+    backend_ops = frozenset({"linear", "mla_attention", "experts"})
 
     def __init__(self, hf_config: dict[str, Any], *, dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> None:
@@ -344,6 +409,15 @@ class DeepseekV3ForCausalLM(nn.Module):
                              persistent=False)
         for row, mlp in enumerate(moe):
             mlp.stats = self.router_stats[row]
+
+    def prepare_experts(self, backend: Any) -> None:
+        """Prepare every MoE layer's expert weights for ``backend`` now (``MoEBackend.prepare_experts``):
+        call it once the weights are final, and again after they change (a prepared copy, e.g. FP8,
+        does not follow later writes to ``w13``/``w2``)."""
+        for module in self.modules():
+            if isinstance(module, DeepseekMoE):
+                module._prepared_for = None
+                module.expert_weights(backend)
 
     def take_router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert ``[num MoE layers, n_routed]`` (int64, on the model's device)
@@ -451,6 +525,12 @@ class DeepseekV3ForCausalLM(nn.Module):
             return None
         return target, params[target].data if view is None else view
 
+    def build_mtp_layers(self) -> None:
+        """Create the ``num_nextn_predict_layers`` MTP layers, unfilled, if there are none yet (dummy
+        weights fill them; ``load_weights`` builds them itself from the checkpoint)."""
+        if not self.mtp_layers:
+            self._build_mtp()
+
     def _build_mtp(self) -> None:
         """Create the MTP layers (on the first MTP tensor seen)."""
         d = self.d
@@ -460,7 +540,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         skipped_mtp = 0
-        for name, tensor in weights:
+        for name, tensor in dequantize_fp8_checkpoint(weights, self.d.fp8_block):
             name = name.removeprefix("model.")
             if name.endswith("rotary_emb.inv_freq"):
                 continue

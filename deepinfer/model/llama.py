@@ -119,6 +119,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama / Qwen2 / Qwen3 dense decoder over the paged KV cache."""
 
     architecture = "LlamaForCausalLM"
+    # The backend ops this model calls (the plugin host must find a fitting backend for each).
+    backend_ops = frozenset({"linear", "paged_attention"})
 
     def __init__(self, hf_config: dict[str, Any], *, dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> None:

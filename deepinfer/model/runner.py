@@ -2,12 +2,14 @@
 
 Inputs are built on the host from the requests' tokens and block tables and copied to the device
 once per step. Only the rows that need logits go through the LM head: the last row of every request
-that samples, plus every prompt row of requests that asked for prompt logprobs.
+that samples, plus every prompt row of requests that asked for prompt logprobs. A request that
+verifies drafts (speculative decoding) sends all its rows; when any does, the step verifies instead of
+sampling (``sampling/verify.py``), and requests without drafts sample exactly as they would alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +18,8 @@ from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
+from deepinfer.sampling.verify import VerifyBatch, VerifyResult, verify
+from deepinfer.structured.masks import StepMasks
 
 
 @dataclass
@@ -43,6 +47,10 @@ class StepInputs:
     # request each belongs to; the executor fills them from that step's results before the forward.
     pending_rows: list[int] = field(default_factory=list)
     pending_requests: list[str] = field(default_factory=list)
+    verify: VerifyBatch | None = None
+    # Structured output: bitmasks of the structured sampler rows, filled by the host (EngineCore.prepare /
+    # process) while the forward runs; sampling waits for them.
+    grammar: StepMasks | None = None
 
 
 @dataclass
@@ -53,6 +61,10 @@ class StepResults:
     sampled: SampleResult | None
     prompt_spans: list[PromptLogprobSpan]
     prompt_logits: torch.Tensor | None
+    verified: VerifyResult | None = None
+    # The step's final hidden states ``[T, H]`` (row order of the step's tokens), kept only when the
+    # runner's ``keep_hidden`` is set: a drafter runs its own layers over the committed rows (MTP).
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -64,6 +76,12 @@ class ModelRunner:
         self.backends = backends
         self.block_size = block_size
         self.device = device
+        # Set by the engine for models with per-request state (kv/state.py): a request's state slot,
+        # and the positions below which its blocks are shared (exact replay must not rewrite them).
+        self.state_slot: Callable[[str], int] | None = None
+        self.write_floor: Callable[[str], int] | None = None
+        # Set by the engine when the drafter reads the main model's rows (MTP): results keep ``hidden``.
+        self.keep_hidden = False
 
     def prepare(self, sched: SchedulerOutput, block_table: Callable[[str], list[int]]) -> StepInputs:
         """Flatten the batch: token ids, positions, cache slots, block tables, logits rows."""
@@ -84,11 +102,11 @@ class ModelRunner:
             req, start, n = s.request, s.start, s.num_new_tokens
             table = block_table(req.request_id)
             end = start + n
-            ids.extend(req.all_token_ids[start:end])
+            ids.extend(req.all_token_ids[start:end - len(s.drafts)] + s.drafts)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             first_row = starts[-1]
-            if req.num_pending and end > req.num_tokens - req.num_pending:
+            if req.num_pending and end - len(s.drafts) > req.num_tokens - req.num_pending:
                 pending_rows.append(first_row + req.num_tokens - req.num_pending - start)
                 pending_requests.append(req.request_id)
             starts.append(first_row + n)
@@ -100,8 +118,8 @@ class ModelRunner:
                 logits_rows.extend(range(first_row, first_row + count))
             if s.samples:
                 samplers.append(s)
-                sample_rows.append(len(logits_rows))
-                logits_rows.append(first_row + n - 1)
+                sample_rows.extend(range(len(logits_rows), len(logits_rows) + 1 + len(s.drafts)))
+                logits_rows.extend(range(first_row + n - 1 - len(s.drafts), first_row + n))
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         num_decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
@@ -122,6 +140,11 @@ class ModelRunner:
             block_size=bs,
             backends=self.backends,
         )
+        if self.state_slot is not None and self.write_floor is not None:
+            rids = [s.request.request_id for s in sched.scheduled]
+            ctx.state_slots_host = [self.state_slot(r) for r in rids]
+            ctx.state_slots = tensor(ctx.state_slots_host)
+            ctx.write_floor_host = [self.write_floor(r) for r in rids]
         sampling = None
         if samplers:
             sampling = SamplingBatch.build(
@@ -130,8 +153,52 @@ class ModelRunner:
                 [s.request.num_tokens for s in samplers],
                 dev,
             )
+        verify_batch = None
+        if any(s.drafts for s in samplers):
+            assert sampling is not None
+            verify_batch = self._verify_batch(samplers, sampling)
         return StepInputs(tensor(ids), ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans,
-                          pending_rows, pending_requests)
+                          pending_rows, pending_requests, verify_batch)
+
+    def _verify_batch(self, samplers: list[ScheduledRequest], sampling: SamplingBatch) -> VerifyBatch:
+        dev = self.device
+        k = max(len(s.drafts) for s in samplers)
+        row_start, row_request, row_offset = [], [], []
+        for i, s in enumerate(samplers):
+            row_start.append(len(row_request))
+            row_request.extend([i] * (1 + len(s.drafts)))
+            row_offset.extend(range(1 + len(s.drafts)))
+        drafts = torch.tensor([s.drafts + [-1] * (k - len(s.drafts)) for s in samplers], dtype=torch.int64, device=dev)
+        probs = None
+        if any(s.request.draft_probs is not None for s in samplers):
+            probs = torch.zeros(len(samplers), k, self.model.vocab_size, device=dev)
+            for i, s in enumerate(samplers):
+                n = len(s.drafts)
+                if s.request.draft_probs is not None:
+                    probs[i, :n] = s.request.draft_probs[:n]
+                elif n:
+                    probs[i, :n].scatter_(-1, drafts[i, :n, None], 1.0)
+        params = [s.request.params for s in samplers]
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        return VerifyBatch(
+            row_start=tensor(row_start, torch.int64),
+            drafts=drafts,
+            num_drafts=tensor([len(s.drafts) for s in samplers], torch.int64),
+            draft_probs=probs,
+            greedy=tensor([p.greedy for p in params], torch.bool),
+            temperature=tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
+            top_k=tensor([max(p.top_k, 0) for p in params], torch.int64),
+            top_p=tensor([p.top_p for p in params], torch.float32),
+            min_p=tensor([p.min_p for p in params], torch.float32),
+            seeds=tensor([s.request.seed for s in samplers], torch.int64),
+            base=tensor([s.request.num_tokens for s in samplers], torch.int64),
+            sampling=sampling,
+            row_request=tensor(row_request, torch.int64),
+            row_offset=tensor(row_offset, torch.int64),
+        )
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResults:
@@ -141,10 +208,70 @@ class ModelRunner:
             inputs.input_ids[fill[0]] = fill[1]
         hidden = self.model.forward(inputs.input_ids, inputs.ctx)
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
-        sampled = None
-        if inputs.sampling is not None:
-            sampled = sample(logits.index_select(0, inputs.sample_rows), inputs.sampling)
-        return StepResults(inputs.samplers, sampled, inputs.prompt_spans, logits if inputs.prompt_spans else None)
+        sampled = verified = None
+        if inputs.verify is not None:
+            verified = verify(logits.index_select(0, inputs.sample_rows), inputs.verify)
+        elif inputs.sampling is not None:
+            rows = logits.index_select(0, inputs.sample_rows)
+            sampled = sample(rows, inputs.sampling) if inputs.grammar is None else inputs.grammar.sample(
+                rows, inputs.sampling)
+        return StepResults(inputs.samplers, sampled, inputs.prompt_spans, logits if inputs.prompt_spans else None,
+                           verified, hidden if self.keep_hidden else None)
+
+    def span_context(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> ForwardContext:
+        """A ``ForwardContext`` over ``spans`` of ``(block table, first position, count)``: each a request
+        computing positions ``[first, first + count)`` on its blocks, KV length ``first + count``. Spans of
+        one position must come first (they are the context's decode rows). For drafters that run layers of
+        their own over the main paging (``CommittedRows``); models with per-request state are not served."""
+        bs, dev = self.block_size, self.device
+        positions = [p for _, first, count in spans for p in range(first, first + count)]
+        slots = [table[p // bs] * bs + p % bs for table, first, count in spans for p in range(first, first + count)]
+        starts = [0]
+        for _, _, count in spans:
+            starts.append(starts[-1] + count)
+        seq_lens = [first + count for _, first, count in spans]
+        width = max((len(table) for table, _, _ in spans), default=1)
+        tables = [list(table) + [0] * (width - len(table)) for table, _, _ in spans]
+        num_decodes = 0
+        while num_decodes < len(spans) and spans[num_decodes][2] == 1:
+            num_decodes += 1
+        return ForwardContext(
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int64, device=dev).reshape(len(spans), width),
+            num_decodes=num_decodes,
+            query_start_loc_host=starts,
+            seq_lens_host=seq_lens,
+            block_size=bs,
+            backends=self.backends,
+        )
+
+
+    @torch.inference_mode()
+    def placeholder_step(self, num_tokens: int) -> None:
+        """Forward and LM head over ``num_tokens`` one-token decode rows at position 0, all writing
+        the reserved scratch block 0: the step-cost profile times this (contents are garbage)."""
+        dev = self.device
+        zeros = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        ctx = ForwardContext(
+            positions=zeros,
+            slot_mapping=zeros,
+            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.ones(num_tokens, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(num_tokens, 1, dtype=torch.int64, device=dev),
+            num_decodes=num_tokens,
+            query_start_loc_host=list(range(num_tokens + 1)),
+            seq_lens_host=[1] * num_tokens,
+            block_size=self.block_size,
+            backends=self.backends,
+        )
+        if self.state_slot is not None:  # reserved slot 0 and block 0 absorb the placeholder's state
+            ctx.state_slots_host, ctx.write_floor_host = [0] * num_tokens, [0] * num_tokens
+            ctx.state_slots = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden = self.model.forward(zeros, ctx)
+        self.model.compute_logits(hidden, ctx)
 
 
 def prompt_logprobs_of(results: StepResults) -> list[tuple[ScheduledRequest, int, list[dict[int, float]]]]:

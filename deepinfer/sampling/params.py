@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.structured.spec import GrammarSpec, parse_spec
 
 _INT64_MAX = 2**63 - 1
 
@@ -17,6 +20,10 @@ class SamplingParams:
     the tokens never depend on the rest of the batch. ``priority``: lower is served first (with a
     priority scheduling policy). ``logprobs``/``prompt_logprobs``: top-n log-probabilities of the
     model's raw distribution per generated / prompt token, plus the chosen token's.
+    ``structured``: exactly one of ``json_schema`` (dict or str), ``regex``, ``ebnf``, ``choice`` (list of
+    str); ``so_args={"schema_type": "json"|"regex"|"ebnf", "schema": ...}`` is the reference's form
+    of the same (both: error). A grammar that fails to compile finishes only its request, with
+    ``finish_reason="error"`` (API.md §4).
     """
 
     temperature: float = 1.0
@@ -32,6 +39,8 @@ class SamplingParams:
     seq_seed: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured: dict[str, Any] | None = None
+    so_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.seq_seed is not None:
@@ -74,6 +83,12 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative ints")
+        parse_spec(self.structured, self.so_args)  # the form only; the grammar compiles in the engine
+
+    @property
+    def grammar_spec(self) -> GrammarSpec | None:
+        """The structured-output request in one form (``structured`` or ``so_args``), or None."""
+        return parse_spec(self.structured, self.so_args)
 
     @property
     def greedy(self) -> bool:

@@ -72,7 +72,7 @@ class SampleResult:
     top_ids: torch.Tensor | None = None
 
 
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index of the first column whose cumulative mass exceeds ``u`` × the row's total mass.
     Unnormalized rows are fine; zero-mass columns are never picked."""
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
@@ -91,7 +91,7 @@ def sample_plain(logits: torch.Tensor, temperature: torch.Tensor, min_p: torch.T
     """Temperature and min-p without sorting; returns token ids ``[n]``."""
     probs = torch.softmax(logits / temperature.unsqueeze(-1), dim=-1)
     probs = _min_p_filter(probs, min_p, probs.max(dim=-1).values)
-    return _inverse_cdf(probs, u)
+    return inverse_cdf(probs, u)
 
 
 def sample_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -105,8 +105,23 @@ def sample_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     mass_before = torch.cumsum(probs, dim=-1) - probs
     keep &= mass_before < top_p.unsqueeze(-1)
     probs = _min_p_filter(probs * keep, min_p, probs[:, 0])
-    picked = _inverse_cdf(probs, u)
+    picked = inverse_cdf(probs, u)
     return order.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
+
+
+def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor) -> torch.Tensor:
+    """The distribution the sampler draws from, in vocabulary order and normalized: ``[n, V]``
+    float32 after temperature, top-k, top-p (ties kept in token order, as ``sample_sorted``) and
+    min-p. Speculative verification compares draft probabilities against it."""
+    values, order = torch.sort(logits / temperature.unsqueeze(-1), dim=-1, descending=True, stable=True)
+    probs = torch.softmax(values, dim=-1)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    keep = (top_k.unsqueeze(-1) <= 0) | (ranks < top_k.unsqueeze(-1))
+    keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p.unsqueeze(-1)
+    probs = _min_p_filter(probs * keep, min_p, probs[:, 0])
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:

@@ -79,7 +79,8 @@ class _Sampling(_Body):
         if self.temperature is not None and self.temperature > 2:
             raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                        structured: dict[str, Any] | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         kwargs: dict[str, Any] = {
             "temperature": 1.0 if self.temperature is None else self.temperature,
@@ -91,6 +92,7 @@ class _Sampling(_Body):
             "stop_token_ids": list(self.stop_token_ids or []),
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
+            "structured": structured,
         }
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
@@ -148,6 +150,19 @@ class ResponseFormat(_Body):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: dict[str, Any] | None = None
 
+    def structured(self) -> dict[str, Any] | None:
+        """``SamplingParams.structured`` for this format: ``json_object`` is any JSON object,
+        ``json_schema`` the schema under ``json_schema.schema`` (OpenAI's layout)."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return {"json_schema": {"type": "object"}}
+        schema = (self.json_schema or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise bad_request("response_format json_schema needs json_schema.schema, a JSON schema object",
+                              "response_format")
+        return {"json_schema": schema}
+
 
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -158,9 +173,7 @@ class ChatRequest(_Sampling):
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.common_checks()
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(f"response_format {self.response_format.type!r} is not supported yet "
-                              "(structured output is not implemented)", "response_format")
+        structured = self.response_format.structured() if self.response_format is not None else None
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
@@ -173,7 +186,7 @@ class ChatRequest(_Sampling):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens=default_max_tokens if max_tokens is None else max_tokens,
-                                    logprobs=logprobs)
+                                    logprobs=logprobs, structured=structured)
 
 
 def parse_body(raw: bytes, model: type[_Body]) -> Any:

@@ -17,6 +17,8 @@ up-projections ``W_UK [N, C]`` (no-rope key) and ``W_UV [V, C]`` (value).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -108,26 +110,37 @@ class TorchMoEBackend:
         return True
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                weights: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                weights: tuple[torch.Tensor, torch.Tensor], *, swiglu_limit: float | None = None) -> torch.Tensor:
         """``x [T, H]``, ``topk_ids``/``topk_weights [T, k]``, ``weights = (w13 [E, 2I, H] (gate rows
         then up rows), w2 [E, H, I])`` → ``Σ_j topk_weights[t, j] · expert_{ids[t, j]}(x[t])`` ``[T, H]``.
-        Accumulates in float32; reads the per-expert counts on the host once."""
-        w13, w2 = weights
-        num_experts, inter = w13.shape[0], w2.shape[2]
-        k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // k
-        weight_of = topk_weights.reshape(-1).float()[order]
-        counts = torch.bincount(flat, minlength=num_experts).tolist()
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        start = 0
-        for e, count in enumerate(counts):
-            if not count:
-                continue
-            idx = token_of[start:start + count]
-            gate, up = F.linear(x.index_select(0, idx), w13[e]).split(inter, dim=-1)
-            y = F.linear(F.silu(gate) * up, w2[e])
-            out.index_add_(0, idx, y.float() * weight_of[start:start + count, None])
-            start += count
-        return out.to(x.dtype)
+        ``swiglu_limit`` clamps gate (above) and up (both sides) first. Accumulates in float32; reads
+        the per-expert counts on the host once."""
+        return sorted_experts(x, topk_ids, topk_weights, weights, swiglu_limit, F.linear)
+
+
+def sorted_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                   weights: tuple[torch.Tensor, torch.Tensor], swiglu_limit: float | None,
+                   linear: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The reference expert compute with a given ``linear``: tokens sorted by expert, one pair of
+    matmuls per active expert, top-k contributions accumulated in float32 in ascending expert id."""
+    w13, w2 = weights
+    num_experts, inter = w13.shape[0], w2.shape[2]
+    k = topk_ids.shape[1]
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    weight_of = topk_weights.reshape(-1).float()[order]
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        idx = token_of[start:start + count]
+        gate, up = linear(x.index_select(0, idx), w13[e]).split(inter, dim=-1)
+        if swiglu_limit is not None:
+            gate, up = gate.clamp(max=swiglu_limit), up.clamp(min=-swiglu_limit, max=swiglu_limit)
+        y = linear(F.silu(gate) * up, w2[e])
+        out.index_add_(0, idx, y.float() * weight_of[start:start + count, None])
+        start += count
+    return out.to(x.dtype)

@@ -1,0 +1,211 @@
+"""The core's speculative decoding mechanism (ARCHITECTURE §5, reference/deepinfer.md §4–§5).
+
+The decisions come from plugins: a ``Drafter`` proposes draft tokens after every step that committed
+tokens, and a ``VerificationPlan`` grants each decode request a number of drafts to verify. This
+module holds the glue: it caps drafts at what a request may still emit, asks the plan (budget, then
+split), hands the drafter its inputs and stores each request's proposal, and feeds decode-step times
+to the step-cost model. Verification itself is ``sampling/verify.py``; the rollback of rejected
+positions is the core's ``process`` (a request's computed length goes back to its last accepted
+token, so the next step overwrites their KV).
+
+Drafters with a paged cache of their own on the main pool's block ids (MTP) also get the step's
+committed rows (``CommittedRows``): the main model's final hidden state of every token the step
+computed and kept, the token after each, and a ``ForwardContext`` over them, so the drafter writes
+its cache row for every main-model token (prefill chunks included). Its chained drafts write rows
+past the committed length; the blocks for those positions are allocated here, without preempting
+anyone: a request whose table cannot grow gets fewer drafts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import SchedulerOutput
+from deepinfer.interfaces import CommittedRows, Drafter, DraftInputs, ForwardContext, StepCostModel, VerificationPlan
+
+MIN_CONFIDENCE = 1e-6  # a real draft never has confidence 0, which marks "no draft" for plans
+SCRATCH_TABLE = (0,)  # block 0 is never handed out (kv/pools.py): rows that must not land anywhere write it
+
+
+def room(req: Request) -> int:
+    """Drafts that can still matter for ``req``: it emits at most 1 + drafts tokens, within
+    ``max_tokens`` and the model length (may be ≤ 0)."""
+    return min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1
+
+
+@dataclass(frozen=True)
+class DraftCache:
+    """What the speculator needs to give a drafter rows on the main paging (``CommittedRows``):
+    ``context`` builds a ``ForwardContext`` over spans ``(block table, first position, count)``
+    (``ModelRunner.span_context``), ``allocate(request_id, num_tokens)`` grows a request's block table
+    without preempting (False: not enough free blocks, nothing changed), ``table`` reads it."""
+
+    context: Callable[[Sequence[tuple[Sequence[int], int, int]]], ForwardContext]
+    allocate: Callable[[str, int], bool]
+    table: Callable[[str], list[int]]
+    block_size: int
+
+
+@dataclass(frozen=True)
+class CommittedSpan:
+    """One request's rows in a processed step: positions ``[start, start + count)`` were computed and
+    kept; their hidden rows start at ``first_row`` of the step's hidden states. ``table`` is the
+    request's block table when the step was processed (kept because a request that finishes in the
+    step gives its blocks back before drafting, and its rows still belong in the cache)."""
+
+    request: Request
+    table: Sequence[int]
+    start: int
+    count: int
+    first_row: int
+
+
+class DraftChain:
+    """``CommittedRows.chain``: one decode row per drafting request past its committed tokens.
+
+    Draft j (j ≥ 2) of a request with ``n`` tokens comes from a row at position ``n + j − 3`` (offset
+    ``j − 2`` from its last token). ``caps[i]`` is how many drafts request i may keep: what it may
+    still emit, lowered on the first call when its table cannot grow to hold the chain's rows."""
+
+    def __init__(self, requests: Sequence[Request], cache: DraftCache, k: int) -> None:
+        self.requests = list(requests)
+        self.cache = cache
+        self.caps = [max(0, min(k, room(r))) for r in self.requests]
+        self._allocated = False
+
+    def __call__(self, offset: int) -> ForwardContext:
+        if not self._allocated:
+            self._allocate()
+        spans: list[tuple[Sequence[int], int, int]] = []
+        for req, cap in zip(self.requests, self.caps, strict=True):
+            if offset + 2 <= cap:
+                spans.append((self.cache.table(req.request_id), req.num_tokens - 1 + offset, 1))
+            else:  # a draft the request drops anyway: run a harmless row on the scratch block
+                spans.append((SCRATCH_TABLE, 0, 1))
+        return self.cache.context(spans)
+
+    def _allocate(self) -> None:
+        """Blocks for every chained row a request may use; called after the committed rows were
+        written (the drafter asks for the chain only then), so a block just given back by a request
+        that finished this step is written by its new owner's chain alone."""
+        self._allocated = True
+        for i, req in enumerate(self.requests):
+            if self.caps[i] < 2:
+                continue
+            if not self.cache.allocate(req.request_id, req.num_tokens + self.caps[i] - 2):
+                covered = len(self.cache.table(req.request_id)) * self.cache.block_size
+                self.caps[i] = max(1, min(self.caps[i], covered - req.num_tokens + 2))
+
+
+class Speculator:
+    """Drafts, verification plans and the step-cost model of one engine."""
+
+    def __init__(self, drafter: Drafter, plan: VerificationPlan, cost: StepCostModel, max_draft: int,
+                 device: torch.device, cache: DraftCache | None = None) -> None:
+        self.drafter = drafter
+        self.plan = plan
+        self.cost = cost
+        self.max_draft = max_draft
+        self.device = device
+        self.cache = cache  # set when the drafter reads the committed rows (MTP): DraftInputs.rows
+
+    @staticmethod
+    def draft_limit(req: Request) -> int:
+        """Drafts ``req`` may verify: it emits at most 1 + drafts tokens, within ``max_tokens`` and the
+        model length."""
+        return max(0, min(len(req.draft_tokens), room(req)))
+
+    def plan_drafts(self, requests: Sequence[Request]) -> list[int]:
+        """Drafts each decode request verifies this step (the scheduler's ``DraftPlanner``)."""
+        confidence = torch.zeros(len(requests), self.max_draft)
+        limits = []
+        for i, req in enumerate(requests):
+            n = min(self.draft_limit(req), self.max_draft)
+            limits.append(n)
+            if n:
+                confidence[i, :n] = torch.tensor(req.draft_confidence[:n])
+        # Synchronous steps see the newest confidences on the host, so budget and split use the same.
+        total = self.plan.budget(confidence, self.cost)
+        granted = self.plan.split(confidence, total).tolist()
+        return [min(int(g), n) for g, n in zip(granted, limits, strict=True)]
+
+    def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
+                hidden: torch.Tensor | None = None) -> None:
+        """Ask the drafter for the next drafts of ``requests`` (each just committed tokens) and store
+        them on the requests. With a ``cache``, ``spans`` (every live row of the step) and ``hidden``
+        (the step's final hidden states) become ``DraftInputs.rows``, and the drafter runs even with
+        no request to draft for (its cache rows must still be written). Reads the proposal on the host
+        (deliberate: the scheduler needs it)."""
+        rows, chain = None, None
+        if self.cache is not None and hidden is not None:
+            chain = DraftChain(requests, self.cache, self.max_draft)
+            rows = self._committed_rows(requests, spans, hidden, chain)
+        if not requests and rows is None:
+            return
+        dev = self.device
+        width = max((r.num_tokens for r in requests), default=1)
+        history = torch.full((len(requests), width), -1, dtype=torch.int64)
+        for i, req in enumerate(requests):
+            history[i, width - req.num_tokens:] = torch.tensor(req.all_token_ids)
+        inputs = DraftInputs(
+            last_tokens=torch.tensor([r.all_token_ids[-1] for r in requests], dtype=torch.int64, device=dev),
+            history=history.to(dev),
+            positions=torch.tensor([r.num_tokens - 1 for r in requests], dtype=torch.int64, device=dev),
+            seeds=torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev),
+            temperature=torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=dev),
+            k=self.max_draft,
+            rows=rows,
+        )
+        proposal = self.drafter.propose(inputs)
+        if not requests:
+            return
+        tokens = proposal.tokens.tolist()
+        confidence = proposal.confidence.float().clamp(MIN_CONFIDENCE, 1.0).tolist()
+        raw = proposal.raw_confidence if proposal.raw_confidence is not None else proposal.confidence
+        raw_confidence = raw.float().tolist()
+        for i, req in enumerate(requests):
+            row = tokens[i][:self.max_draft if chain is None else chain.caps[i]]
+            n = row.index(-1) if -1 in row else len(row)
+            req.draft_tokens = row[:n]
+            req.draft_confidence = confidence[i][:n]
+            req.draft_raw_confidence = raw_confidence[i][:n]
+            req.draft_probs = proposal.probs[i, :n] if proposal.probs is not None and n else None
+
+    def _committed_rows(self, requests: Sequence[Request], spans: Sequence[CommittedSpan], hidden: torch.Tensor,
+                        chain: DraftChain) -> CommittedRows | None:
+        """``DraftInputs.rows`` from the step's spans (None when no row has a known next token)."""
+        assert self.cache is not None
+        kept = []
+        for span in spans:
+            # Only rows whose next token is known: a stop inside the emitted tokens cut the ones after it.
+            count = min(span.count, span.request.num_tokens - 1 - span.start)
+            if count > 0:
+                kept.append((span, count))
+        if not kept:
+            return None
+        kept.sort(key=lambda item: item[1] != 1)  # one-row spans first: they are the context's decode rows
+        index: list[int] = []
+        next_tokens: list[int] = []
+        last_row: dict[str, int] = {}
+        for span, count in kept:
+            index.extend(range(span.first_row, span.first_row + count))
+            next_tokens.extend(span.request.all_token_ids[span.start + 1:span.start + 1 + count])
+            last_row[span.request.request_id] = len(index) - 1
+        dev = hidden.device
+        return CommittedRows(
+            hidden=hidden.index_select(0, torch.tensor(index, dtype=torch.int64, device=dev)),
+            next_tokens=torch.tensor(next_tokens, dtype=torch.int64, device=dev),
+            ctx=self.cache.context([(span.table, span.start, count) for span, count in kept]),
+            last_rows=torch.tensor([last_row[r.request_id] for r in requests], dtype=torch.int64, device=dev),
+            chain=chain,
+        )
+
+    def observe_step(self, batch: SchedulerOutput, forward_seconds: float) -> None:
+        """Feed a pure decode step's forward time to the step-cost model."""
+        rows = batch.scheduled
+        if rows and all(s.samples and s.num_new_tokens == 1 + len(s.drafts) for s in rows):
+            self.cost.observe(batch.num_tokens, forward_seconds)

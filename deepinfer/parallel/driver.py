@@ -1,0 +1,323 @@
+"""``ParallelEngine``: the caller's side of ``LLM(model, expert_parallel_size=N)`` (API.md §4).
+
+The driver is not a rank. It starts N rank processes as fresh interpreters
+(``python -m deepinfer.parallel.worker``, never a re-import of the caller's script), hosts the
+``TCPStore`` they meet through (bound to a free port by the OS, so every ``LLM`` has its own) and a
+command connection to each (``multiprocessing.connection``, authenticated with a random key). It
+validates and numbers requests exactly like a single engine (``LLMEngine.make_request`` runs on this
+object), routes each one to a rank with the configured ``RequestRouter``, and drives the ranks in
+lock-step: one ``step()`` sends every rank its new requests and aborts and collects every rank's
+finished outputs. Ranks are torn down by ``shutdown()``, at garbage collection and at interpreter
+exit (``weakref.finalize``); a rank that fails takes the whole group down with its traceback in the
+error, since the others can no longer complete their collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+import torch.distributed as dist
+
+from deepinfer.config import EngineConfig, build_config
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.request import Request
+from deepinfer.errors import ConfigError
+from deepinfer.interfaces import RankLoad, RequestRouter
+from deepinfer.model.assets import resolve_model_path
+from deepinfer.parallel.sizes import parallel_sizes
+from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
+
+logger = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+POLL_S = 0.2
+SHUTDOWN_WAIT_S = 20.0
+# Ratios in plugin counters that cannot be summed across ranks; they are averaged instead.
+_RATIO_SUFFIXES = ("_fraction", "_rate", "_ratio")
+
+
+class RankFailure(RuntimeError):
+    """A rank process failed or exited; the rank group is torn down."""
+
+
+@dataclass
+class _RankGroup:
+    """The processes and connections of one ``ParallelEngine``; owned by its finalizer, so it must
+    not refer back to the engine."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    conns: list[Connection] = field(default_factory=list)
+    listener: Listener | None = None
+    store: dist.TCPStore | None = None
+    closed: bool = False
+
+    def close(self) -> None:
+        """Ask every rank to leave, wait a while, kill what is left; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send(("shutdown", None))
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=SHUTDOWN_WAIT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("rank process %d did not exit; killing it", proc.pid)
+                proc.kill()
+                proc.wait()
+        for conn in self.conns:
+            conn.close()
+        if self.listener is not None:
+            self.listener.close()
+        self.store = None
+
+
+@dataclass
+class _ModelFacts:
+    """The model facts ``LLMEngine.make_request`` reads (``model.vocab_size``), reported by rank 0."""
+
+    vocab_size: int
+
+
+class ParallelEngine:
+    """Routes requests over N rank processes that run DP attention and EP MoE in lock-step."""
+
+    # The single engine's request validation and numbering, reused as is: it reads ``tokenizer``,
+    # ``model_path``, ``model.vocab_size``, ``max_model_len``, ``eos_token_ids``, ``config`` and
+    # ``_counter``, which this class holds with the same meaning.
+    make_request = LLMEngine.make_request
+    _load_tokenizer = LLMEngine._load_tokenizer
+
+    def __init__(self, model: str | None = None, *, config: Any = None,
+                 overrides: Mapping[str, Any] | None = None) -> None:
+        installed = discover_plugins()
+        tree = dict(overrides or {})
+        if model is not None:
+            tree.setdefault("model", {})["path"] = model
+        resolved = build_config(config=config, overrides=tree, aliases=config_aliases(installed))
+        self.config: EngineConfig = resolved.config
+        self.config_sources = resolved.sources
+        self.world, self.expert_parallel_size = parallel_sizes(self.config.parallel)
+        # Plugins are built here too: their config sections are validated before any rank starts, and
+        # the router is a strategy like any other.
+        self.host = PluginHost(self.config.plugins, installed)
+        if "spec_decode" in self.host.enabled:
+            # Drafting runs extra MoE forwards on some ranks only, which the lock-step cannot match yet.
+            raise ConfigError("plugins.spec_decode: speculative decoding does not run with several ranks yet; "
+                              "disable it or set parallel.expert_parallel_size=1")
+        self.router: RequestRouter = self.host.select("deepinfer_request_routers", self.config.parallel.router,
+                                                      "parallel.router")
+        self.model_path = resolve_model_path(self.config.model.path)
+        self.tokenizer = self._load_tokenizer()
+        self._counter = 0
+        self._group = _RankGroup()
+        self._finalizer = weakref.finalize(self, _RankGroup.close, self._group)
+        self._inbox: list[list[Request]] = [[] for _ in range(self.world)]
+        self._aborts: list[list[str]] = [[] for _ in range(self.world)]
+        self._owner: dict[str, int] = {}  # unfinished request id -> rank
+        self._loads = [RankLoad(r, 0, 0) for r in range(self.world)]
+        self._routed = [0] * self.world
+        try:
+            infos = self._start()
+        except BaseException:
+            self._finalizer()
+            raise
+        info = infos[0]
+        self.model = _ModelFacts(int(info["vocab_size"]))
+        self.max_model_len = int(info["max_model_len"])
+        self.eos_token_ids = frozenset(info["eos_token_ids"])
+        self.rank_info = infos
+
+    # ---------------------------------------------------------------------------------------- start-up
+
+    def _start(self) -> list[dict[str, Any]]:
+        group = self._group
+        authkey = secrets.token_bytes(32)
+        group.store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+        group.listener = Listener((HOST, 0), authkey=authkey)
+        host, port = group.listener.address
+        # The ranks import what this process can import (plugins made visible at run time included).
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        for r in range(self.world):
+            cmd = [sys.executable, "-m", "deepinfer.parallel.worker", "--rank", str(r), "--world", str(self.world),
+                   "--driver", f"{host}:{port}", "--store-port", str(group.store.port)]
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env)
+            assert proc.stdin is not None
+            proc.stdin.write(authkey.hex().encode() + b"\n")
+            proc.stdin.close()
+            group.procs.append(proc)
+        accepted: list[Connection] = []
+        listener = group.listener
+
+        def accept_all() -> None:
+            for _ in range(self.world):
+                accepted.append(listener.accept())
+
+        acceptor = threading.Thread(target=accept_all, daemon=True)
+        acceptor.start()
+        while acceptor.is_alive():
+            acceptor.join(POLL_S)
+            self._check_alive()
+        by_rank: dict[int, Connection] = {}
+        for conn in accepted:
+            _, rank = conn.recv()
+            by_rank[rank] = conn
+        group.conns = [by_rank[r] for r in range(self.world)]
+        overrides = self.config.model_dump()
+        for conn in group.conns:
+            conn.send(("config", overrides))
+        return [self._recv(r, expect="ready") for r in range(self.world)]
+
+    def _check_alive(self) -> None:
+        for r, proc in enumerate(self._group.procs):
+            code = proc.poll()
+            if code is not None:
+                self._fail()
+                raise RankFailure(f"rank {r} exited with code {code} (its stderr has the reason)")
+
+    def _fail(self) -> None:
+        for proc in self._group.procs:
+            if proc.poll() is None:
+                proc.kill()
+        self._finalizer()
+
+    def _recv(self, rank: int, expect: str = "ok") -> Any:
+        """The next reply of ``rank``; a rank error is re-raised here (``ConfigError`` as itself)."""
+        if self._group.closed:
+            raise RankFailure("the rank processes have been shut down")
+        conn = self._group.conns[rank]
+        while not conn.poll(POLL_S):
+            self._check_alive()
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            self._fail()
+            raise RankFailure(f"rank {rank} closed its connection") from None
+        if kind == "error":
+            name, message, trace = payload
+            self._fail()
+            if name == "ConfigError":
+                raise ConfigError(message)
+            raise RankFailure(f"rank {rank} failed: {name}: {message}\n{trace}")
+        if kind != expect:
+            self._fail()
+            raise RankFailure(f"rank {rank} answered {kind!r}, expected {expect!r}")
+        return payload
+
+    def _all(self, kind: str, payloads: list[Any] | None = None) -> list[Any]:
+        """Send one command to every rank (they run it concurrently), then collect the replies."""
+        if self._group.closed:
+            raise RankFailure("the rank processes have been shut down")
+        for r, conn in enumerate(self._group.conns):
+            conn.send((kind, None if payloads is None else payloads[r]))
+        return [self._recv(r) for r in range(self.world)]
+
+    # ---------------------------------------------------------------------------------------- requests
+
+    def add(self, request: Request) -> None:
+        """Route ``request`` to a rank; it is sent with the next ``step()``."""
+        rank = int(self.router.route(request, list(self._loads)))
+        if not 0 <= rank < self.world:
+            raise ValueError(f"router {self.config.parallel.router!r} chose rank {rank} of {self.world}")
+        load = self._loads[rank]
+        self._loads[rank] = RankLoad(rank, load.num_requests + 1, load.num_tokens + request.num_tokens)
+        self._inbox[rank].append(request)
+        self._owner[request.request_id] = rank
+        self._routed[rank] += 1
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an unfinished request; its output (``finish_reason="abort"``) comes with the next step."""
+        rank = self._owner.get(request_id)
+        if rank is None:
+            return False
+        self._aborts[rank].append(request_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._owner)
+
+    def step(self) -> list[RequestOutput]:
+        """One lock-step of every rank; the finished outputs of all of them."""
+        if not self._owner:
+            return []
+        payloads = [(self._inbox[r], self._aborts[r]) for r in range(self.world)]
+        self._inbox = [[] for _ in range(self.world)]
+        self._aborts = [[] for _ in range(self.world)]
+        outputs: list[RequestOutput] = []
+        for outs, load in self._all("step", payloads):
+            self._loads[load.rank] = load
+            for out in outs:
+                self._owner.pop(out.request_id, None)
+            outputs.extend(outs)
+        return outputs
+
+    # --------------------------------------------------------------------------------- expert placement
+
+    def rebalance(self) -> None:
+        """Rebalance the experts now with the configured placement policy (needs ``plugins.eplb``)."""
+        self._all("rebalance")
+
+    def expert_layout(self) -> list[dict[str, Any]]:
+        """Per rank: its placement rows and, per MoE layer and local slot, ``(logical expert, Σ w13,
+        Σ w2)`` of the weights it holds (float64 sums, to check weights against a reference)."""
+        return self._all("layout")
+
+    # ------------------------------------------------------------------------------------------ stats
+
+    def get_stats(self) -> dict[str, Any]:
+        """Counters summed over ranks; the prefix-cache hit rate recomputed from the summed parts,
+        plugin ratios (``*_fraction``, ``*_rate``, ``*_ratio``) averaged; ``parallel`` describes the
+        ranks and ``eplb`` holds the global balance numbers (the same on every rank)."""
+        per_rank = self._all("stats")
+        parts = [s.pop("_parts") for s in per_rank]
+        comm = [s.pop("_parallel", None) for s in per_rank]
+        eplb = [s.pop("_eplb", None) for s in per_rank]
+        stats = _sum_dicts(per_rank)
+        lookups = sum(p["lookup_tokens"] for p in parts)
+        stats["prefix_cache_hit_rate"] = sum(p["hit_tokens"] for p in parts) / lookups if lookups else 0.0
+        parallel: dict[str, Any] = {"world_size": self.world, "expert_parallel_size": self.expert_parallel_size,
+                                    "requests_per_rank": list(self._routed)}
+        if comm[0] is not None:
+            calls = sum(c["dispatch_calls"] for c in comm)
+            parallel["dispatch_calls"] = calls
+            parallel["dispatch_seconds"] = sum(c["dispatch_seconds"] for c in comm)
+            parallel["combine_seconds"] = sum(c["combine_seconds"] for c in comm)
+            parallel["dispatch_seconds_per_layer"] = parallel["dispatch_seconds"] / calls if calls else 0.0
+            parallel["combine_seconds_per_layer"] = parallel["combine_seconds"] / calls if calls else 0.0
+        stats["parallel"] = parallel
+        if eplb[0] is not None and "eplb" in self.host.enabled:
+            stats["eplb"] = {**stats.get("eplb", {}), **eplb[0]}
+        return stats
+
+    def shutdown(self) -> None:
+        """Stop every rank (idempotent)."""
+        self._finalizer()
+
+
+def _sum_dicts(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Key-wise: numbers summed (ratios averaged), dicts merged recursively, anything else from the first."""
+    out: dict[str, Any] = {}
+    for key, first in dicts[0].items():
+        values = [d.get(key) for d in dicts]
+        if isinstance(first, bool) or not all(isinstance(v, int | float | dict) for v in values):
+            out[key] = first
+        elif isinstance(first, dict):
+            out[key] = _sum_dicts([v for v in values if isinstance(v, dict)])
+        elif key.endswith(_RATIO_SUFFIXES):
+            out[key] = sum(values) / len(values)
+        else:
+            out[key] = sum(values)
+    return out

@@ -1,0 +1,222 @@
+"""The rank process: ``python -m deepinfer.parallel.worker --rank R --world N --driver HOST:PORT
+--store-port P`` (started by ``ParallelEngine``, a fresh interpreter: the caller's script is never
+re-imported). The driver's authentication key arrives on stdin.
+
+The rank joins the process group through the driver's ``TCPStore`` (gloo on CPU, NCCL on CUDA),
+builds its own ``LLMEngine`` from the config the driver sends, keeps its share of the routed experts
+(``moe.attach_expert_parallel``) and then answers commands in order:
+
+- ``step (requests, aborts)``: add the requests routed here, apply aborts, run one *lock-step* —
+  schedule; if this rank has nothing to run, a placeholder forward of zero tokens so that it still
+  joins every MoE layer's dispatch and combine (and computes the rows other ranks send it); process;
+  record router statistics and rebalance when due — and reply with the finished outputs and the
+  rank's load. A request that this rank cannot accept finishes alone with ``finish_reason="error"``.
+- ``stats``, ``layout``, ``rebalance``: collectives that every rank answers at the same point.
+- ``shutdown``: leave the process group and exit. A lost driver connection exits too.
+
+An exception anywhere else is fatal for the whole group (the collectives can no longer match): it
+is sent to the driver with its traceback and the process exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.request import Request
+from deepinfer.interfaces import ForwardContext, RankLoad, Topology
+from deepinfer.parallel.balancer import ExpertBalancer
+from deepinfer.parallel.moe import attach_expert_parallel, ep_capable_layers
+from deepinfer.parallel.placement import initial_placement, num_physical_experts
+from deepinfer.parallel.sizes import parallel_sizes, set_current_rank
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PLACEMENT_POLICY = "greedy_multistep"  # API.md §1: plugins.eplb.policy's default
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+class Rank:
+    """One rank's engine, expert share and balancer."""
+
+    def __init__(self, rank: int, world: int, config: dict[str, Any], group_store: dist.Store) -> None:
+        self.rank, self.world = rank, world
+        set_current_rank(rank)
+        device_name = config.get("model", {}).get("device", "auto")
+        use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+        if use_cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        else:
+            torch.set_num_threads(1)  # ranks share the host's cores: one intra-op thread each
+        dist.init_process_group("nccl" if use_cuda else "gloo", store=group_store, rank=rank, world_size=world,
+                                timeout=COLLECTIVE_TIMEOUT)
+        self.engine = LLMEngine(overrides=config)  # highest precedence: the driver already layered every source
+        cfg = self.engine.config
+        _, ep_size = parallel_sizes(cfg.parallel)
+        self.device = self.engine.device
+        self.layers = []
+        self.balancer: ExpertBalancer | None = None
+        moe = ep_capable_layers(self.engine.model)
+        if ep_size > 1 and moe:
+            policy, policy_name = None, None
+            section = cfg.plugins.get("eplb", {})
+            if section.get("enabled", False):
+                policy_name = section.get("policy", DEFAULT_PLACEMENT_POLICY)
+                policy = self.engine.host.select("deepinfer_placement_policies", policy_name, "plugins.eplb.policy")
+            num_logical = moe[0].w13.shape[0]
+            redundant = int(policy.num_redundant_experts) if policy is not None else 0
+            physical = num_physical_experts(num_logical, redundant, world)
+            slots = physical // world
+            placement = initial_placement(len(moe), num_logical, physical)
+            self.layers = attach_expert_parallel(self.engine.model, rank=rank, world=world, slots=slots,
+                                                 placement=placement, group=None)
+            topology = Topology(ranks=world, slots_per_rank=slots,
+                                num_groups=int(self.engine.hf_config.get("n_group") or 1), num_nodes=1)
+            self.balancer = ExpertBalancer(self.layers, policy=policy, policy_name=policy_name or "",
+                                           topology=topology, group=None, device=self.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the full expert stacks were just dropped
+
+    def info(self) -> dict[str, Any]:
+        """What the driver needs to validate requests like a single engine would."""
+        e = self.engine
+        return {"vocab_size": e.model.vocab_size, "max_model_len": e.max_model_len,
+                "eos_token_ids": e.eos_token_ids, "model_path": str(e.model_path),
+                "device": str(e.device), "slots_per_rank": self.layers[0].slots if self.layers else 0}
+
+    # ------------------------------------------------------------------------------------- commands
+
+    def step(self, requests: list[Request], aborts: list[str]) -> tuple[list[RequestOutput], RankLoad]:
+        core = self.engine.core
+        rejected = []
+        for req in requests:
+            try:
+                self._check(req)
+                self.engine.add(req)
+            except (ValueError, TypeError) as exc:
+                req.finish("error", f"rank {self.rank} rejected the request: {exc}")
+                rejected.append(core.output_of(req))
+        for request_id in aborts:
+            core.abort(request_id)
+        scheduled = core.schedule()
+        if scheduled.is_empty:
+            self._placeholder()
+            results = None
+        else:
+            results = core.execute(scheduled)
+        outputs = core.process(scheduled, results)
+        if self.balancer is not None:
+            self.balancer.end_step()
+        return rejected + [o for o in outputs if o.finished], self.load()
+
+    def _check(self, req: Request) -> None:
+        """The driver validated the request against rank 0; check it against this rank's engine."""
+        vocab = self.engine.model.vocab_size
+        if any(not 0 <= t < vocab for t in req.prompt_token_ids):
+            raise ValueError(f"a prompt token is outside this rank's vocabulary [0, {vocab})")
+        if req.num_prompt_tokens >= self.engine.max_model_len:
+            raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; max_model_len is {self.engine.max_model_len}")
+
+    def _placeholder(self) -> None:
+        """A forward of zero tokens: an idle rank still joins every MoE layer's collectives."""
+        if not self.layers:
+            return
+        ids = torch.zeros(0, dtype=torch.int64, device=self.device)
+        ctx = ForwardContext(positions=ids, slot_mapping=ids,
+                             query_start_loc=torch.zeros(1, dtype=torch.int32, device=self.device),
+                             seq_lens=ids, block_tables=torch.zeros(0, 1, dtype=torch.int64, device=self.device),
+                             num_decodes=0, query_start_loc_host=[0], seq_lens_host=[],
+                             block_size=self.engine.config.cache.block_size, backends=self.engine.runner.backends)
+        with torch.inference_mode():
+            self.engine.model.forward(ids, ctx)
+
+    def load(self) -> RankLoad:
+        sched = self.engine.scheduler
+        live = sched.waiting + sched.running
+        return RankLoad(self.rank, len(live), sum(r.num_tokens for r in live))
+
+    def stats(self) -> dict[str, Any]:
+        stats = self.engine.get_stats()
+        stats["_parts"] = {"hit_tokens": self.engine.kv.hit_tokens, "lookup_tokens": self.engine.kv.lookup_tokens}
+        comm = self.engine.runner.backends.get("dispatch")
+        timer = getattr(comm, "timer", None)
+        if self.layers and timer is not None:
+            stats["_parallel"] = {"dispatch_seconds": timer.dispatch_s, "combine_seconds": timer.combine_s,
+                                  "dispatch_calls": timer.calls}
+        if self.balancer is not None:
+            stats["_eplb"] = self.balancer.stats()
+        return stats
+
+    def layout(self) -> dict[str, Any]:
+        """This rank's expert slots: the placement rows and, per layer and slot, the logical expert and a
+        fingerprint of its weights (float64 sums of w13 and w2) to check against a reference."""
+        return {"rank": self.rank,
+                "placement": [ep.phys_to_logical.tolist() for ep in self.layers],
+                "slots": [[(e, float(ep.w13[s].double().sum()), float(ep.w2[s].double().sum()))
+                           for s, e in enumerate(ep.local_experts)] for ep in self.layers]}
+
+    def rebalance(self) -> None:
+        if self.balancer is None or self.balancer.policy is None:
+            raise RuntimeError("rebalance() needs expert parallelism with plugins.eplb enabled")
+        self.balancer.rebalance()
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+        dist.destroy_process_group()
+
+
+def serve(conn: Connection, rank: Rank) -> None:
+    """Answer the driver's commands until ``shutdown`` or a lost connection."""
+    handlers = {"step": lambda p: rank.step(*p), "stats": lambda p: rank.stats(),
+                "layout": lambda p: rank.layout(), "rebalance": lambda p: rank.rebalance()}
+    while True:
+        try:
+            kind, payload = conn.recv()
+        except (EOFError, OSError):
+            logger.warning("rank %d: the driver went away; exiting", rank.rank)
+            return
+        if kind == "shutdown":
+            rank.shutdown()
+            conn.send(("ok", None))
+            return
+        conn.send(("ok", handlers[kind](payload)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="deepinfer.parallel.worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--driver", required=True, help="HOST:PORT of the driver's command listener")
+    parser.add_argument("--store-port", type=int, required=True, help="the driver's TCPStore port")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {args.rank}] %(levelname)s %(name)s: %(message)s")
+    authkey = bytes.fromhex(sys.stdin.readline().strip())
+    host, port = args.driver.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=authkey)
+    conn.send(("hello", args.rank))
+    try:
+        _, config = conn.recv()
+        store = dist.TCPStore(host, args.store_port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        rank = Rank(args.rank, args.world, config, store)
+        conn.send(("ready", rank.info()))
+        serve(conn, rank)
+    except BaseException as exc:  # report any failure to the driver, then exit non-zero
+        with contextlib.suppress(OSError):
+            conn.send(("error", (type(exc).__name__, str(exc), traceback.format_exc())))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

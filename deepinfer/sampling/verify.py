@@ -1,0 +1,138 @@
+"""Lossless verification of draft tokens (reference/deepinfer.md §4).
+
+Request ``i`` owns ``1 + n_i`` consecutive logits rows: the row of its last committed token, then one
+row per draft. Row ``j`` is the target's distribution for the token that draft ``j`` proposes.
+
+- Greedy requests accept a draft when it equals the row's argmax (exact match).
+- Sampling requests accept draft ``d`` with probability ``min(1, q(d) / p(d))``, where ``q`` is the
+  target's filtered distribution (temperature, top-k, top-p, min-p: exactly what the sampler draws
+  from) and ``p`` the draft's (one-hot when the drafter gives none).
+- Acceptance is a prefix: the first rejected draft ends it. After ``a`` accepted drafts the request
+  emits one more token from row ``a``: on a rejection it is drawn from the normalized residual
+  ``max(q − p, 0)``, after all drafts were accepted it is the *bonus* token, drawn from ``q`` exactly
+  as the sampler would draw it. A request without drafts therefore samples bitwise as without
+  speculation, and the emitted tokens follow the target's distribution (standard rejection sampling).
+
+Every uniform is a counter draw of (seed, the slot the token would take, purpose), so verification is
+as batch-independent as sampling. Everything runs on the logits' device without a host sync.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.sampling.rng import Purpose, uniform
+from deepinfer.sampling.sampler import SamplingBatch, filtered_probs, inverse_cdf, logprobs_of, sample
+
+
+@dataclass(frozen=True)
+class VerifyBatch:
+    """Per-request verification inputs, ``[R]`` or ``[R, K]`` tensors on the logits' device.
+
+    ``row_start`` is each request's first row in the verified logits; ``drafts`` holds the draft ids
+    (−1 padded to ``K``), ``num_drafts`` how many are real; ``draft_probs [R, K, V]`` or None for
+    one-hot drafts. ``greedy`` marks temperature-0 requests; ``temperature``/``top_k``/``top_p``/
+    ``min_p``/``seeds`` are per request (temperature 1 for greedy ones, never used). ``base`` is the
+    RNG counter of each request's first emitted token (the sampler's ``positions``); its ``j``-th
+    emitted token uses ``base + j``. ``sampling`` draws the final token (shifted by the accepted count
+    at run time). ``row_request``/``row_offset`` map every
+    verified row to its request and its offset ``j`` within the request.
+    """
+
+    row_start: torch.Tensor
+    drafts: torch.Tensor
+    num_drafts: torch.Tensor
+    draft_probs: torch.Tensor | None
+    greedy: torch.Tensor
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    base: torch.Tensor
+    sampling: SamplingBatch
+    row_request: torch.Tensor
+    row_offset: torch.Tensor
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """``tokens [R, K+1]``: the accepted drafts then the final token, −1 after; ``num_accepted [R]``.
+    With logprobs requested, per verified row the raw log-probability of the token emitted from it
+    (``token_logprobs [T]``) and the top-n (``top_logprobs``/``top_ids [T, n]``)."""
+
+    tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    token_logprobs: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+
+def _accepted(logits: torch.Tensor, batch: VerifyBatch) -> torch.Tensor:
+    """``[R, K]`` bool: whether each draft passes its own test (before the prefix rule)."""
+    num_requests, k = batch.drafts.shape
+    cols = torch.arange(k, device=logits.device)
+    rows = (batch.row_start.unsqueeze(1) + cols).clamp_(max=logits.shape[0] - 1)
+    row_logits = logits.index_select(0, rows.reshape(-1))
+    drafts = batch.drafts.clamp(min=0).reshape(-1)
+    greedy_ok = row_logits.argmax(dim=-1) == drafts
+
+    def per_row(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(k)
+
+    q = filtered_probs(row_logits, per_row(batch.temperature), per_row(batch.top_k), per_row(batch.top_p),
+                       per_row(batch.min_p))
+    q_d = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).to(torch.float64)
+    if batch.draft_probs is None:
+        p_d = torch.ones_like(q_d)
+    else:
+        p_d = batch.draft_probs.reshape(num_requests * k, -1).gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
+        p_d = p_d.to(torch.float64)
+    positions = (batch.base.unsqueeze(1) + cols).reshape(-1)
+    u = uniform(per_row(batch.seeds), positions, Purpose.ACCEPT)
+    random_ok = u * p_d < q_d
+    ok = torch.where(per_row(batch.greedy), greedy_ok, random_ok).reshape(num_requests, k)
+    return ok & (cols < batch.num_drafts.unsqueeze(1))
+
+
+def _residual_tokens(final_logits: torch.Tensor, batch: VerifyBatch, accepted: torch.Tensor) -> torch.Tensor:
+    """A draw from ``max(q − p, 0)`` at each request's final row (meaningful where a draft was
+    rejected); falls back to ``q`` when the residual has no mass (only possible through rounding)."""
+    q = filtered_probs(final_logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    at = accepted.clamp(max=max(batch.drafts.shape[1] - 1, 0)).unsqueeze(1)
+    if batch.drafts.shape[1] == 0:
+        return inverse_cdf(q, uniform(batch.seeds, batch.base + accepted, Purpose.RESAMPLE))
+    if batch.draft_probs is None:
+        rejected = batch.drafts.gather(1, at).clamp(min=0)
+        p = torch.zeros_like(q).scatter_(-1, rejected, 1.0)
+    else:
+        p = batch.draft_probs.gather(1, at.unsqueeze(-1).expand(-1, 1, q.shape[-1])).squeeze(1).to(q.dtype)
+    residual = (q - p).clamp_(min=0)
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, q, residual)
+    return inverse_cdf(residual, uniform(batch.seeds, batch.base + accepted, Purpose.RESAMPLE))
+
+
+def verify(logits: torch.Tensor, batch: VerifyBatch) -> VerifyResult:
+    """Verify every request's drafts against ``logits [T, V]`` (float32; rows as in ``VerifyBatch``)."""
+    num_requests, k = batch.drafts.shape
+    ok = _accepted(logits, batch) if k else torch.zeros(num_requests, 0, dtype=torch.bool, device=logits.device)
+    num_accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(dim=1)
+    final_logits = logits.index_select(0, batch.row_start + num_accepted)
+    shifted = dataclasses.replace(
+        batch.sampling, positions=batch.sampling.positions + num_accepted.index_select(0, batch.sampling.random_rows))
+    bonus = sample(final_logits, dataclasses.replace(shifted, num_logprobs=-1)).tokens
+    rejected = (num_accepted < batch.num_drafts) & ~batch.greedy
+    final = torch.where(rejected, _residual_tokens(final_logits, batch, num_accepted), bonus)
+    cols = torch.arange(k + 1, device=logits.device)
+    padded = torch.cat([batch.drafts, batch.drafts.new_full((num_requests, 1), -1)], dim=1)
+    tokens = torch.where(cols < num_accepted.unsqueeze(1), padded,
+                         torch.where(cols == num_accepted.unsqueeze(1), final.unsqueeze(1), -1))
+    if batch.sampling.num_logprobs < 0:
+        return VerifyResult(tokens, num_accepted)
+    targets = tokens[batch.row_request, batch.row_offset].clamp(min=0)
+    token_lp, top_lp, top_ids = logprobs_of(logits, targets, batch.sampling.num_logprobs)
+    return VerifyResult(tokens, num_accepted, token_lp, top_lp, top_ids)

@@ -1,0 +1,85 @@
+"""Token bitmasks of one engine step, built on the host and applied on the device before sampling.
+
+The host and the device meet here (API.md §3): ``EngineCore.prepare`` creates a ``StepMasks`` for a
+step with structured rows; the host fills each row as soon as that request's matcher has accepted every
+token before the row's position (at once under the synchronous executor; after post-processing the
+previous step under the overlapped one, phase 4); the device's ``sample`` waits for the filled mask
+(the one wait, like a stream waiting on an event), masks a copy of the logits, samples, and takes
+logprobs from the raw logits (API.md §4: logprobs are the model's unconstrained distribution).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
+from deepinfer.structured.grammar import GrammarCompiler
+
+if TYPE_CHECKING:
+    from deepinfer.engine.scheduler import ScheduledRequest
+
+# How long the device waits for the host to fill a step's masks before it reports a stuck engine.
+MASK_WAIT_S = 600.0
+
+
+class StepMasks:
+    """Bitmasks of the structured rows of one step.
+
+    ``rows[i]`` is the sampler row (index into the step's sampled rows) of ``entries[i]``. A row whose
+    request finished or was preempted since the step was scheduled is left all-allowed: its token is
+    discarded in ``process`` anyway.
+    """
+
+    def __init__(self, compiler: GrammarCompiler, num_rows: int, rows: list[int],
+                 entries: list[ScheduledRequest]) -> None:
+        self.compiler = compiler
+        self.rows = rows
+        self.entries = entries
+        self.bitmask = compiler.allocate_bitmask(num_rows)
+        self._pending = list(range(len(rows)))
+        self._ready = threading.Event()
+        self.fill_seconds = 0.0  # host time spent filling this step's masks
+
+    @property
+    def filled(self) -> bool:
+        return self._ready.is_set()
+
+    def try_fill(self) -> bool:
+        """Fill every row whose matcher is up to date (host side); True once all rows are filled,
+        which releases the device's ``sample``."""
+        start = time.perf_counter()
+        waiting = []
+        for i in self._pending:
+            s = self.entries[i]
+            req = s.request
+            if req.epoch != s.epoch:
+                continue  # dead row: its result will be dropped
+            matcher = req.grammar.matcher if req.grammar is not None else None
+            if matcher is None:
+                raise RuntimeError(f"request {req.request_id} was scheduled before its grammar was ready")
+            if matcher.num_accepted != s.token_slot - req.num_prompt_tokens:
+                waiting.append(i)  # the tokens before this row are still on the device
+                continue
+            matcher.fill_mask(self.bitmask, self.rows[i])
+        self._pending = waiting
+        self.fill_seconds += time.perf_counter() - start
+        if not waiting:
+            self._ready.set()
+        return not waiting
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        """Device side: wait for the masks, sample from the masked logits, logprobs from the raw ones."""
+        if not self._ready.wait(MASK_WAIT_S):
+            raise RuntimeError(f"grammar masks of a step were not filled within {MASK_WAIT_S:g} s")
+        constrained = logits.clone()
+        self.compiler.apply_bitmask(constrained, self.bitmask, self.rows)
+        result = sample(constrained, replace(batch, num_logprobs=-1))
+        if batch.num_logprobs < 0:
+            return result
+        token_lp, top_lp, top_ids = logprobs_of(logits, result.tokens, batch.num_logprobs)
+        return SampleResult(result.tokens, token_lp, top_lp, top_ids)

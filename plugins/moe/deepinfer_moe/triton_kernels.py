@@ -1,0 +1,196 @@
+"""Triton fused-expert kernels: two grouped GEMMs over a ``BlockLayout`` (``layout.py``).
+
+``gate_up`` reads each row's token from ``x``, multiplies it by the block's expert ``w13`` (gate and up
+halves as two accumulators) and writes ``silu(gate) · up`` for the pair — SwiGLU fused into the GEMM
+epilogue, so the ``[P, 2I]`` product never reaches memory. ``down`` multiplies those rows by ``w2``
+and scales each by its routing weight; the caller sums the ``k`` rows of a token.
+
+FP8 (``FP8=True``): ``x``/``h`` are e4m3 with one float32 scale per row and 128 channels, weights are
+e4m3 with one scale per 128×128 tile (``fp8.py``); ``BLOCK_K`` is 128, so each K step multiplies one
+activation scale per row by one weight scale per output column, and accumulates in float32.
+
+Every launch reads only device memory and has a grid fixed by the shapes, so the step needs no host
+sync and can be captured in a CUDA graph. Under ``TRITON_INTERPRET=1`` (the CPU tests) tiles are
+upcast to float32 before ``tl.dot``: the interpreter (Triton 3.9) returns garbage for bf16 ``tl.dot``,
+which would hide real bugs behind an interpreter one. On the GPU the cast is to the input dtype
+itself, i.e. a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from deepinfer_moe.layout import BlockLayout
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+              torch.float8_e4m3fn: tl.float8e4nv}
+SCALE_BLOCK = 128
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, pairs_ptr, block_expert_ptr,
+    num_pairs, top_k, hidden, inter, limit,
+    stride_xt, stride_we, stride_wn, stride_ot, stride_xst, stride_wse, stride_wsn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr,
+):
+    """One program: ``BLOCK_M`` rows of one expert × ``BLOCK_N`` columns of the intermediate width."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # a block past the last expert's rows: nothing to do
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + offs_m)
+    row_ok = pair < num_pairs
+    token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    gate_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
+    up_cols = w_base + (offs_n[None, :] + inter).to(tl.int64) * stride_wn
+    x_rows = x_ptr + token[:, None] * stride_xt
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < hidden
+        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        b_gate = tl.load(gate_cols + kk[:, None], mask=b_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_N]
+        b_up = tl.load(up_cols + kk[:, None], mask=b_mask, other=0.0).to(DOT_DTYPE)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_scale = tl.load(x_scale_ptr + token * stride_xst + kb, mask=row_ok, other=0.0)
+            ws = w_scale_ptr + expert.to(tl.int64) * stride_wse + kb
+            s_gate = tl.load(ws + (offs_n // 128) * stride_wsn, mask=col_ok, other=0.0)
+            s_up = tl.load(ws + ((offs_n + inter) // 128) * stride_wsn, mask=col_ok, other=0.0)
+            acc_gate += tl.dot(a, b_gate) * a_scale[:, None] * s_gate[None, :]
+            acc_up += tl.dot(a, b_up) * a_scale[:, None] * s_up[None, :]
+        else:
+            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+    if HAS_LIMIT:  # DeepSeek-V4's clamped SwiGLU
+        acc_gate = tl.minimum(acc_gate, limit)
+        acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+    act = acc_gate * tl.sigmoid(acc_gate) * acc_up  # silu(gate) · up
+    out = out_ptr + pair[:, None].to(tl.int64) * stride_ot + offs_n[None, :]
+    tl.store(out, act.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, h_scale_ptr, w_ptr, w_scale_ptr, out_ptr, weight_ptr, pairs_ptr, block_expert_ptr,
+    num_pairs, hidden, inter,
+    stride_hp, stride_we, stride_wn, stride_op, stride_hsp, stride_wse, stride_wsn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program: ``BLOCK_M`` rows of one expert × ``BLOCK_N`` hidden columns, times routing weight."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    offs_m = tl.arange(0, BLOCK_M)
+    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + offs_m)
+    row_ok = pair < num_pairs
+    row = tl.where(row_ok, pair, 0).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    h_rows = h_ptr + row[:, None] * stride_hp
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < inter
+        a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(DOT_DTYPE)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_scale = tl.load(h_scale_ptr + row * stride_hsp + kb, mask=row_ok, other=0.0)
+            s = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse + (offs_n // 128) * stride_wsn + kb,
+                        mask=col_ok, other=0.0)
+            acc += tl.dot(a, b) * a_scale[:, None] * s[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    routing = tl.load(weight_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * routing[:, None]
+    out = out_ptr + row[:, None] * stride_op + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    """float32 inputs multiply in full IEEE precision (not TF32), so fp32 runs match the reference;
+    other dtypes keep ``tl.dot``'s default."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
+    return tl.float32 if interpreting() else _TL_DTYPES[dtype]
+
+
+def gate_up(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor | None,
+            layout: BlockLayout, top_k: int, *, out_dtype: torch.dtype, block_n: int, block_k: int,
+            num_warps: int, num_stages: int, swiglu_limit: float | None = None) -> torch.Tensor:
+    """``silu(x·gateᵀ) · (x·upᵀ)`` for every pair: ``[P, I]`` in ``out_dtype``. ``x [T, H]`` (with
+    ``x_scale [T, ⌈H/128⌉]`` when FP8), ``w13 [E, 2I, H]`` (with ``w13_scale`` when FP8);
+    ``swiglu_limit`` clamps gate ≤ limit and up to ``[-limit, limit]`` first."""
+    fp8 = x_scale is not None
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    if fp8 and block_k != SCALE_BLOCK:
+        raise ValueError(f"FP8 kernels need block_k == {SCALE_BLOCK} (one scale per K step), got {block_k}")
+    if x.stride(1) != 1 or w13.stride(2) != 1:
+        raise ValueError("gate_up needs x and w13 contiguous along the hidden dimension")
+    out = torch.empty(layout.num_pairs, inter, dtype=out_dtype, device=x.device)
+    scale_x = x_scale if fp8 else x  # any tensor: the pointer is not read when FP8 is off
+    scale_w = w13_scale if fp8 else w13
+    grid = (layout.num_blocks, triton.cdiv(inter, block_n))
+    _gate_up_kernel[grid](
+        x, scale_x, w13, scale_w, out, layout.pairs, layout.block_expert,
+        layout.num_pairs, top_k, hidden, inter, 0.0 if swiglu_limit is None else float(swiglu_limit),
+        x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
+        scale_x.stride(0), scale_w.stride(0), scale_w.stride(1),
+        BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, DOT_DTYPE=_dot_dtype(x.dtype),
+        PRECISION=_precision(x.dtype), HAS_LIMIT=swiglu_limit is not None,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+def down(h: torch.Tensor, h_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
+         topk_weights: torch.Tensor, layout: BlockLayout, *, out_dtype: torch.dtype, block_n: int, block_k: int,
+         num_warps: int, num_stages: int) -> torch.Tensor:
+    """``topk_weight[p] · h[p] · w2[e]ᵀ`` for every pair ``p``: ``[P, H]`` in ``out_dtype``."""
+    fp8 = h_scale is not None
+    hidden, inter = w2.shape[1], w2.shape[2]
+    if fp8 and block_k != SCALE_BLOCK:
+        raise ValueError(f"FP8 kernels need block_k == {SCALE_BLOCK} (one scale per K step), got {block_k}")
+    if h.stride(1) != 1 or w2.stride(2) != 1:
+        raise ValueError("down needs h and w2 contiguous along the intermediate dimension")
+    weights = topk_weights.reshape(-1).contiguous()
+    out = torch.empty(layout.num_pairs, hidden, dtype=out_dtype, device=h.device)
+    scale_h = h_scale if fp8 else h
+    scale_w = w2_scale if fp8 else w2
+    grid = (layout.num_blocks, triton.cdiv(hidden, block_n))
+    _down_kernel[grid](
+        h, scale_h, w2, scale_w, out, weights, layout.pairs, layout.block_expert,
+        layout.num_pairs, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+        scale_h.stride(0), scale_w.stride(0), scale_w.stride(1),
+        BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, DOT_DTYPE=_dot_dtype(h.dtype),
+        PRECISION=_precision(h.dtype), num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

@@ -1,0 +1,113 @@
+"""Online confidence calibration, per draft position (isotonic over bins).
+
+Raw confidences are binned per position; each bin counts how often a draft that reached
+verification was accepted. The calibrated value of a bin is its acceptance rate with a small prior
+pulled towards the bin's centre (so unseen bins pass the raw value through), made non-decreasing in
+the raw confidence by pool-adjacent-violators. Drafts never reached (after an earlier rejection)
+teach nothing: their outcome was not observed.
+
+``CalibrationError`` reports the expected calibration error of the confidences the plan used:
+``Σ_b |Σ confidence − Σ accepted| / N`` over bins of confidence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer.interfaces import Drafter, DraftInputs, DraftProposal
+
+PRIOR = 2.0  # pseudo-observations at the bin centre
+
+
+def pool_adjacent_violators(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least squares."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights, strict=True):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, c2 = blocks.pop()
+            m1, w1, c1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, c1 + c2])
+    out: list[float] = []
+    for mean, _, count in blocks:
+        out.extend([mean] * int(count))
+    return out
+
+
+class IsotonicCalibrator:
+    """Per-position binned isotonic calibration of raw confidences in [0, 1]."""
+
+    def __init__(self, max_draft: int, bins: int) -> None:
+        self.bins = bins
+        self.seen = torch.zeros(max_draft, bins, dtype=torch.float64)
+        self.accepted = torch.zeros(max_draft, bins, dtype=torch.float64)
+        self._table: torch.Tensor | None = None
+
+    def _bin(self, raw: torch.Tensor) -> torch.Tensor:
+        return (raw.to(torch.float64) * self.bins).long().clamp(0, self.bins - 1)
+
+    def table(self) -> torch.Tensor:
+        """``[max_draft, bins]`` calibrated value of each bin."""
+        if self._table is None:
+            centre = (torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins
+            rates = (self.accepted + PRIOR * centre) / (self.seen + PRIOR)
+            weights = self.seen + PRIOR
+            self._table = torch.tensor([pool_adjacent_violators(r.tolist(), w.tolist())
+                                        for r, w in zip(rates, weights, strict=True)])
+        return self._table
+
+    def calibrate(self, raw: torch.Tensor) -> torch.Tensor:
+        """``[B, k]`` raw → calibrated (same device and dtype float32)."""
+        k = raw.shape[1]
+        table = self.table()[:k].to(raw.device)
+        bins = self._bin(raw)
+        return table.gather(1, bins.t()).t().to(torch.float32) if raw.numel() else raw.float()
+
+    def observe(self, raw: Sequence[float], verified: int, accepted: int) -> None:
+        """One request's verification: drafts ``0..verified-1`` with raw confidences ``raw``, the first
+        ``accepted`` of them accepted; positions past the first rejection were not observed."""
+        for j in range(min(verified, accepted + 1, self.seen.shape[0])):
+            b = int(self._bin(torch.tensor(raw[j])))
+            self.seen[j, b] += 1
+            self.accepted[j, b] += float(j < accepted)
+        self._table = None
+
+
+class CalibratedDrafter:
+    """Wraps a drafter: its confidences are calibrated, the raw ones kept alongside."""
+
+    def __init__(self, inner: Drafter, calibrator: IsotonicCalibrator) -> None:
+        self.inner = inner
+        self.calibrator = calibrator
+
+    def propose(self, inputs: DraftInputs) -> DraftProposal:
+        proposal = self.inner.propose(inputs)
+        raw = proposal.confidence
+        calibrated = self.calibrator.calibrate(raw.float().cpu()).to(raw.device)
+        calibrated = torch.where(proposal.tokens >= 0, calibrated, torch.zeros_like(calibrated))
+        return dataclasses.replace(proposal, confidence=calibrated, raw_confidence=raw)
+
+
+class CalibrationError:
+    """Expected calibration error of (confidence, accepted) pairs, accumulated over a run."""
+
+    def __init__(self, bins: int = 10) -> None:
+        self.bins = bins
+        self.confidence = [0.0] * bins
+        self.accepted = [0.0] * bins
+        self.count = 0
+
+    def observe(self, confidence: Sequence[float], verified: int, accepted: int) -> None:
+        for j in range(min(verified, accepted + 1)):
+            b = min(int(confidence[j] * self.bins), self.bins - 1)
+            self.confidence[b] += confidence[j]
+            self.accepted[b] += float(j < accepted)
+            self.count += 1
+
+    def value(self) -> float:
+        if not self.count:
+            return 0.0
+        return sum(abs(c - a) for c, a in zip(self.confidence, self.accepted, strict=True)) / self.count

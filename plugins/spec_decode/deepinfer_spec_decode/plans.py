@@ -1,0 +1,74 @@
+"""Verification plans: how many drafts each request verifies (API.md §2, reference/deepinfer.md §5).
+
+Both plans rank candidate draft slots globally and take the best ones; a request's slots are ranked
+in position order, so a plan never verifies draft ``j + 1`` of a request without draft ``j``. Ties
+go to the smaller flat index (request · k + position): the result is deterministic.
+
+- ``fixed``: every request verifies all its drafts (the ranking is by position).
+- ``varlen``: the confidence-driven plan. A slot's value is the running product of its request's
+  conditional confidences (the probability that it is accepted). ``budget`` walks the slots from
+  most to least likely and keeps the total query tokens that maximize expected accepted tokens per
+  second of step time (from the step-cost model); ``split`` gives that total to the best slots of
+  the newest confidences.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.interfaces import StepCostModel
+
+
+def take_best(score: torch.Tensor, valid: torch.Tensor, extra: int) -> torch.Tensor:
+    """Drafts per request ``[B]``: the ``extra`` valid slots of highest ``score`` (ties: smaller flat
+    index), counted per request. ``score`` must not increase along a request's positions."""
+    batch, k = score.shape
+    if extra <= 0 or not k:
+        return torch.zeros(batch, dtype=torch.int64, device=score.device)
+    flat = torch.where(valid, score, torch.full_like(score, float("-inf"))).reshape(-1)
+    # A stable sort of the negated scores keeps equal scores in flat-index order.
+    order = torch.sort(-flat, stable=True).indices
+    taken = torch.zeros_like(flat, dtype=torch.bool)
+    best = order[:extra]
+    taken[best] = torch.isfinite(flat[best])
+    return taken.reshape(batch, k).sum(dim=1)
+
+
+def acceptance_rates(confidence: torch.Tensor) -> torch.Tensor:
+    """Running products of conditional confidences: the chance each slot is accepted."""
+    return torch.cumprod(confidence.to(torch.float64), dim=1)
+
+
+class FixedPlan:
+    """Verify every draft."""
+
+    def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
+        return int(stale_confidence.shape[0] + (stale_confidence > 0).sum())
+
+    def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
+        k = confidence.shape[1]
+        by_position = -torch.arange(k, dtype=torch.float64, device=confidence.device).expand_as(confidence)
+        return take_best(by_position, confidence > 0, total - confidence.shape[0])
+
+
+class VarlenPlan:
+    """Confidence-driven variable-length verification."""
+
+    def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
+        batch = stale_confidence.shape[0]
+        rates = acceptance_rates(stale_confidence).reshape(-1)
+        ranked = torch.sort(-rates, stable=True).values.neg()
+        expected, tokens = float(batch), batch
+        best_tokens, best = tokens, expected / cost.step_time(tokens)
+        for rate in ranked.tolist():
+            if rate <= 0:
+                break
+            expected += rate
+            tokens += 1
+            throughput = expected / cost.step_time(tokens)
+            if throughput > best:
+                best, best_tokens = throughput, tokens
+        return best_tokens
+
+    def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
+        return take_best(acceptance_rates(confidence), confidence > 0, total - confidence.shape[0])

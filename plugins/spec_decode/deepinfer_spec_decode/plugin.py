@@ -1,0 +1,74 @@
+"""The plugin's face: its config model and hookimpls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deepinfer import hookimpl
+from deepinfer.errors import ConfigError
+from deepinfer.interfaces import Drafter, EngineInfo, StepStats
+from deepinfer_spec_decode.calibration import CalibratedDrafter, IsotonicCalibrator
+from deepinfer_spec_decode.config import SpecDecodeConfig
+from deepinfer_spec_decode.mtp import MTPDrafter
+from deepinfer_spec_decode.ngram import NgramDrafter
+from deepinfer_spec_decode.oracle import OracleDrafter, read_sequences
+from deepinfer_spec_decode.plans import FixedPlan, VarlenPlan
+from deepinfer_spec_decode.stats import SpecStats
+
+
+class Plugin:
+    """Offers the ``mtp``, ``ngram`` and ``oracle`` drafters and the ``fixed`` and ``varlen`` plans, calibrates
+    every drafter's confidences online, and reports acceptance statistics."""
+
+    config_model = SpecDecodeConfig
+
+    def __init__(self, config: SpecDecodeConfig) -> None:
+        self.config = config
+        self.calibrator = IsotonicCalibrator(config.max_draft, config.calibration_bins)
+        self.stats = SpecStats(config.max_draft)
+
+    @staticmethod
+    def deepinfer_config_aliases() -> dict[str, str]:
+        return {"DEEPINFER_USE_NEXTN_DECODE": "plugins.spec_decode.max_draft",
+                "DEEPINFER_ENABLE_MTP_VARLEN": "plugins.spec_decode.plan"}
+
+    def _calibrated(self, drafter: Drafter) -> Drafter:
+        return drafter if self.config.calibration == "off" else CalibratedDrafter(drafter, self.calibrator)
+
+    def _ngram(self, *, model: Any, info: EngineInfo) -> Drafter:
+        return self._calibrated(NgramDrafter(self.config.ngram_min, self.config.ngram_max))
+
+    def _oracle(self, *, model: Any, info: EngineInfo) -> Drafter:
+        cfg = self.config
+        sequences = read_sequences(cfg.oracle_file) if cfg.oracle_file else []
+        return self._calibrated(OracleDrafter(sequences, info.vocab_size, cfg.oracle_corruption,
+                                              cfg.oracle_draft_probs))
+
+    def _mtp(self, *, model: Any, info: EngineInfo) -> Drafter:
+        # The engine checked the model (MTP weights loaded, cache bound) when it resolved the drafter.
+        return self._calibrated(MTPDrafter(model))
+
+    @hookimpl
+    def deepinfer_drafters(self) -> dict[str, Any]:
+        return {"mtp": self._mtp, "ngram": self._ngram, "oracle": self._oracle}
+
+    @hookimpl
+    def deepinfer_verification_plans(self) -> dict[str, Any]:
+        return {"fixed": FixedPlan(), "varlen": VarlenPlan()}
+
+    @hookimpl
+    def deepinfer_validate_config(self, config: Any, info: EngineInfo) -> None:
+        if info.layout.max_backtrack < self.config.max_draft + 1:
+            raise ConfigError(
+                f"cache.max_backtrack ({info.layout.max_backtrack}) must be >= plugins.spec_decode.max_draft + 1 "
+                f"({self.config.max_draft + 1}): rejected drafts are rolled back")
+
+    @hookimpl
+    def deepinfer_step_end(self, stats: StepStats) -> None:
+        self.stats.observe(stats)
+        for raw, v, a in zip(stats.draft_raw_confidence, stats.verified_drafts, stats.accepted_drafts, strict=True):
+            self.calibrator.observe(raw, v, a)
+
+    @hookimpl
+    def deepinfer_stats(self) -> dict[str, Any]:
+        return self.stats.as_dict()

@@ -1,0 +1,113 @@
+"""Verification plans, calibration and the step-cost model on synthetic inputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from deepinfer_spec_decode.calibration import IsotonicCalibrator, pool_adjacent_violators
+from deepinfer_spec_decode.plans import FixedPlan, VarlenPlan, acceptance_rates
+
+from deepinfer.engine.cost import StepCost
+
+
+class CurveCost:
+    """A step-cost model from a function of query tokens."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def step_time(self, q: int) -> float:
+        return self.fn(q)
+
+    def observe(self, q: int, seconds: float) -> None:
+        pass
+
+
+def _random_confidence(batch: int, k: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    conf = torch.rand(batch, k, generator=gen) * 0.9 + 0.1
+    drafts = torch.randint(0, k + 1, (batch,), generator=gen)  # some requests have fewer drafts
+    return torch.where(torch.arange(k) < drafts.unsqueeze(1), conf, torch.zeros(()))
+
+
+def test_split_never_skips_a_draft_and_keeps_the_total():
+    for seed in range(20):
+        conf = _random_confidence(9, 5, seed)
+        available = int((conf > 0).sum())
+        for plan in (FixedPlan(), VarlenPlan()):
+            for extra in range(0, available + 1):
+                drafts = plan.split(conf, 9 + extra)
+                assert int(drafts.sum()) == extra
+                assert (drafts <= (conf > 0).sum(1)).all()
+                if isinstance(plan, VarlenPlan):  # every taken slot is at least as likely as every skipped one
+                    rates = acceptance_rates(conf)
+                    taken = torch.arange(5) < drafts.unsqueeze(1)
+                    valid = conf > 0
+                    if taken.any() and (valid & ~taken).any():
+                        assert rates[taken].min() >= rates[valid & ~taken].max()
+
+
+def test_varlen_budget_maximizes_expected_tokens_per_second_over_all_budgets():
+    curves = [lambda q: 1.0 + 0.05 * q, lambda q: 2.0 + 0.01 * q ** 1.5, lambda q: 0.5 + (0.3 if q > 12 else 0.0)]
+    for seed, curve in itertools.product(range(10), curves):
+        conf = _random_confidence(6, 4, seed)
+        rates = torch.sort(acceptance_rates(conf).reshape(-1), descending=True).values
+        rates = rates[rates > 0]
+        best = max(range(len(rates) + 1), key=lambda m: ((6 + float(rates[:m].sum())) / curve(6 + m), -m))
+        assert VarlenPlan().budget(conf, CurveCost(curve)) == 6 + best
+
+
+def test_varlen_ties_are_deterministic_and_go_to_the_earlier_request():
+    conf = torch.full((4, 3), 0.5)
+    a = VarlenPlan().split(conf, 4 + 5)
+    b = VarlenPlan().split(conf.clone(), 4 + 5)
+    assert a.tolist() == b.tolist() == [2, 1, 1, 1]
+
+
+def test_varlen_with_certain_drafts_and_a_flat_cost_equals_fixed():
+    conf = _random_confidence(7, 5, 1)
+    ones = torch.where(conf > 0, torch.ones(()), torch.zeros(()))
+    flat = CurveCost(lambda q: 1.0)
+    fixed, varlen = FixedPlan(), VarlenPlan()
+    assert varlen.budget(ones, flat) == fixed.budget(ones, flat)
+    total = fixed.budget(ones, flat)
+    assert varlen.split(ones, total).tolist() == fixed.split(ones, total).tolist()
+
+
+def test_pool_adjacent_violators_is_monotone_and_keeps_the_weighted_mean():
+    values, weights = [0.5, 0.2, 0.9, 0.4, 0.8], [1.0, 3.0, 1.0, 1.0, 2.0]
+    out = pool_adjacent_violators(values, weights)
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(out))
+    before = sum(v * w for v, w in zip(values, weights, strict=True))
+    assert abs(sum(o * w for o, w in zip(out, weights, strict=True)) - before) < 1e-9
+
+
+def test_calibrator_learns_the_realized_acceptance_per_position():
+    cal = IsotonicCalibrator(max_draft=2, bins=10)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3000):  # raw 0.95 everywhere; truly 30% at position 0, then 80% given position 0
+        a0 = bool(torch.rand((), generator=gen) < 0.3)
+        a1 = a0 and bool(torch.rand((), generator=gen) < 0.8)
+        cal.observe([0.95, 0.95], 2, int(a0) + int(a1))
+    out = cal.calibrate(torch.tensor([[0.95, 0.95]]))
+    assert abs(out[0, 0] - 0.3) < 0.05 and abs(out[0, 1] - 0.8) < 0.06
+    assert abs(float(cal.calibrate(torch.tensor([[0.15, 0.15]]))[0, 0]) - 0.15) < 0.2  # unseen bins pass through
+
+
+def test_step_cost_profiles_once_interpolates_and_learns_a_slope():
+    calls = []
+    table = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5, 24: 3.3}
+
+    def measure(q):
+        calls.append(q)
+        return table[q]
+
+    cost = StepCost(measure, 24, min_samples=3)
+    assert abs(cost.step_time(3) - 1.2) < 1e-9 and calls == [1, 2, 4]  # only what the query needs
+    assert abs(cost.step_time(12) - 2.1) < 1e-9
+    assert abs(cost.step_time(32) - 4.1) < 1e-9 and calls == [1, 2, 4, 8, 16, 24]  # extended past the last two
+    for _ in range(5):
+        cost.observe(16, 2.5 + 16 * 0.01)  # every step 10 ms per token slower than profiled
+    assert abs(cost.slope() - 0.01) < 1e-9 and abs(cost.step_time(16) - 2.66) < 1e-9
+    assert len(calls) == 6

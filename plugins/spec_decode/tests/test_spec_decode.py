@@ -1,0 +1,201 @@
+"""Speculative decoding end to end: greedy tokens identical with it on and off for every drafter and
+plan, the output distribution of sampling unchanged (chi-square), bounded outputs, no leaked block."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from test_deepseek_v3 import CONFIGS as DEEPSEEK_CONFIGS
+from test_deepseek_v3 import _build as build_deepseek
+from tiny_models import TINY, save_tiny
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.errors import ConfigError
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _spec(drafter: str, plan: str, **extra) -> dict:
+    return {"spec_decode": {"enabled": True, "drafter": drafter, "plan": plan, "max_draft": 4, **extra}}
+
+
+def _prompts(n: int, seed: int, vocab: int = 256) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        body = torch.randint(0, vocab, (int(torch.randint(3, 40, (), generator=gen)),), generator=gen).tolist()
+        prompts.append(body + body[: 4 + i] if i % 2 else body)  # half of them repeat themselves: ngram hits
+    return prompts
+
+
+def _generate(folder: Path, prompts, params, plugins=None, **kw):
+    llm = LLM(folder, block_size=16, plugins=plugins or {}, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], llm
+
+
+def _oracle_file(folder: Path, prompts, outputs) -> str:
+    path = folder / "oracle.jsonl"
+    path.write_text("\n".join(json.dumps({"token_ids": p + o}) for p, o in zip(prompts, outputs, strict=True)))
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["llama", "deepseek-v3"])
+def tiny_dir(request, tmp_path_factory):
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "deepseek-v3":
+        build_deepseek(sorted(DEEPSEEK_CONFIGS)[0], folder)
+        return folder
+    return save_tiny(request.param, folder)[1]
+
+
+@pytest.mark.parametrize("plan", ["fixed", "varlen"])
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_greedy_tokens_are_identical_with_speculation(tiny_dir, drafter, plan, tmp_path):
+    prompts = _prompts(8, 1)
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=i % 3 == 0) for i in range(8)]
+    reference, _ = _generate(tiny_dir, prompts, params)
+    oracle = _oracle_file(tmp_path, prompts, reference)
+    out, llm = _generate(tiny_dir, prompts, params, _spec(drafter, plan, oracle_file=oracle, oracle_corruption=0.3))
+    assert out == reference
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    spec = stats["spec_decode"]
+    if drafter == "oracle":  # corruptions make rejections, known continuations acceptances and bonuses
+        assert spec["verify_steps"] > 0 and 1.0 < spec["mean_acceptance_length"] < 5.0
+        assert 0 < spec["acceptance_per_position"][0] < 1
+
+
+@pytest.mark.parametrize("name", sorted(set(TINY) - {"llama"}))
+def test_greedy_tokens_are_identical_with_speculation_on_every_tiny_config(name, tmp_path):
+    folder = save_tiny(name, tmp_path / "m")[1]
+    prompts = _prompts(6, 4)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    reference, _ = _generate(folder, prompts, params)
+    oracle = _oracle_file(tmp_path, prompts, reference)
+    out, _ = _generate(folder, prompts, params, _spec("oracle", "varlen", oracle_file=oracle))
+    assert out == reference
+
+
+def test_greedy_identity_survives_preemption_and_aborts(tmp_path):
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = _prompts(10, 2)
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for _ in range(10)]
+    reference, _ = _generate(folder, prompts, params, max_model_len=128)
+    oracle = _oracle_file(tmp_path, prompts, reference)
+    out, llm = _generate(folder, prompts, params, _spec("oracle", "fixed", oracle_file=oracle),
+                         kv_cache_bytes=13 * 2 * 16 * 2 * 16 * 4 * 2, max_model_len=128)
+    assert out == reference
+    stats = llm.get_stats()
+    assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    engine = llm.engine  # abort requests mid-flight: every block comes back
+    for i, p in enumerate(prompts):
+        engine.add(engine.make_request(p, params[i]))
+    for step in range(6):
+        engine.step()
+        if step == 3:
+            for rid in ("10", "13", "15"):
+                assert engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert llm.get_stats()["kv_blocks_free"] == llm.get_stats()["kv_blocks_total"]
+
+
+def test_outputs_never_exceed_max_tokens_and_stop_inside_accepted_drafts(tmp_path):
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = _prompts(6, 3)
+    free = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 6
+    reference, _ = _generate(folder, prompts, free)
+    oracle = _oracle_file(tmp_path, prompts, reference)
+    stops = [SamplingParams(temperature=0, max_tokens=m, stop_token_ids=[r[7]])
+             for m, r in zip([1, 2, 5, 9, 13, 20], reference, strict=True)]
+    expected = []
+    for r, p in zip(reference, stops, strict=True):
+        cut = r[:p.max_tokens]
+        expected.append(cut[:cut.index(r[7]) + 1] if r[7] in cut else cut)
+    out, _ = _generate(folder, prompts, stops, _spec("oracle", "fixed", oracle_file=oracle, oracle_corruption=0.0))
+    assert out == expected
+
+
+@pytest.mark.parametrize("draft_probs", [False, True], ids=["onehot", "probs"])
+def test_sampled_tokens_follow_the_target_distribution(tmp_path, draft_probs):
+    """Seeded requests with speculation on; the second and third output tokens (produced through
+    verification) are compared with their exact marginals computed by transformers."""
+    vocab = 12
+    model, folder = save_tiny("llama", tmp_path / "m", vocab_size=vocab)
+    prompt = [3, 7, 1, 4]
+    params = SamplingParams(temperature=1.3, top_k=8, max_tokens=3, ignore_eos=True)
+    n = 2500
+    plugins = _spec("oracle", "fixed", oracle_corruption=0.5, oracle_draft_probs=draft_probs, max_draft=2)
+    llm = LLM(folder, block_size=16, plugins=plugins, max_num_seqs=256)
+    outs = llm.generate([prompt] * n, [SamplingParams(**{**params.__dict__, "seed": i, "seq_seed": i})
+                                       for i in range(n)], use_tqdm=False)
+    tokens = torch.tensor([o.outputs[0].token_ids for o in outs])
+    assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
+
+    def filtered(logits: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(logits / params.temperature, dim=-1)
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, probs.topk(params.top_k).indices, True)
+        probs = probs * keep
+        return probs / probs.sum(-1, keepdim=True)
+
+    with torch.no_grad():
+        seqs = torch.tensor([[*prompt, a, b] for a in range(vocab) for b in range(vocab)])
+        logits = model(seqs).logits.double()
+    p1 = filtered(logits[0, len(prompt) - 1])
+    p2 = filtered(logits[::vocab, len(prompt)])  # [a] given t1 = a
+    p3 = filtered(logits[:, len(prompt) + 1]).reshape(vocab, vocab, vocab)  # [a, b] given t1, t2
+    joint12 = p1[:, None] * p2
+    marg2 = joint12.sum(0)
+    marg3 = (joint12[..., None] * p3).sum((0, 1))
+    from test_sampling import _chi_square_p
+
+    for column, expected in ((1, marg2), (2, marg3)):
+        counts = torch.bincount(tokens[:, column], minlength=vocab).double()
+        assert _chi_square_p(counts, expected.float()) > 1e-3
+
+
+def test_bad_settings_fail_at_start_up_naming_the_field(tmp_path):
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    with pytest.raises(ConfigError, match="ngram_min"):
+        LLM(folder, plugins={"spec_decode": {"enabled": True, "ngram_min": 5, "ngram_max": 2}})
+    with pytest.raises(ConfigError, match=r"plugins\.spec_decode\.plan.*nope"):
+        LLM(folder, plugins={"spec_decode": {"enabled": True, "plan": "nope"}})
+    with pytest.raises(ConfigError, match="max_backtrack"):
+        LLM(folder, plugins={"spec_decode": {"enabled": True}}, cache={"max_backtrack": 2})
+    with pytest.raises(ConfigError, match="synchronous executor"):
+        LLM(folder, plugins={"spec_decode": {"enabled": True}, "scheduling": {"enabled": True}})
+
+
+def test_reference_knobs_map_onto_the_plugin(tmp_path, monkeypatch):
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "3")
+    monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", "0")
+    llm = LLM(folder, plugins={"spec_decode": {"enabled": True}})
+    assert llm.engine.spec_settings.max_draft == 3 and llm.engine.spec_settings.plan == "fixed"
+    assert llm.engine.info.max_draft == 3 and llm.engine.info.layout.max_backtrack == 4
+
+
+QUOTE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+         "All that glitters is not gold.")
+
+
+def test_smollm2_ngram_greedy_tokens_are_identical_and_drafts_get_accepted(smollm2_dir):
+    """Real weights, real acceptance: the model is asked to copy text, which prompt lookup predicts."""
+    messages = [[{"role": "user", "content": f"Repeat this text exactly, nothing else:\n{QUOTE}"}],
+                [{"role": "user", "content": f"Copy the following sentences word for word:\n{QUOTE}"}],
+                [{"role": "user", "content": "What is the capital of France?"}]]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    plain = LLM(smollm2_dir)
+    reference = [o.outputs[0].token_ids for o in plain.chat(messages, params, use_tqdm=False)]
+    plain.shutdown()
+    for plan in ("fixed", "varlen"):
+        llm = LLM(smollm2_dir, plugins={"spec_decode": {"enabled": True, "drafter": "ngram", "plan": plan}})
+        out = [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)]
+        assert out == reference, plan
+        spec = llm.get_stats()["spec_decode"]
+        assert spec["mean_acceptance_length"] > 1.5 and spec["acceptance_per_position"][0] > 0.5, (plan, spec)
+        llm.shutdown()

@@ -1,0 +1,182 @@
+"""MoE layer time for a DeepSeek-V2-Lite-shaped layer, per MoE backend (issue 12).
+
+The layer: hidden 2048, 64 routed experts of width 1408, top-6, plus 2 shared experts (one dense
+SwiGLU of width 2816) and the float32 router GEMM. Tokens pick 6 distinct experts uniformly at random
+(the balanced routing of ``kernels.force_balanced_routing``); the routing weights are random. Each
+backend runs the same inputs; times are medians over ``--repeats`` rounds after ``--warmup`` calls,
+each round calling every backend once (interleaved, so a busy machine slows them alike).
+
+Reported per (backend, tokens): median ms; achieved bandwidth (bytes of the weights the step must read
+— the active experts, the shared expert and the router — plus activations in and out, over the time)
+and TFLOP/s (2 · multiply-adds of the router, the routed and the shared GEMMs, over the time). On the
+GPU both are printed next to the H200 limits measured in ``reference/kernels.md``.
+
+    python scripts/bench_moe.py --tokens 1 16 256 4096 --output moe.json            # every available backend
+    python scripts/bench_moe.py --backends torch grouped --tokens 1 16 256 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import date
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+EXPERTS, TOP_K, HIDDEN, INTER, SHARED = 64, 6, 2048, 1408, 2
+# Limits measured on the H200 (reference/kernels.md §2): DeepGEMM FP8 dense peak and bf16 GEMM; the
+# HBM figure is the H200's nominal 4.8 TB/s (not measured here).
+H200_LIMITS = {"fp8_tflops": 1239.0, "bf16_tflops": 757.0, "hbm_gbs": 4800.0}
+
+
+def backends_by_name() -> dict[str, Any]:
+    """The core's reference and every backend of the moe plugin, by name (available or not)."""
+    from deepinfer_moe.deepgemm_backend import DeepGemmMoEBackend
+    from deepinfer_moe.grouped import GroupedMoEBackend
+    from deepinfer_moe.triton_backend import TritonMoEBackend
+
+    from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
+
+    return {b.name: b for b in (TorchMoEBackend(), GroupedMoEBackend(), TritonMoEBackend(),
+                                TritonMoEBackend(fp8=True), DeepGemmMoEBackend(warmup_tokens=()))}
+
+
+def weight_bytes(backend: str, dtype: torch.dtype) -> float:
+    """Bytes per routed-expert weight element as the backend stores it (FP8 adds one fp32 per 128²)."""
+    if backend in ("triton_fp8", "deep_gemm"):
+        return 1.0 + 4.0 / (128 * 128)
+    return torch.finfo(dtype).bits / 8
+
+
+def layer_cost(tokens: int, active_experts: int, backend: str, dtype: torch.dtype) -> tuple[float, float]:
+    """``(bytes, flops)`` of one layer call: weights read once each (active experts, shared, router),
+    activations in and out; flops are 2 per multiply-add."""
+    act = torch.finfo(dtype).bits / 8
+    routed = active_experts * 3 * INTER * HIDDEN * weight_bytes(backend, dtype)
+    shared = 3 * SHARED * INTER * HIDDEN * act
+    router = EXPERTS * HIDDEN * 4
+    activations = 2 * tokens * HIDDEN * act
+    flops = 2 * tokens * (TOP_K * 3 * INTER * HIDDEN + 3 * SHARED * INTER * HIDDEN + EXPERTS * HIDDEN)
+    return routed + shared + router + activations, flops
+
+
+def make_layer(device: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, scale: float) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
+
+    return {"w13": rand(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN ** -0.5),
+            "w2": rand(EXPERTS, HIDDEN, INTER, scale=INTER ** -0.5),
+            "shared13": rand(2 * SHARED * INTER, HIDDEN, scale=HIDDEN ** -0.5),
+            "shared2": rand(HIDDEN, SHARED * INTER, scale=(SHARED * INTER) ** -0.5),
+            "gate": (torch.randn(EXPERTS, HIDDEN, generator=gen) * HIDDEN ** -0.5).to(device)}
+
+
+def layer_fn(backend: Any, layer: dict[str, torch.Tensor], experts: Any, topk_ids: torch.Tensor,
+             topk_weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One MoE layer forward: router GEMM (float32; its top-k is replaced by the fixed balanced routing
+    so every backend sees the same experts), routed experts through ``backend``, shared experts."""
+    width = SHARED * INTER
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        F.linear(x.float(), layer["gate"]).softmax(dim=-1)
+        out = backend.experts(x, topk_ids, topk_weights, experts)
+        gate, up = F.linear(x, layer["shared13"]).split(width, dim=-1)
+        return out + F.linear(F.silu(gate) * up, layer["shared2"])
+
+    return run
+
+
+def time_calls(fn: Callable[[], Any], device: str, warmup: int, repeats: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
+    ap.add_argument("--backends", nargs="+", default=None,
+                    help="torch grouped triton triton_fp8 deep_gemm (default: every available one)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
+    offered = backends_by_name()
+    names = args.backends or [n for n, b in offered.items()
+                              if b.available() and args.device in b.capabilities.devices
+                              and dtype in b.capabilities.dtypes]
+    unknown = [n for n in names if n not in offered]
+    if unknown:
+        ap.error(f"unknown backends {unknown}; known: {sorted(offered)}")
+    layer = make_layer(args.device, dtype, args.seed)
+    # Each backend prepares its own copy: grouped re-lays its weights out in place, and the reference
+    # must be timed on the layout the engine gives it.
+    prepared = {name: offered[name].prepare_experts(layer["w13"].clone(), layer["w2"].clone())
+                if hasattr(offered[name], "prepare_experts") else (layer["w13"], layer["w2"]) for name in names}
+    results: list[dict[str, Any]] = []
+    for tokens in args.tokens:
+        gen = torch.Generator().manual_seed(args.seed + tokens)
+        ids = torch.rand(tokens, EXPERTS, generator=gen).topk(TOP_K, dim=-1).indices.to(args.device)
+        weights = (torch.rand(tokens, TOP_K, generator=gen) + 0.1).to(args.device)
+        x = torch.randn(tokens, HIDDEN, generator=gen).to(args.device, dtype)
+        active = int(torch.unique(ids).numel())
+        runs = {name: layer_fn(offered[name], layer, prepared[name], ids, weights) for name in names}
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for name in names:
+            time_calls(lambda run=runs[name], x=x: run(x), args.device, args.warmup, 0)
+        # Interleaved: one call of each backend per round, so a busy machine slows them alike.
+        for _ in range(args.repeats):
+            for name in names:
+                times[name] += time_calls(lambda run=runs[name], x=x: run(x), args.device, 0, 1)
+        for name in names:
+            median = statistics.median(times[name])
+            nbytes, flops = layer_cost(tokens, active, name, dtype)
+            row = {"backend": name, "tokens": tokens, "median_ms": median * 1e3,
+                   "times_ms": [t * 1e3 for t in times[name]], "active_experts": active,
+                   "bytes": nbytes, "flops": flops, "gbs": nbytes / median / 1e9, "tflops": flops / median / 1e12}
+            results.append(row)
+            print(f"{name:>11} T={tokens:>5}  {row['median_ms']:9.3f} ms  {row['gbs']:8.1f} GB/s  "
+                  f"{row['tflops']:7.3f} TFLOP/s  ({active} experts active)", flush=True)
+    meta = {"date": date.today().isoformat(), "device": args.device, "dtype": str(dtype).removeprefix("torch."),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+            "limits": H200_LIMITS if args.device == "cuda" else None,
+            "shape": {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": INTER, "shared": SHARED},
+            "repeats": args.repeats, "warmup": args.warmup, "command": " ".join(sys.argv)}
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""DeepSeek-V4 on CUDA in bf16 against fp32 CPU references (run on the lent H200: ``pytest -m gpu``).
+
+The harness of ``tests/test_gpu.py``: teacher-forced logits through the real prefill, chunked-prefill
+and decode paths (sliding rings and compressor windows in state slots, paged compressed entries), one
+request at a time and batched, fp32 on the device, and a free greedy run. The references in
+``tests/gpu_refs_deepseek_v4/`` are made on CPU by ``scripts/make_gpu_refs_deepseek_v4.py`` from the
+``v4-gpu`` config of ``tests/test_deepseek_v4.py`` (no indexer or router near-ties: see there).
+Tolerances: 1.5 x transformers' own bf16 worst case on these rows (``hf_bf16_err`` in ``ref.pt``,
+0.049 max / 0.031 RMS on CPU), never below ``BF16_REL_TOL``/``BF16_RMS_TOL``.
+
+Also: a V4-shaped dummy model (hidden 4096, 64 heads of 512, CSA/HCA at ratios 4/128 with the real
+indexer sizes, 4 hyper-connection streams, 8 layers, 64 experts) generates on the GPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_deepseek_v4 import SEQS
+from test_gpu import BF16_REL_TOL, BF16_RMS_TOL, BLOCK_SIZE, CONT_LEN, DEVICE, FP32_REL_TOL, KV_BYTES, _compare
+from test_gpu import teacher_forced_logits as _teacher_forced
+
+from deepinfer import LLM, SamplingParams
+
+REFS = Path(__file__).parent / "gpu_refs_deepseek_v4"
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+def teacher_forced_logits(*args: Any, **kw: Any) -> list[torch.Tensor]:
+    return _teacher_forced(*args, max_num_seqs=SEQS, **kw)  # state slots for 8 requests fit KV_BYTES
+
+
+def tolerances(ref: dict[str, Any]) -> tuple[float, float]:
+    hf_max, hf_rms = ref["hf_bf16_err"]
+    return max(BF16_REL_TOL, 1.5 * hf_max), max(BF16_RMS_TOL, 1.5 * hf_rms)
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, Any]:
+    folder = REFS / "v4-gpu"
+    if not (folder / "ref.pt").is_file():
+        pytest.fail(f"{folder}/ref.pt is missing: run scripts/make_gpu_refs_deepseek_v4.py")
+    data = torch.load(folder / "ref.pt", weights_only=True)
+    data["folder"] = folder
+    data["forced"] = [c[:CONT_LEN] for c in data["continuations"]]
+    assert data["cont_len"] == CONT_LEN
+    return data
+
+
+def test_bf16_teacher_forced_logits_one_request_at_a_time(ref: dict[str, Any]) -> None:
+    ours = teacher_forced_logits(ref["folder"], ref["prompts"], ref["forced"], dtype="bfloat16", device=DEVICE,
+                                 one_call=False)
+    _compare(ref, ours, *tolerances(ref), "bf16 single")
+
+
+def test_bf16_teacher_forced_logits_batched(ref: dict[str, Any]) -> None:
+    ours = teacher_forced_logits(ref["folder"], ref["prompts"], ref["forced"], dtype="bfloat16", device=DEVICE)
+    _compare(ref, ours, *tolerances(ref), "bf16 batched")
+
+
+def test_bf16_teacher_forced_logits_chunked_prefill(ref: dict[str, Any]) -> None:
+    ours = teacher_forced_logits(ref["folder"], ref["prompts"], ref["forced"], dtype="bfloat16", device=DEVICE,
+                                 max_num_batched_tokens=24)
+    _compare(ref, ours, *tolerances(ref), "bf16 chunked (budget 24)")
+
+
+def test_fp32_on_device_teacher_forced_logits(ref: dict[str, Any]) -> None:
+    ours = teacher_forced_logits(ref["folder"], ref["prompts"], ref["forced"], dtype="float32", device=DEVICE)
+    _compare(ref, ours, FP32_REL_TOL, FP32_REL_TOL, "fp32 batched")
+
+
+def test_bf16_free_greedy_tokens_match_reference(ref: dict[str, Any]) -> None:
+    """Greedy tokens of a free bf16 run equal the fp32 continuation at clear-margin rows (margin > 2 x the
+    bf16 bound), until the first near-tie where they may part."""
+    rel_tol, _ = tolerances(ref)
+    llm = LLM(ref["folder"], dtype="bfloat16", device=DEVICE, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE,
+              max_num_seqs=SEQS)
+    try:
+        outs = llm.generate(ref["prompts"], SamplingParams(temperature=0, max_tokens=CONT_LEN + 1, ignore_eos=True),
+                            use_tqdm=False)
+    finally:
+        llm.shutdown()
+    compared = []
+    for k, (out, cont, r) in enumerate(zip(outs, ref["continuations"], ref["logits"], strict=True)):
+        got = out.outputs[0].token_ids
+        assert len(got) == CONT_LEN + 1
+        top2 = r.topk(2, dim=-1).values
+        n = 0
+        for j, (a, b) in enumerate(zip(got, cont, strict=True)):
+            if (top2[j, 0] - top2[j, 1]).item() > 2 * rel_tol * r.abs().max().item():
+                assert a == b, f"prompt {k}: token {j} is {a}, reference {b} (clear margin)"
+            elif a != b:
+                break
+            n += 1
+        compared.append(n)
+    print(f"\nMEASURED v4-gpu free greedy: tokens compared per prompt {compared} of {CONT_LEN + 1}")
+    assert sum(compared) >= len(compared)
+
+
+V4_SHAPED = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
+    "hidden_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 64, "num_key_value_heads": 1,
+    "head_dim": 512, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "o_groups": 8, "o_lora_rank": 1024,
+    "compress_ratios": [128, 128, 4, 128, 4, 128, 4, 0], "num_hash_layers": 2, "sliding_window": 128,
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
+    "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0, "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings":
+                                                       65536, "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1, "rms_norm_eps": 1e-6,
+}
+
+
+def test_v4_shaped_dummy_model_generates(tmp_path: Path) -> None:
+    """About 13B parameters of random bf16 weights, built on the device: a 300-token and a 40-token prompt
+    (300 > two HCA windows of 128) generate 16 tokens each, in the vocabulary."""
+    (tmp_path / "config.json").write_text(json.dumps(V4_SHAPED))
+    llm = LLM(tmp_path, load_format="dummy", dtype="bfloat16", device=DEVICE, max_model_len=1024, max_num_seqs=16,
+              kernels={"force_balanced_routing": True})
+    try:
+        gen = torch.Generator().manual_seed(0)
+        batch = [torch.randint(2, 129280, (n,), generator=gen).tolist() for n in (300, 40)]
+        outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for out in outs:
+        ids = out.outputs[0].token_ids
+        assert len(ids) == 16 and all(0 <= t < 129280 for t in ids)
