@@ -34,6 +34,29 @@ class CausalLM(Protocol):
     def named_parameters(self) -> Any: ...
 
 
+class StackedDecoderLM(torch.nn.Module):
+    """What the decoder-only models share: ``forward`` runs ``embed_tokens`` → every layer of
+    ``layers`` (called as ``layer(positions, x, ctx)``) → ``norm``, and ``compute_logits`` applies the
+    LM head (``lm_head``, or the tied ``embed_tokens`` weight when it is None) through the ``linear``
+    op, in float32. Subclasses set those four attributes; a model with another residual shape
+    overrides ``forward``."""
+
+    embed_tokens: torch.nn.Embedding
+    layers: torch.nn.ModuleList
+    norm: torch.nn.Module
+    lm_head: torch.nn.Parameter | None
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(ctx.positions, x, ctx)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return ctx.backends["linear"].linear(hidden, weight).float()
+
+
 def config_value(hf_config: dict[str, Any], *names: str, default: Any = None) -> Any:
     """The first of ``names`` present in ``hf_config`` (configs rename fields across versions)."""
     for name in names:

@@ -87,7 +87,7 @@ from torch import nn
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.specs import PagedLatentSpec
-from deepinfer.model.base import config_value
+from deepinfer.model.base import StackedDecoderLM, config_value
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.rope import inverse_frequencies, rope_parameters
 from deepinfer.model.layers.yarn import yarn_softmax_scale
@@ -383,7 +383,7 @@ _MLP_NAMES = {"gate_proj.weight": ("gate_up_weight", 0), "up_proj.weight": ("gat
               "down_proj.weight": ("down_weight", None)}
 
 
-class DeepseekV3ForCausalLM(nn.Module):
+class DeepseekV3ForCausalLM(StackedDecoderLM):
     """DeepSeek-V3 (and, as a subclass, V2): MLA over the paged latent cache, MoE with shared experts."""
 
     architecture = "DeepseekV3ForCausalLM"
@@ -450,16 +450,6 @@ class DeepseekV3ForCausalLM(nn.Module):
                     ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
         """Float32 logits ``[T, V]`` of MTP layer ``depth`` for the token after ``next_token_ids``."""
         return self.compute_logits(self.mtp_hidden(hidden, next_token_ids, positions, ctx, depth), ctx)
-
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(ctx.positions, x, ctx)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return ctx.backends["linear"].linear(hidden, weight).float()
 
     def gemm_weights(self) -> list[nn.Parameter]:
         """Linear weights for the GEMM backend. ``kv_b_weight`` is not listed (the MLA backend reads

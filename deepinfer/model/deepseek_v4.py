@@ -76,7 +76,7 @@ from torch import nn
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.state import CompressedPart, HybridLayerSpec, RingPart
-from deepinfer.model.base import config_value
+from deepinfer.model.base import StackedDecoderLM, config_value
 from deepinfer.model.deepseek_v3 import FORCE_BALANCED_ROUTING_KEY
 from deepinfer.model.layers.reference_deepseek_v4 import entry_rows, gather_entries, ring_rows
 from deepinfer.model.layers.rope import inverse_frequencies
@@ -641,7 +641,7 @@ def _half(t: torch.Tensor, part: int) -> torch.Tensor:
     return t.narrow(0, part * half, half)
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(StackedDecoderLM):
     """DeepSeek-V4: mHC streams, sliding + compressed (CSA/HCA) attention with sinks, sqrt-softplus and
     hash MoE; per-request state in state slots, compressed entries paged (see the module docstring)."""
 
@@ -696,10 +696,6 @@ class DeepseekV4ForCausalLM(nn.Module):
             shares = bool(self.d.yoco) and i == self.d.yoco
             streams, shared = layer(streams, ctx.positions, input_ids, ctx, segments, shared, shares)
         return self.norm(self.hc_head(streams))
-
-    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return ctx.backends["linear"].linear(hidden, weight).float()
 
     def gemm_weights(self) -> list[nn.Parameter]:
         """Weights used through the ``linear`` op (not the grouped ``o_a``, experts, router, HC)."""

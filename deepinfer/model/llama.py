@@ -17,7 +17,7 @@ from torch import nn
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.specs import PagedKVSpec
-from deepinfer.model.base import config_value
+from deepinfer.model.base import StackedDecoderLM, config_value
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.rope import RotaryEmbedding
 
@@ -115,7 +115,7 @@ _SLICES = {
 }
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(StackedDecoderLM):
     """Llama / Qwen2 / Qwen3 dense decoder over the paged KV cache."""
 
     architecture = "LlamaForCausalLM"
@@ -140,16 +140,6 @@ class LlamaForCausalLM(nn.Module):
     def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
-
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(ctx.positions, x, ctx)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return ctx.backends["linear"].linear(hidden, weight).float()
 
     def gemm_weights(self) -> list[nn.Parameter]:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head
