@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
-from tiny_models import randomize, record_logits
+from tiny_models import assert_cached_logits_match, randomize
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
@@ -129,22 +129,7 @@ def test_prefill_and_cached_decode_logits_match(tiny):
     # max_num_batched_tokens 32: the 40-token prompt is prefilled in two chunks (the second attends
     # to latents already in the cache).
     llm = LLM(folder, kv_cache_bytes=1 << 22, block_size=BLOCK, max_num_batched_tokens=32)
-    steps = record_logits(llm)
-    prompts = _prompts([5, 23, 40, 17], seed=1)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True),
-                        use_tqdm=False)
-    per_request: dict[str, list[torch.Tensor]] = {}
-    for ids, logits in steps:
-        for rid, row in zip(ids, logits, strict=True):
-            per_request.setdefault(rid, []).append(row)
-    for prompt, out in zip(prompts, outs, strict=True):
-        ours = torch.stack(per_request[out.request_id])
-        assert ours.shape[0] == DECODE_STEPS + 1
-        full = torch.tensor([prompt + out.outputs[0].token_ids[:DECODE_STEPS]])
-        with torch.no_grad():
-            ref = model(full).logits[0, len(prompt) - 1:]
-        err = (ours - ref).abs().max().item()
-        assert err <= 1e-4 * ref.abs().max().item(), f"max |Δ| {err}"
+    assert_cached_logits_match(llm, model, _prompts([5, 23, 40, 17], seed=1), DECODE_STEPS)
 
 
 def test_greedy_ids_match_transformers_in_a_mixed_batch(tiny):

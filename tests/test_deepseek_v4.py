@@ -12,7 +12,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 from test_deepseek_v3 import _assert_transformers_greedy
-from tiny_models import randomize, record_logits
+from tiny_models import assert_cached_logits_match, randomize
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.interfaces import ForwardContext
@@ -143,21 +143,7 @@ def test_prefill_and_cached_decode_logits_match(tiny):
     # Prompts longer than the window and than several compression windows and blocks; 32 tokens per
     # step, so the 40-token prompt is prefilled in two chunks.
     llm = make_llm(folder, max_num_batched_tokens=32)
-    steps = record_logits(llm)
-    batch = prompts([5, 23, 40, 17], seed=1)
-    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True),
-                        use_tqdm=False)
-    per_request: dict[str, list[torch.Tensor]] = {}
-    for ids, logits in steps:
-        for rid, row in zip(ids, logits, strict=True):
-            per_request.setdefault(rid, []).append(row)
-    for prompt, out in zip(batch, outs, strict=True):
-        ours = torch.stack(per_request[out.request_id])
-        assert ours.shape[0] == DECODE_STEPS + 1
-        with torch.no_grad():
-            ref = model(torch.tensor([prompt + out.outputs[0].token_ids[:DECODE_STEPS]])).logits[0, len(prompt) - 1:]
-        err = (ours - ref).abs().max().item()
-        assert err <= 1e-4 * ref.abs().max().item(), f"max |Δ| {err}"
+    assert_cached_logits_match(llm, model, prompts([5, 23, 40, 17], seed=1), DECODE_STEPS)
 
 
 def test_greedy_ids_match_transformers_in_a_mixed_batch(tiny):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TINY, record_logits, save_tiny
+from tiny_models import TINY, assert_cached_logits_match, save_tiny
 
 from deepinfer import LLM, SamplingParams
 
@@ -25,22 +25,7 @@ def _prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
 def test_prefill_and_cached_decode_logits_match(tiny):
     model, folder = tiny
     llm = LLM(folder, kv_cache_bytes=1 << 23, block_size=16)
-    steps = record_logits(llm)
-    prompts = _prompts(256, [5, 23, 40, 17], seed=1)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=DECODE_STEPS + 1, ignore_eos=True),
-                        use_tqdm=False)
-    per_request: dict[str, list[torch.Tensor]] = {}
-    for ids, logits in steps:
-        for rid, row in zip(ids, logits, strict=True):
-            per_request.setdefault(rid, []).append(row)
-    for prompt, out in zip(prompts, outs, strict=True):
-        ours = torch.stack(per_request[out.request_id])  # [1 + DECODE_STEPS, V]
-        assert ours.shape[0] == DECODE_STEPS + 1
-        full = torch.tensor([prompt + out.outputs[0].token_ids[:DECODE_STEPS]])
-        with torch.no_grad():
-            ref = model(full).logits[0, len(prompt) - 1:]
-        err = (ours - ref).abs().max().item()
-        assert err <= 1e-4 * ref.abs().max().item(), f"max |Δ| {err}"
+    assert_cached_logits_match(llm, model, _prompts(256, [5, 23, 40, 17], seed=1), DECODE_STEPS)
 
 
 def test_greedy_ids_match_generate_in_a_mixed_batch(tiny):

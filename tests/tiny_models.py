@@ -71,3 +71,26 @@ def record_logits(llm) -> list[tuple[list[str], torch.Tensor]]:
     runner.prepare = prepare_and_note
     model.compute_logits = compute_and_keep
     return steps
+
+
+def assert_cached_logits_match(llm, model: torch.nn.Module, prompts: list[list[int]], decode_steps: int) -> None:
+    """Greedy-generate ``decode_steps + 1`` tokens per prompt with ``llm`` and check every step's
+    logits (prefill, then each cached decode step) against the transformers ``model`` run on the
+    whole sequence: within 1e-4 × max|logit|."""
+    from deepinfer import SamplingParams
+
+    steps = record_logits(llm)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=decode_steps + 1, ignore_eos=True),
+                        use_tqdm=False)
+    per_request: dict[str, list[torch.Tensor]] = {}
+    for ids, logits in steps:
+        for rid, row in zip(ids, logits, strict=True):
+            per_request.setdefault(rid, []).append(row)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ours = torch.stack(per_request[out.request_id])  # [1 + decode_steps, V]
+        assert ours.shape[0] == decode_steps + 1
+        full = torch.tensor([prompt + out.outputs[0].token_ids[:decode_steps]])
+        with torch.no_grad():
+            ref = model(full).logits[0, len(prompt) - 1:]
+        err = (ours - ref).abs().max().item()
+        assert err <= 1e-4 * ref.abs().max().item(), f"max |Δ| {err}"
