@@ -128,11 +128,17 @@ def teacher_forced_logits(folder: Path, prompts: list[list[int]], forced: list[l
 
 @pytest.fixture(scope="module", params=sorted(TINY))
 def ref(request: pytest.FixtureRequest) -> dict[str, Any]:
-    folder = REFS / request.param
+    return load_ref(REFS / request.param, "scripts/make_gpu_refs.py")
+
+
+def load_ref(folder: Path, script: str) -> dict[str, Any]:
+    """The fp32 CPU references saved in ``folder/ref.pt`` by ``script``, with the model folder and the
+    teacher-forced continuations (``CONT_LEN`` tokens) added."""
     if not (folder / "ref.pt").is_file():
-        pytest.fail(f"{folder}/ref.pt is missing: run scripts/make_gpu_refs.py")
+        pytest.fail(f"{folder}/ref.pt is missing: run {script}")
     data = torch.load(folder / "ref.pt", weights_only=True)
     data["folder"] = folder
+    data.setdefault("name", folder.name)
     data["forced"] = [c[:CONT_LEN] for c in data["continuations"]]
     assert data["cont_len"] == CONT_LEN
     return data
@@ -199,10 +205,12 @@ def test_bf16_free_greedy_tokens_match_reference(ref: dict[str, Any]) -> None:
     check_free_greedy(ref, BF16_REL_TOL)
 
 
-def check_free_greedy(ref: dict[str, Any], rel_tol: float) -> None:
+def check_free_greedy(ref: dict[str, Any], rel_tol: float, **llm_args: Any) -> list[int]:
     """Greedy tokens of a free bf16 run against the reference continuation, compared at rows whose
-    reference top-2 margin exceeds ``2 * rel_tol * max|ref|``, until the first near-tie where they part."""
-    llm = LLM(ref["folder"], dtype="bfloat16", device=DEVICE, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE)
+    reference top-2 margin exceeds ``2 * rel_tol * max|ref|``, until the first near-tie where they part.
+    Returns the number of tokens compared per prompt; ``llm_args`` go to ``LLM``."""
+    llm = LLM(ref["folder"], dtype="bfloat16", device=DEVICE, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE,
+              **llm_args)
     try:
         outs = llm.generate(ref["prompts"], SamplingParams(temperature=0, max_tokens=CONT_LEN + 1, ignore_eos=True),
                             use_tqdm=False)
@@ -223,3 +231,4 @@ def check_free_greedy(ref: dict[str, Any], rel_tol: float) -> None:
             n += 1
         compared.append(n)
     print(f"\nMEASURED {ref['name']:22s} free greedy: tokens compared per prompt {compared} of {CONT_LEN + 1}")
+    return compared

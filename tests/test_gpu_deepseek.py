@@ -40,11 +40,11 @@ import torch
 from test_gpu import (
     BF16_REL_TOL,
     BF16_RMS_TOL,
-    CONT_LEN,
     DEVICE,
     FP32_REL_TOL,
     _compare,
     check_free_greedy,
+    load_ref,
     teacher_forced_logits,
 )
 
@@ -92,14 +92,7 @@ def tolerances(ref: dict[str, Any]) -> tuple[float, float]:
 
 @pytest.fixture(scope="module", params=NAMES)
 def ref(request: pytest.FixtureRequest) -> dict[str, Any]:
-    folder = REFS / request.param
-    if not (folder / "ref.pt").is_file():
-        pytest.fail(f"{folder}/ref.pt is missing: run scripts/make_gpu_refs_deepseek.py")
-    data = torch.load(folder / "ref.pt", weights_only=True)
-    data["folder"] = folder
-    data["forced"] = [c[:CONT_LEN] for c in data["continuations"]]
-    assert data["cont_len"] == CONT_LEN
-    return data
+    return load_ref(REFS / request.param, "scripts/make_gpu_refs_deepseek.py")
 
 
 def test_bf16_teacher_forced_logits_one_request_at_a_time(ref: dict[str, Any]) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 from test_deepseek_v4 import SEQS
-from test_gpu import BF16_REL_TOL, BF16_RMS_TOL, BLOCK_SIZE, CONT_LEN, DEVICE, FP32_REL_TOL, KV_BYTES, _compare
+from test_gpu import BF16_REL_TOL, BF16_RMS_TOL, DEVICE, FP32_REL_TOL, _compare, check_free_greedy, load_ref
 from test_gpu import teacher_forced_logits as _teacher_forced
 
 from deepinfer import LLM, SamplingParams
@@ -45,14 +45,7 @@ def tolerances(ref: dict[str, Any]) -> tuple[float, float]:
 
 @pytest.fixture(scope="module")
 def ref() -> dict[str, Any]:
-    folder = REFS / "v4-gpu"
-    if not (folder / "ref.pt").is_file():
-        pytest.fail(f"{folder}/ref.pt is missing: run scripts/make_gpu_refs_deepseek_v4.py")
-    data = torch.load(folder / "ref.pt", weights_only=True)
-    data["folder"] = folder
-    data["forced"] = [c[:CONT_LEN] for c in data["continuations"]]
-    assert data["cont_len"] == CONT_LEN
-    return data
+    return load_ref(REFS / "v4-gpu", "scripts/make_gpu_refs_deepseek_v4.py")
 
 
 def test_bf16_teacher_forced_logits_one_request_at_a_time(ref: dict[str, Any]) -> None:
@@ -81,27 +74,7 @@ def test_bf16_free_greedy_tokens_match_reference(ref: dict[str, Any]) -> None:
     """Greedy tokens of a free bf16 run equal the fp32 continuation at clear-margin rows (margin > 2 x the
     bf16 bound), until the first near-tie where they may part."""
     rel_tol, _ = tolerances(ref)
-    llm = LLM(ref["folder"], dtype="bfloat16", device=DEVICE, kv_cache_bytes=KV_BYTES, block_size=BLOCK_SIZE,
-              max_num_seqs=SEQS)
-    try:
-        outs = llm.generate(ref["prompts"], SamplingParams(temperature=0, max_tokens=CONT_LEN + 1, ignore_eos=True),
-                            use_tqdm=False)
-    finally:
-        llm.shutdown()
-    compared = []
-    for k, (out, cont, r) in enumerate(zip(outs, ref["continuations"], ref["logits"], strict=True)):
-        got = out.outputs[0].token_ids
-        assert len(got) == CONT_LEN + 1
-        top2 = r.topk(2, dim=-1).values
-        n = 0
-        for j, (a, b) in enumerate(zip(got, cont, strict=True)):
-            if (top2[j, 0] - top2[j, 1]).item() > 2 * rel_tol * r.abs().max().item():
-                assert a == b, f"prompt {k}: token {j} is {a}, reference {b} (clear margin)"
-            elif a != b:
-                break
-            n += 1
-        compared.append(n)
-    print(f"\nMEASURED v4-gpu free greedy: tokens compared per prompt {compared} of {CONT_LEN + 1}")
+    compared = check_free_greedy(ref, rel_tol, max_num_seqs=SEQS)
     assert sum(compared) >= len(compared)
 
 
