@@ -246,6 +246,29 @@ def test_concurrency_runner_keeps_c_in_flight_and_matches_generate(make_llm: Any
     assert offline["prefix_cache_hit_rate"] > 0.5
 
 
+def test_speculative_runs_report_acceptance(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """With speculative decoding on, a chunk carries the accepted drafts plus one token: the runner's
+    mean acceptance length (tokens per chunk after the first) is above 1 and matches the plugin's own
+    count, whose per-position acceptance lands in ``plugin_stats``; the tokens stay those of plain
+    decoding (the oracle drafter is fed them, with planted errors)."""
+    pytest.importorskip("deepinfer_spec_decode")
+    from deepinfer import LLM
+
+    work = materialize(build_workload(WorkloadSpec(dataset="repeat", num_prompts=4, input_len=24, output_len=12,
+                                                   seed=1), 256), None)
+    plain_run, plain = run_engine(LLM(tiny_llama_dir, block_size=16), work, progress=False)
+    oracle = tmp_path / "oracle.jsonl"
+    oracle.write_text("\n".join(json.dumps({"token_ids": p + o}) for (p, _), o in zip(work, plain, strict=True)))
+    spec = {"spec_decode": {"enabled": True, "drafter": "oracle", "plan": "fixed", "max_draft": 3,
+                            "oracle_file": str(oracle), "oracle_corruption": 0.25}}
+    run, ids = run_engine(LLM(tiny_llama_dir, block_size=16, plugins=spec), work, progress=False)
+    assert ids == plain and plain_run["mean_acceptance_length"] == 1.0
+    stats = run["plugin_stats"]["spec_decode"]
+    assert run["mean_acceptance_length"] > 1.0
+    assert abs(run["mean_acceptance_length"] - stats["mean_acceptance_length"]) < 0.5
+    assert len(stats["acceptance_per_position"]) == 3 and 0 < stats["acceptance_per_position"][0] < 1
+
+
 # ----------------------------------------------------------------------------------------- end to end
 
 

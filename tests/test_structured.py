@@ -167,6 +167,39 @@ def test_an_invalid_schema_fails_only_its_request(smol, smol_overlap, executor):
     assert outs[0].outputs[0].error is None and outs[2].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_structured_outputs_under_speculative_decoding(smol, smollm2_dir, tmp_path, drafter):
+    """Verification masks every draft position: greedy structured outputs are the ones of plain
+    decoding (lossless), sampled ones still validate, and the oracle's planted wrong drafts (which
+    the grammar refuses) are rejected rather than emitted."""
+    pytest.importorskip("deepinfer_spec_decode")
+    picked = SCHEMAS[:8]
+    greedy = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured={"json_schema": schema})
+              for _, schema in picked]
+    chats = [_chat(desc) for desc, _ in picked]
+    reference = smol.chat(chats, greedy, use_tqdm=False)
+    oracle = tmp_path / "oracle.jsonl"
+    oracle.write_text("\n".join(json.dumps({"token_ids": o.prompt_token_ids + o.outputs[0].token_ids})
+                                for o in reference))
+    spec = {"enabled": True, "drafter": drafter, "plan": "fixed", "max_draft": 4, "oracle_file": str(oracle),
+            "oracle_corruption": 0.5}
+    llm = LLM(smollm2_dir, kv_cache_bytes=1 << 27, max_model_len=1024, plugins={"spec_decode": spec})
+    try:
+        sampled = [SamplingParams(temperature=0.8, seed=i, max_tokens=MAX_TOKENS, structured={"json_schema": schema})
+                   for i, (_, schema) in enumerate(picked)]
+        outs = llm.chat(chats + chats, greedy + sampled, use_tqdm=False)
+        stats = llm.get_stats()["spec_decode"]
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outs[:len(picked)]] == [o.outputs[0].token_ids for o in reference]
+    for (_, schema), out in zip(picked + picked, outs, strict=True):
+        assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
+        _check_json(out.outputs[0].text, schema)
+    assert stats["verify_steps"] > 0
+    if drafter == "oracle":  # half the drafts are planted errors: some are rejected, some accepted
+        assert 0 < stats["acceptance_per_position"][0] < 1
+
+
 def test_logprobs_stay_the_raw_distribution(smol):
     """The mask changes which token is drawn, not the reported distribution (API.md §4)."""
     chat = _chat("say a number")

@@ -275,7 +275,8 @@ class LLMEngine:
         largest = min(sched.max_num_seqs * (1 + settings.max_draft), sched.max_num_batched_tokens)
 
         def measure(query_tokens: int) -> float:
-            return time_call(lambda: self.runner.placeholder_step(query_tokens), self.device)
+            # Verification-shaped rows (1 + max_draft tokens per request): what the plan's budget buys.
+            return time_call(lambda: self.runner.placeholder_step(query_tokens, 1 + settings.max_draft), self.device)
 
         drafter = factory(model=self.model, info=self.info)
         cache = None
@@ -396,9 +397,6 @@ class LLMEngine:
         only when used). ``ValueError`` when xgrammar is missing (naming the extra) or there is no tokenizer."""
         if self._grammars is not None:
             return self._grammars
-        if getattr(self, "speculator", None) is not None:
-            raise ValueError("SamplingParams.structured: structured output is not wired into speculative "
-                             "decoding yet; disable plugins.spec_decode for structured requests")
         if self.tokenizer is None:
             raise ValueError(f"SamplingParams.structured needs the model's tokenizer; {str(self.model_path)!r} "
                              "has no tokenizer.json (set model.tokenizer)")

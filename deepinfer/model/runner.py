@@ -210,7 +210,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
         sampled = verified = None
         if inputs.verify is not None:
-            verified = verify(logits.index_select(0, inputs.sample_rows), inputs.verify)
+            rows = logits.index_select(0, inputs.sample_rows)
+            target = rows if inputs.grammar is None else inputs.grammar.constrain(rows)
+            verified = verify(target, inputs.verify, raw_logits=rows)
         elif inputs.sampling is not None:
             rows = logits.index_select(0, inputs.sample_rows)
             sampled = sample(rows, inputs.sampling) if inputs.grammar is None else inputs.grammar.sample(
@@ -250,27 +252,37 @@ class ModelRunner:
 
 
     @torch.inference_mode()
-    def placeholder_step(self, num_tokens: int) -> None:
-        """Forward and LM head over ``num_tokens`` one-token decode rows at position 0, all writing
-        the reserved scratch block 0: the step-cost profile times this (contents are garbage)."""
-        dev = self.device
-        zeros = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+    def placeholder_step(self, num_tokens: int, tokens_per_request: int = 1) -> None:
+        """Forward and LM head over ``num_tokens`` query tokens split into requests of
+        ``tokens_per_request`` tokens (the last one shorter) at positions 0…, all writing the reserved
+        scratch block 0: the step-cost profile times this (contents are garbage). With
+        ``tokens_per_request = 1 + max_draft`` the rows are shaped like a verification step."""
+        dev, bs = self.device, self.block_size
+        lengths = [tokens_per_request] * (num_tokens // tokens_per_request)
+        if num_tokens % tokens_per_request:
+            lengths.insert(0, num_tokens % tokens_per_request)  # a one-token request must lead (decode rows)
+        positions = [p for n in lengths for p in range(n)]
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        width = -(-max(lengths) // bs)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
         ctx = ForwardContext(
-            positions=zeros,
-            slot_mapping=zeros,
-            query_start_loc=torch.arange(num_tokens + 1, dtype=torch.int32, device=dev),
-            seq_lens=torch.ones(num_tokens, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros(num_tokens, 1, dtype=torch.int64, device=dev),
-            num_decodes=num_tokens,
-            query_start_loc_host=list(range(num_tokens + 1)),
-            seq_lens_host=[1] * num_tokens,
-            block_size=self.block_size,
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            slot_mapping=torch.tensor([p % bs for p in positions], dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lengths, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(len(lengths), width, dtype=torch.int64, device=dev),
+            num_decodes=sum(1 for n in lengths if n == 1),
+            query_start_loc_host=starts,
+            seq_lens_host=lengths,
+            block_size=bs,
             backends=self.backends,
         )
         if self.state_slot is not None:  # reserved slot 0 and block 0 absorb the placeholder's state
-            ctx.state_slots_host, ctx.write_floor_host = [0] * num_tokens, [0] * num_tokens
-            ctx.state_slots = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        hidden = self.model.forward(zeros, ctx)
+            ctx.state_slots_host, ctx.write_floor_host = [0] * len(lengths), [0] * len(lengths)
+            ctx.state_slots = torch.zeros(len(lengths), dtype=torch.int64, device=dev)
+        hidden = self.model.forward(ids, ctx)
         self.model.compute_logits(hidden, ctx)
 
 

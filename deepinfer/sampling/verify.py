@@ -116,8 +116,10 @@ def _residual_tokens(final_logits: torch.Tensor, batch: VerifyBatch, accepted: t
     return inverse_cdf(residual, uniform(batch.seeds, batch.base + accepted, Purpose.RESAMPLE))
 
 
-def verify(logits: torch.Tensor, batch: VerifyBatch) -> VerifyResult:
-    """Verify every request's drafts against ``logits [T, V]`` (float32; rows as in ``VerifyBatch``)."""
+def verify(logits: torch.Tensor, batch: VerifyBatch, raw_logits: torch.Tensor | None = None) -> VerifyResult:
+    """Verify every request's drafts against ``logits [T, V]`` (float32; rows as in ``VerifyBatch``;
+    already grammar-masked for structured requests). Logprobs come from ``raw_logits`` when given (the
+    model's unconstrained distribution, API.md §4), else from ``logits``."""
     num_requests, k = batch.drafts.shape
     ok = _accepted(logits, batch) if k else torch.zeros(num_requests, 0, dtype=torch.bool, device=logits.device)
     num_accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(dim=1)
@@ -134,5 +136,6 @@ def verify(logits: torch.Tensor, batch: VerifyBatch) -> VerifyResult:
     if batch.sampling.num_logprobs < 0:
         return VerifyResult(tokens, num_accepted)
     targets = tokens[batch.row_request, batch.row_offset].clamp(min=0)
-    token_lp, top_lp, top_ids = logprobs_of(logits, targets, batch.sampling.num_logprobs)
+    raw = logits if raw_logits is None else raw_logits
+    token_lp, top_lp, top_ids = logprobs_of(raw, targets, batch.sampling.num_logprobs)
     return VerifyResult(tokens, num_accepted, token_lp, top_lp, top_ids)

@@ -3,7 +3,8 @@
 The host and the device meet here (API.md §3): ``EngineCore.prepare`` creates a ``StepMasks`` for a
 step with structured rows; the host fills each row as soon as that request's matcher has accepted every
 token before the row's position (at once under the synchronous executor; after post-processing the
-previous step under the overlapped one, phase 4); the device's ``sample`` waits for the filled mask
+previous step under the overlapped one, phase 4); the device's ``sample`` (or speculative
+verification, through ``constrain``) waits for the filled mask
 (the one wait, like a stream waiting on an event), masks a copy of the logits, samples, and takes
 logprobs from the raw logits (API.md §4: logprobs are the model's unconstrained distribution).
 """
@@ -30,18 +31,19 @@ MASK_WAIT_S = 600.0
 class StepMasks:
     """Bitmasks of the structured rows of one step.
 
-    ``rows[i]`` is the sampler row (index into the step's sampled rows) of ``entries[i]``. A row whose
-    request finished or was preempted since the step was scheduled is left all-allowed: its token is
-    discarded in ``process`` anyway.
+    ``entries`` pairs each structured scheduled row with its first row among the step's sampled rows.
+    A row that verifies drafts (speculative decoding) owns ``1 + len(drafts)`` rows: the positions
+    after its committed tokens and after each draft prefix (``TokenMatcher.fill_draft_masks``).
+    ``rows`` lists every masked row. A row whose request finished or was preempted since the step was
+    scheduled is left all-allowed: its tokens are discarded in ``process`` anyway.
     """
 
-    def __init__(self, compiler: GrammarCompiler, num_rows: int, rows: list[int],
-                 entries: list[ScheduledRequest]) -> None:
+    def __init__(self, compiler: GrammarCompiler, num_rows: int, entries: list[tuple[ScheduledRequest, int]]) -> None:
         self.compiler = compiler
-        self.rows = rows
         self.entries = entries
+        self.rows = [first + j for s, first in entries for j in range(1 + len(s.drafts))]
         self.bitmask = compiler.allocate_bitmask(num_rows)
-        self._pending = list(range(len(rows)))
+        self._pending = list(range(len(entries)))
         self._ready = threading.Event()
         self.fill_seconds = 0.0  # host time spent filling this step's masks
 
@@ -55,7 +57,7 @@ class StepMasks:
         start = time.perf_counter()
         waiting = []
         for i in self._pending:
-            s = self.entries[i]
+            s, first = self.entries[i]
             req = s.request
             if req.epoch != s.epoch:
                 continue  # dead row: its result will be dropped
@@ -65,20 +67,27 @@ class StepMasks:
             if matcher.num_accepted != s.token_slot - req.num_prompt_tokens:
                 waiting.append(i)  # the tokens before this row are still on the device
                 continue
-            matcher.fill_mask(self.bitmask, self.rows[i])
+            if s.drafts:
+                matcher.fill_draft_masks(s.drafts, self.bitmask, first)
+            else:
+                matcher.fill_mask(self.bitmask, first)
         self._pending = waiting
         self.fill_seconds += time.perf_counter() - start
         if not waiting:
             self._ready.set()
         return not waiting
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
-        """Device side: wait for the masks, sample from the masked logits, logprobs from the raw ones."""
+    def constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """Device side: wait for the masks, then a copy of ``logits`` with disallowed tokens at −inf."""
         if not self._ready.wait(MASK_WAIT_S):
             raise RuntimeError(f"grammar masks of a step were not filled within {MASK_WAIT_S:g} s")
         constrained = logits.clone()
         self.compiler.apply_bitmask(constrained, self.bitmask, self.rows)
-        result = sample(constrained, replace(batch, num_logprobs=-1))
+        return constrained
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+        """Sample from the masked logits; logprobs from the raw ones."""
+        result = sample(self.constrain(logits), replace(batch, num_logprobs=-1))
         if batch.num_logprobs < 0:
             return result
         token_lp, top_lp, top_ids = logprobs_of(logits, result.tokens, batch.num_logprobs)

@@ -49,13 +49,17 @@ class StructuredRuntime:
 
     def attach(self, inputs: StepInputs) -> None:
         """Give ``inputs`` the masks of its structured sampler rows and fill the rows that can be filled."""
-        structured = [(i, s) for i, s in enumerate(inputs.samplers) if s.request.grammar is not None]
-        if not structured:
+        entries, row = [], 0
+        for s in inputs.samplers:  # a row verifying drafts owns 1 + len(drafts) sampled rows
+            if s.request.grammar is not None:
+                entries.append((s, row))
+            row += 1 + len(s.drafts)
+        if not entries:
             return
-        compiler = structured[0][1].request.grammar.compiler
-        masks = StepMasks(compiler, len(inputs.samplers), [i for i, _ in structured], [s for _, s in structured])
+        compiler = entries[0][0].request.grammar.compiler
+        masks = StepMasks(compiler, row, entries)
         inputs.grammar = masks
-        self.masked_rows += len(structured)
+        self.masked_rows += len(masks.rows)
         if not self._fill(masks):
             self.unfilled.append(masks)
 

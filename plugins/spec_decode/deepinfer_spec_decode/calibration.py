@@ -1,9 +1,12 @@
 """Online confidence calibration, per draft position (isotonic over bins).
 
 Raw confidences are binned per position; each bin counts how often a draft that reached
-verification was accepted. The calibrated value of a bin is its acceptance rate with a small prior
-pulled towards the bin's centre (so unseen bins pass the raw value through), made non-decreasing in
-the raw confidence by pool-adjacent-violators. Drafts never reached (after an earlier rejection)
+verification was accepted. The calibrated value of a bin is its acceptance rate with a small prior:
+at the first position the bin's centre (so unseen bins pass the raw value through), at later
+positions the previous position's calibrated value for the same bin — a plan that rarely verifies
+deep positions would otherwise never learn them, and conditional acceptance changes slowly with the
+position. Each position's values are made non-decreasing in the raw confidence by
+pool-adjacent-violators. Drafts never reached (after an earlier rejection)
 teach nothing: their outcome was not observed.
 
 ``CalibrationError`` reports the expected calibration error of the confidences the plan used:
@@ -52,11 +55,13 @@ class IsotonicCalibrator:
     def table(self) -> torch.Tensor:
         """``[max_draft, bins]`` calibrated value of each bin."""
         if self._table is None:
-            centre = (torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins
-            rates = (self.accepted + PRIOR * centre) / (self.seen + PRIOR)
-            weights = self.seen + PRIOR
-            self._table = torch.tensor([pool_adjacent_violators(r.tolist(), w.tolist())
-                                        for r, w in zip(rates, weights, strict=True)])
+            prior = ((torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins).tolist()
+            rows = []
+            for seen, accepted in zip(self.seen.tolist(), self.accepted.tolist(), strict=True):
+                rates = [(a + PRIOR * p) / (n + PRIOR) for a, n, p in zip(accepted, seen, prior, strict=True)]
+                prior = pool_adjacent_violators(rates, [n + PRIOR for n in seen])
+                rows.append(prior)
+            self._table = torch.tensor(rows, dtype=torch.float64)
         return self._table
 
     def calibrate(self, raw: torch.Tensor) -> torch.Tensor:

@@ -111,3 +111,13 @@ def test_step_cost_profiles_once_interpolates_and_learns_a_slope():
         cost.observe(16, 2.5 + 16 * 0.01)  # every step 10 ms per token slower than profiled
     assert abs(cost.slope() - 0.01) < 1e-9 and abs(cost.step_time(16) - 2.66) < 1e-9
     assert len(calls) == 6
+
+
+def test_unverified_positions_borrow_the_previous_positions_calibration():
+    """A plan that never verifies deep drafts never observes them: they take the calibration of the
+    position before, not the drafter's raw value."""
+    cal = IsotonicCalibrator(max_draft=3, bins=10)
+    for i in range(1000):  # only position 0 is ever verified; 30% of its 0.95-confidence drafts pass
+        cal.observe([0.95, 0.95, 0.95], 1, int(i % 10 < 3))
+    out = cal.calibrate(torch.tensor([[0.95, 0.95, 0.95]]))[0]
+    assert all(abs(float(v) - 0.3) < 0.03 for v in out), out
