@@ -28,7 +28,7 @@ def _batch(params: list[SamplingParams], drafts: list[list[int]], base: list[int
     return VerifyBatch(
         row_start=t(starts), drafts=t([d + [-1] * (k - len(d)) for d in drafts], dtype=torch.int64),
         num_drafts=t([len(d) for d in drafts]), draft_probs=probs,
-        greedy=t([p.greedy for p in params]),
+        random_requests=t([i for i, p in enumerate(params) if not p.greedy], dtype=torch.int64),
         temperature=t([p.temperature if not p.greedy else 1.0 for p in params], dtype=torch.float32),
         top_k=t([max(p.top_k, 0) for p in params]), top_p=t([p.top_p for p in params], dtype=torch.float32),
         min_p=t([p.min_p for p in params], dtype=torch.float32), seeds=t(seeds), base=t(base),

@@ -311,6 +311,12 @@ class LLMEngine:
             used = total - free
             reserve = self.config.scheduler.max_num_batched_tokens * self.model.vocab_size * 4
             budget = int(total * cache.gpu_memory_utilization) - used - reserve
+            if budget <= 0:
+                raise ConfigError(
+                    f"cache.gpu_memory_utilization={cache.gpu_memory_utilization} of {total} bytes leaves no room "
+                    f"for the KV cache: {used} bytes are already in use on the device (other engines or tensors "
+                    f"in this process included) and {reserve} are kept for logits; raise it, free the device, "
+                    "or set cache.kv_cache_bytes")
         else:
             budget = CPU_DEFAULT_KV_BYTES
         state = state_bytes(specs, self.num_state_slots, self.max_backtrack, self.dtype)

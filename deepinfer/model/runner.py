@@ -188,7 +188,7 @@ class ModelRunner:
             drafts=drafts,
             num_drafts=tensor([len(s.drafts) for s in samplers], torch.int64),
             draft_probs=probs,
-            greedy=tensor([p.greedy for p in params], torch.bool),
+            random_requests=tensor([i for i, p in enumerate(params) if not p.greedy], torch.int64),
             temperature=tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
             top_k=tensor([max(p.top_k, 0) for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),

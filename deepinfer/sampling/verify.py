@@ -34,8 +34,10 @@ class VerifyBatch:
 
     ``row_start`` is each request's first row in the verified logits; ``drafts`` holds the draft ids
     (−1 padded to ``K``), ``num_drafts`` how many are real; ``draft_probs [R, K, V]`` or None for
-    one-hot drafts. ``greedy`` marks temperature-0 requests; ``temperature``/``top_k``/``top_p``/
-    ``min_p``/``seeds`` are per request (temperature 1 for greedy ones, never used). ``base`` is the
+    one-hot drafts. ``random_requests`` indexes the requests that sample (temperature > 0; host-built,
+    so only they pay for the target's sorted distribution; the others verify by exact match);
+    ``temperature``/``top_k``/``top_p``/``min_p``/``seeds`` are per request (temperature 1 for greedy
+    ones, never used). ``base`` is the
     RNG counter of each request's first emitted token (the sampler's ``positions``); its ``j``-th
     emitted token uses ``base + j``. ``sampling`` draws the final token (shifted by the accepted count
     at run time). ``row_request``/``row_offset`` map every
@@ -46,7 +48,7 @@ class VerifyBatch:
     drafts: torch.Tensor
     num_drafts: torch.Tensor
     draft_probs: torch.Tensor | None
-    greedy: torch.Tensor
+    random_requests: torch.Tensor
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
@@ -72,48 +74,55 @@ class VerifyResult:
 
 
 def _accepted(logits: torch.Tensor, batch: VerifyBatch) -> torch.Tensor:
-    """``[R, K]`` bool: whether each draft passes its own test (before the prefix rule)."""
+    """``[R, K]`` bool: whether each draft passes its own test (before the prefix rule). The target
+    distribution ``q`` (a sort over the vocabulary per row) is computed for sampling requests only."""
     num_requests, k = batch.drafts.shape
     cols = torch.arange(k, device=logits.device)
     rows = (batch.row_start.unsqueeze(1) + cols).clamp_(max=logits.shape[0] - 1)
-    row_logits = logits.index_select(0, rows.reshape(-1))
-    drafts = batch.drafts.clamp(min=0).reshape(-1)
-    greedy_ok = row_logits.argmax(dim=-1) == drafts
+    drafts = batch.drafts.clamp(min=0)
+    ok = logits.index_select(0, rows.reshape(-1)).argmax(dim=-1).reshape(num_requests, k) == drafts
+    r = batch.random_requests
+    if r.numel():
+        def per_row(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(0, r).repeat_interleave(k)
 
-    def per_row(t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(k)
-
-    q = filtered_probs(row_logits, per_row(batch.temperature), per_row(batch.top_k), per_row(batch.top_p),
-                       per_row(batch.min_p))
-    q_d = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1).to(torch.float64)
-    if batch.draft_probs is None:
-        p_d = torch.ones_like(q_d)
-    else:
-        p_d = batch.draft_probs.reshape(num_requests * k, -1).gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-        p_d = p_d.to(torch.float64)
-    positions = (batch.base.unsqueeze(1) + cols).reshape(-1)
-    u = uniform(per_row(batch.seeds), positions, Purpose.ACCEPT)
-    random_ok = u * p_d < q_d
-    ok = torch.where(per_row(batch.greedy), greedy_ok, random_ok).reshape(num_requests, k)
+        row_logits = logits.index_select(0, rows.index_select(0, r).reshape(-1))
+        d = drafts.index_select(0, r).reshape(-1, 1)
+        q = filtered_probs(row_logits, per_row(batch.temperature), per_row(batch.top_k), per_row(batch.top_p),
+                           per_row(batch.min_p))
+        q_d = q.gather(-1, d).squeeze(-1).to(torch.float64)
+        if batch.draft_probs is None:
+            p_d = torch.ones_like(q_d)
+        else:
+            p_d = batch.draft_probs.index_select(0, r).reshape(r.numel() * k, -1).gather(-1, d).squeeze(-1)
+            p_d = p_d.to(torch.float64)
+        positions = (batch.base.index_select(0, r).unsqueeze(1) + cols).reshape(-1)
+        u = uniform(per_row(batch.seeds), positions, Purpose.ACCEPT)
+        ok = ok.index_copy(0, r, (u * p_d < q_d).reshape(-1, k))
     return ok & (cols < batch.num_drafts.unsqueeze(1))
 
 
 def _residual_tokens(final_logits: torch.Tensor, batch: VerifyBatch, accepted: torch.Tensor) -> torch.Tensor:
-    """A draw from ``max(q − p, 0)`` at each request's final row (meaningful where a draft was
-    rejected); falls back to ``q`` when the residual has no mass (only possible through rounding)."""
-    q = filtered_probs(final_logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
-    at = accepted.clamp(max=max(batch.drafts.shape[1] - 1, 0)).unsqueeze(1)
+    """For the sampling requests (``batch.random_requests``, in that order): a draw from
+    ``max(q − p, 0)`` at each one's final row (meaningful where a draft was rejected); falls back to
+    ``q`` when the residual has no mass (only possible through rounding)."""
+    r = batch.random_requests
+    accepted = accepted.index_select(0, r)
+    q = filtered_probs(final_logits.index_select(0, r), batch.temperature.index_select(0, r),
+                       batch.top_k.index_select(0, r), batch.top_p.index_select(0, r), batch.min_p.index_select(0, r))
+    u = uniform(batch.seeds.index_select(0, r), batch.base.index_select(0, r) + accepted, Purpose.RESAMPLE)
     if batch.drafts.shape[1] == 0:
-        return inverse_cdf(q, uniform(batch.seeds, batch.base + accepted, Purpose.RESAMPLE))
+        return inverse_cdf(q, u)
+    at = accepted.clamp(max=batch.drafts.shape[1] - 1).unsqueeze(1)
     if batch.draft_probs is None:
-        rejected = batch.drafts.gather(1, at).clamp(min=0)
+        rejected = batch.drafts.index_select(0, r).gather(1, at).clamp(min=0)
         p = torch.zeros_like(q).scatter_(-1, rejected, 1.0)
     else:
-        p = batch.draft_probs.gather(1, at.unsqueeze(-1).expand(-1, 1, q.shape[-1])).squeeze(1).to(q.dtype)
+        probs = batch.draft_probs.index_select(0, r)
+        p = probs.gather(1, at.unsqueeze(-1).expand(-1, 1, q.shape[-1])).squeeze(1).to(q.dtype)
     residual = (q - p).clamp_(min=0)
     empty = residual.sum(dim=-1, keepdim=True) <= 0
-    residual = torch.where(empty, q, residual)
-    return inverse_cdf(residual, uniform(batch.seeds, batch.base + accepted, Purpose.RESAMPLE))
+    return inverse_cdf(torch.where(empty, q, residual), u)
 
 
 def verify(logits: torch.Tensor, batch: VerifyBatch, raw_logits: torch.Tensor | None = None) -> VerifyResult:
@@ -127,8 +136,12 @@ def verify(logits: torch.Tensor, batch: VerifyBatch, raw_logits: torch.Tensor | 
     shifted = dataclasses.replace(
         batch.sampling, positions=batch.sampling.positions + num_accepted.index_select(0, batch.sampling.random_rows))
     bonus = sample(final_logits, dataclasses.replace(shifted, num_logprobs=-1)).tokens
-    rejected = (num_accepted < batch.num_drafts) & ~batch.greedy
-    final = torch.where(rejected, _residual_tokens(final_logits, batch, num_accepted), bonus)
+    final = bonus
+    r = batch.random_requests
+    if r.numel():
+        rejected = num_accepted.index_select(0, r) < batch.num_drafts.index_select(0, r)
+        picked = torch.where(rejected, _residual_tokens(final_logits, batch, num_accepted), bonus.index_select(0, r))
+        final = bonus.index_copy(0, r, picked)
     cols = torch.arange(k + 1, device=logits.device)
     padded = torch.cat([batch.drafts, batch.drafts.new_full((num_requests, 1), -1)], dim=1)
     tokens = torch.where(cols < num_accepted.unsqueeze(1), padded,
