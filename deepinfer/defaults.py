@@ -10,6 +10,7 @@ from deepinfer.hookspecs import hookimpl
 from deepinfer.interfaces import CacheLayout, RankLoad, ReplayPlan, SchedulableRequest
 from deepinfer.model.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from deepinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.model.gemma3 import Gemma3ForCausalLM
 from deepinfer.model.layers.batch_invariant import (
     BatchInvariantAttentionBackend,
     BatchInvariantGemmBackend,
@@ -73,14 +74,14 @@ class LeastLoadedRouter:
 
 class BuiltinPlugin:
     """The core's strategies: ``sync`` executor, ``fcfs`` policy, ``exact`` replay, ``round_robin`` and
-    ``least_loaded`` routers, the Llama-family and DeepSeek-V2/V3/V4 models and the plain-torch reference
+    ``least_loaded`` routers, the Llama-family, Gemma-3 and DeepSeek-V2/V3/V4 models and the plain-torch reference
     backends (the expert-parallel all-to-all, ops ``dispatch``/``combine``, included)."""
 
     @hookimpl(trylast=True)
     def deepinfer_model_architectures(self) -> dict[str, type]:
         return {cls.architecture: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
                                                   DeepseekV3ForCausalLM, DeepseekV2ForCausalLM,
-                                                  DeepseekV4ForCausalLM)}
+                                                  DeepseekV4ForCausalLM, Gemma3ForCausalLM)}
 
     @hookimpl(trylast=True)
     def deepinfer_step_executors(self) -> dict[str, type]:

@@ -122,16 +122,18 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
     vocab = engine.model.vocab_size
     work = materialize(build_workload(spec, vocab), engine.tokenizer)
     model_path, device, dtype = engine.model_path, engine.device, str(engine.dtype).removeprefix("torch.")
+    del engine  # each sweep point gets a fresh engine: nothing may keep the previous one's cache alive
     started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     runs: list[dict[str, Any]] = []
     engine_ids: list[list[list[int]]] = []
     config: dict[str, Any] = {}
-    for i, c in enumerate(points):
+    first = [llm]  # handed over to the first measure, so only that call holds the engine
+    del llm
+    for c in points:
         run, ids, config = measure(model, work, config=args.config, overrides=overrides, concurrency=c,
                                    temperature=args.temperature, seed=args.seed, progress=progress,
                                    desc=f"deepinfer {'offline' if c is None else f'C={c}'}",
-                                   llm=llm if i == 0 else None)
-        llm = None
+                                   llm=first.pop() if first else None)
         runs.append(run)
         engine_ids.append(ids)
     comparison = []

@@ -19,6 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from deepinfer.bench.metrics import RequestRecord, compute_metrics, latency_samples, output_digest, step_split
@@ -167,6 +168,8 @@ def measure(model: str, work: Work, *, config: Any = None, overrides: Mapping[st
         llm.shutdown()
         del llm
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the next engine sizes its KV cache from the device's free memory
     return run, ids, cfg
 
 

@@ -307,6 +307,7 @@ class LLMEngine:
         if cache.kv_cache_bytes is not None:
             budget = cache.kv_cache_bytes
         elif self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks cached by torch's allocator (e.g. a freed engine's) count as free
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             reserve = self.config.scheduler.max_num_batched_tokens * self.model.vocab_size * 4

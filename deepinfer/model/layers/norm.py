@@ -19,3 +19,19 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x / rms(x) * (1 + weight)``, all of it in float32 and cast back once at the
+    end (Gemma checkpoints store the scale minus one, and HF multiplies before the cast, unlike Llama)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None) -> None:
+        super().__init__(dim, eps, dtype=dtype, device=device)
+        with torch.no_grad():
+            self.weight.zero_()  # scale 1: the identity until weights are loaded
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
