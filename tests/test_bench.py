@@ -315,11 +315,13 @@ def test_bench_writes_json_and_plots_with_the_transformers_baseline(
 
 
 def test_ab_flags_a_planted_slowdown_and_reports_token_identity(
-        tiny_llama_dir: Path, tmp_path: Path, install_plugin: Any, monkeypatch: pytest.MonkeyPatch,
+        smollm2_dir: Path, tmp_path: Path, install_plugin: Any, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
+    """End to end on the real SmolLM2: B carries a plugin that sleeps in an observer hook."""
     info = install_plugin("deepinfer-slow-plugin", {"slow": "deepinfer_slow_plugin:Plugin"})
-    # B sleeps 50 ms per step (6 steps a run): wall time that CPU contention from other processes
-    # cannot shrink, so B stays >= 1.5x slower even when A's own steps are slowed down by a busy machine.
+    # B sleeps 150 ms per step (6 steps a run, SmolLM2 steps of 4 short requests take tens of ms):
+    # wall time that CPU contention from other processes cannot shrink, so B stays >= 1.5x slower even
+    # when A's own steps are slowed down by a busy machine.
     # ab runs its configurations in subprocesses: they find the plugin through PYTHONPATH.
     path = [str(info.parent), str(THIRDPARTY), os.environ.get("PYTHONPATH", "")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in path if p))
@@ -328,17 +330,17 @@ def test_ab_flags_a_planted_slowdown_and_reports_token_identity(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     out = tmp_path / "ab" / "report"
     code, stdout, err = _run_cli(
-        capsys, "ab", "--model", str(tiny_llama_dir), "--a", "plugins.slow.enabled=false",
-        "--b", "plugins.slow.enabled=true,plugins.slow.sleep_ms=50", "--repeats", "6",
+        capsys, "ab", "--model", str(smollm2_dir), "--a", "plugins.slow.enabled=false",
+        "--b", "plugins.slow.enabled=true,plugins.slow.sleep_ms=150", "--repeats", "6",
         "--num-prompts", "4", "--input-len", "16", "--output-len", "6", "--output", str(out), "--no-progress",
-        *SMALL_CACHE)
+        "--set", "cache.kv_cache_bytes=33554432", "--set", "cache.block_size=16", "--set", "model.max_model_len=512")
     assert code == 0, err
     report = json.loads(out.with_suffix(".json").read_text())
     assert set(report) == AB_KEYS and report["schema"] == AB_SCHEMA
     assert report["repeats"] == 6 and report["order"] == ["A", "B"] * 6
     assert len(report["runs"]["a"]) == len(report["runs"]["b"]) == 6
     assert report["a"]["overrides"]["plugins"] == {"slow": {"enabled": False}}
-    assert report["b"]["config"]["plugins"]["slow"] == {"enabled": True, "sleep_ms": 50.0}
+    assert report["b"]["config"]["plugins"]["slow"] == {"enabled": True, "sleep_ms": 150.0}
     assert all(r["plugin_stats"]["slow"]["sleeps"] > 0 for r in report["runs"]["b"])
     assert all("slow" not in r["plugin_stats"] for r in report["runs"]["a"])
     metrics = {m["name"]: m for m in report["metrics"]}
