@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.bench import BENCH_SCHEMA
+from deepinfer.bench.metrics import acceptance_normalized_throughput
 from deepinfer.bench.runner import build_llm, environment, measure, public
 from deepinfer.bench.workloads import WorkloadSpec, build_workload, describe, materialize, warmup_workload
 
@@ -134,6 +135,15 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
                                    temperature=args.temperature, seed=args.seed, progress=progress,
                                    desc=f"deepinfer {'offline' if c is None else f'C={c}'}",
                                    llm=first.pop() if first else None)
+        if getattr(args, "assumed_acceptance", None) is not None:
+            speculation = config["plugins"].get("spec_decode") or {}
+            if not speculation.get("enabled"):
+                raise ValueError("--assumed-acceptance needs plugins.spec_decode.enabled=true")
+            k = int(speculation.get("max_draft", 5))
+            run["acceptance_normalized_throughput"] = {
+                "label": "extra, not measured: output tok/s at an assumed per-draft acceptance",
+                "assumed_acceptance": args.assumed_acceptance, "max_draft": k,
+                "output_throughput": acceptance_normalized_throughput(run, args.assumed_acceptance, k)}
         runs.append(run)
         engine_ids.append(ids)
     comparison = []

@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --url: Poisson request rates per second, comma-separated, or inf")
     bench.add_argument("--served-model-name", default=None, help="with --url: the model name (default --model)")
     bench.add_argument("--api-key", default=None, help="with --url: Bearer key")
+    bench.add_argument("--assumed-acceptance", type=float, default=None, metavar="A",
+                       help="with plugins.spec_decode: also report the labelled extra "
+                            "acceptance_normalized_throughput at per-draft acceptance A (docs/bench.md)")
     _bench_workload_flags(bench)
     _common(bench)
 
