@@ -1,0 +1,1 @@
+"""deepinfer-attention: sliding-window bounded replay and GPU attention backends."""
