@@ -70,6 +70,8 @@ class SchedulerSection(_Section):
     chunked_prefill: bool = True
     policy: str = "fcfs"
     executor: str = "auto"
+    step_cost_cache_dir: str | None = None
+    step_cost_cache_ttl_s: float = Field(default=3600.0, gt=0)
 
 
 class ParallelSection(_Section):
@@ -88,6 +90,7 @@ class KernelsSection(_Section):
     gemm: str = "auto"
     batch_invariant: bool = False
     cuda_graphs: bool = True
+    cuda_graph_interval: int = Field(default=8, ge=1)
     force_balanced_routing: bool = False
 
 
@@ -138,6 +141,9 @@ SECTION_OVERRIDES: dict[str, str] = {
 _CORE_KNOBS: dict[str, tuple[str, Any]] = {
     "DEEPINFER_BATCH_INVARIANT": ("kernels.batch_invariant", lambda v: _truthy(v)),
     "DEEPINFER_ENFORCE_EAGER": ("kernels.cuda_graphs", lambda v: not _truthy(v)),
+    "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL": ("kernels.cuda_graph_interval", lambda v: _parse_scalar(v)),
+    "DEEPINFER_DECODE_PERF_CACHE_DIR": ("scheduler.step_cost_cache_dir", lambda v: v),
+    "DEEPINFER_DECODE_PERF_CACHE_TTL_SEC": ("scheduler.step_cost_cache_ttl_s", lambda v: _parse_scalar(v)),
     "DEEPINFER_FORCE_LOAD_BALANCE": ("kernels.force_balanced_routing", lambda v: _truthy(v)),
     "DEEPINFER_XGRAMMAR_TIMEOUT": ("sampling.grammar_timeout_s", lambda v: _parse_scalar(v)),
     "DEEPINFER_SO_BUILDER_CPUS": ("sampling.grammar_threads", lambda v: _parse_scalar(v)),

@@ -43,7 +43,8 @@ class CacheLayout:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """Facts resolved before plugins are built, for ``deepinfer_validate_config`` and observers."""
+    """Facts resolved before plugins are built, for ``deepinfer_validate_config`` and observers.
+    ``seed`` is the engine seed (``sampling.seed``), for weights a plugin initializes at random."""
 
     architecture: str
     num_layers: int
@@ -55,6 +56,7 @@ class EngineInfo:
     device: str
     dtype: str
     world_size: int
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,12 +197,14 @@ class CommittedRows:
     """The rows a step computed and committed, for a drafter with its own paged cache (MTP).
 
     ``hidden [R, H]``: the main model's final hidden state (after its final norm: what ``forward``
-    returns) of every committed token the step computed, for every request of the step (prefill
-    chunks and requests that just finished included; a verifying request's rows are its last token
-    and its accepted drafts). ``next_tokens [R]``: the id of the token after each row (the next prompt
-    token, or a token the step emitted). ``ctx``: a ``ForwardContext`` over exactly these rows on the
-    main model's paging (``ctx.positions`` are their positions; ``seq_lens`` the committed lengths), so
-    a cache sharing the main pool's block ids gets the row of position p in the slot of p.
+    returns) — or, when the drafter had the model ``capture_hidden(layer_ids)`` (``dspark``), those
+    layers' inputs concatenated in that order, ``[R, H · len(layer_ids)]`` — of every committed token
+    the step computed, for every request of the step (prefill chunks and requests that just finished
+    included; a verifying request's rows are its last token and its accepted drafts). ``next_tokens
+    [R]``: the id of the token after each row (the next prompt token, or a token the step emitted).
+    ``ctx``: a ``ForwardContext`` over exactly these rows on the main model's paging (``ctx.positions``
+    are their positions; ``seq_lens`` the committed lengths), so a cache sharing the main pool's block
+    ids gets the row of position p in the slot of p.
     ``last_rows [B]``: for each drafting request (``DraftInputs`` order), its last committed row,
     whose next token is the request's last token. ``chain(offset)``: a ``ForwardContext`` of one
     decode row per drafting request at ``DraftInputs.positions + offset`` (offset 0 is the last
@@ -270,7 +274,14 @@ class VerificationPlan(Protocol):
 @dataclass(frozen=True)
 class ReplayPlan:
     """Which tokens to recompute to rebuild per-request state: from ``first_token`` (absolute
-    position), with attention not looking below ``visibility_floor``; ``layers`` None means all."""
+    position), with sliding-window attention not looking below ``visibility_floor``; ``layers`` None
+    means all.
+
+    Reason ``prefill``: mode ``mask`` or ``compact`` truncates a YoCo model's prefill (reference/deepinfer.md
+    §6): ``layers`` are the YoCo consumer layers, which need queries only from ``visibility_floor`` on
+    (``compact`` removes the rows below, ``mask`` keeps them with their window emptied); ``full`` means no
+    truncation. Reasons ``prefix_hit`` and ``preempted``: mode ``full``; a floor above 0 is a bounded
+    restore, and the floor stays with the request while it runs."""
 
     first_token: int
     visibility_floor: int
@@ -339,7 +350,9 @@ class BackendCapabilities:
 
     devices: frozenset[str] = frozenset({"cpu", "cuda"})
     dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16, torch.float16})
-    kv_dtypes: frozenset[str] = frozenset({"auto", "bf16"})
+    # cache.kv_dtype values its attention reads; ``auto`` is also what a run asks when the setting names the
+    # model's own dtype (bf16 on a bf16 model), so only a backend that reads another dtype declares more.
+    kv_dtypes: frozenset[str] = frozenset({"auto"})
     graph_safe: bool = False
     batch_invariant: bool = False
     varlen: bool = True
@@ -401,6 +414,21 @@ class ForwardContext:
     slot, host copy ``state_slots_host``) and ``write_floor_host`` (per request, the positions below
     which its blocks are shared through the prefix cache: rows there only rebuild state, exact replay,
     and must not rewrite paged entries); all three are None for other models.
+
+    ``max_query_len`` bounds the query tokens of every request in the step (0: not stated). A step
+    replayed from a CUDA graph (``model/graphs.py``) states the graph's bound, and its host lists and
+    ``num_decodes`` are the capture's, not the step's: a ``graph_safe`` backend that serves requests of
+    up to ``max_query_len`` query tokens must then read only the device tensors.
+
+    Bounded replay (``ReplayPlan``, ARCHITECTURE §6); None when no request of the step needs it:
+    ``visibility_floor [B]`` (host copy ``visibility_floor_host``): in sliding-window attention (a layer
+    called with ``window`` > 0, a DeepSeek-V4 layer's window part) a key below its request's floor is
+    invisible, except a query's own key (a query below the floor sees only itself); set after a bounded
+    state restore, for as long as the request runs. ``truncation_floor_host`` and
+    ``truncation_compact_host``: YoCo prefill truncation (reference/deepinfer.md §6), per request the
+    position below which the model's YoCo consumer layers need no queries (0: none), and whether those
+    rows are removed (compact: the model's output rows for them are zeros) or kept (mask). In consumer
+    layers the truncation floor is also a visibility floor, so both modes give the same kept rows.
     """
 
     positions: torch.Tensor
@@ -416,14 +444,22 @@ class ForwardContext:
     state_slots: torch.Tensor | None = None
     state_slots_host: list[int] | None = None
     write_floor_host: list[int] | None = None
+    max_query_len: int = 0
+    visibility_floor: torch.Tensor | None = None
+    visibility_floor_host: list[int] | None = None
+    truncation_floor_host: list[int] | None = None
+    truncation_compact_host: list[bool] | None = None
 
 
 class AttentionBackend(Backend, Protocol):
     """Implements op ``paged_attention``: write this step's K/V into the paged cache, then attend.
 
     ``q [T, Hq, D]``, ``k, v [T, Hkv, D]``; ``kv_cache`` is the layer's ``(k_cache, v_cache)`` each
-    ``[num_blocks, block_size, Hkv, D]``. Returns ``[T, Hq, D]``. Causal within a request; a query at
-    position p sees cached positions ≤ p of its own request (``window`` > 0: only the last ``window``).
+    ``[num_blocks, block_size, Hkv, D]`` (with ``cache.kv_dtype: fp8``, ``(k, v, k_scales, v_scales)``:
+    e4m3 data and UE8M0 scale bytes per 32 elements, ``kv/fp8.py``; only backends declaring ``fp8`` in
+    ``kv_dtypes`` get one). Returns ``[T, Hq, D]``. Causal within a request; a query at
+    position p sees cached positions ≤ p of its own request (``window`` > 0: only the last ``window``,
+    and none below ``ctx.visibility_floor`` but its own).
     """
 
     def paged_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -45,6 +45,10 @@ class Tokenizer:
         self.special_tokens = {
             k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
+        bos = self.special_tokens["bos_token"]
+        # Text prompts start with BOS when the tokenizer says so (Gemma, Llama); chat templates write their own.
+        self.prompt_bos: int | None = (self._tok.token_to_id(bos) if config.get("add_bos_token") and bos
+                                       else None)
 
     @staticmethod
     def exists(folder: Path) -> bool:
@@ -57,6 +61,14 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without added special tokens (chat templates carry their own)."""
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a plain-text prompt: ``encode``, after BOS when tokenizer_config.json sets
+        ``add_bos_token`` (and the text does not already start with it)."""
+        ids = self.encode(text)
+        if self.prompt_bos is not None and ids[:1] != [self.prompt_bos]:
+            ids.insert(0, self.prompt_bos)
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)

@@ -1,6 +1,7 @@
 """Decode speed of an 8-layer DeepSeek-V2-Lite-shaped dummy V3 model on one GPU (issue 3).
 
-    python scripts/bench_gpu_deepseek.py [--output bench.json] [--profile-out prof.txt] [--no-transformers]
+    python scripts/bench_gpu_deepseek.py [--batch 1 16 64 256] [--plugins attention moe] [--eager]
+        [--output bench.json] [--profile-out prof.txt] [--no-transformers]
 
 Model: ``DeepseekV3ForCausalLM``, hidden 2048, 16 heads, no q_lora, kv_lora 512, rope 64, nope 128,
 v 128, 64 routed experts top-6 + 2 shared, moe width 1408, dense width 10944, first layer dense,
@@ -91,14 +92,20 @@ def prompts(batch: int, seed: int) -> list[list[int]]:
     return torch.randint(2, CONFIG["vocab_size"], (batch, PROMPT_LEN), generator=gen).tolist()
 
 
-def bench_deepinfer(folder: Path, batches: list[int], repeats: int, profile_out: Path | None) -> dict:
+def bench_deepinfer(folder: Path, batches: list[int], repeats: int, profile_out: Path | None,
+                    plugins: list[str], cuda_graphs: bool, profile_batch: int | None = None) -> dict:
     from deepinfer import LLM, SamplingParams
 
     t = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda",
-              kernels={"force_balanced_routing": True}, kv_cache_bytes=4 << 30,
-              max_num_seqs=max(batches), max_num_batched_tokens=4096)
+              kernels={"force_balanced_routing": True, "cuda_graphs": cuda_graphs}, kv_cache_bytes=4 << 30,
+              max_num_seqs=max(batches), max_num_batched_tokens=max(4096, max(batches) * PROMPT_LEN),
+              plugins={name: {"enabled": True} for name in plugins})
     build_s = time.perf_counter() - t
+    graphs = llm.engine.runner.graphs
+    print(f"deepinfer built in {build_s:.1f} s; backends "
+          f"{ {op: b.name for op, b in llm.engine.runner.backends.items() if op in llm.engine.model.backend_ops} }; "
+          f"CUDA graph buckets {graphs.buckets if graphs else None}", flush=True)
     seed = [1000]
 
     def timed(batch: int, max_tokens: int) -> float:
@@ -116,20 +123,27 @@ def bench_deepinfer(folder: Path, batches: list[int], repeats: int, profile_out:
     result = {"build_s": build_s, "runs": {}}
     for batch in batches:
         t1s, t65s = [], []
+        before = llm.get_stats()
         for _ in range(repeats):
             t1s.append(timed(batch, 1))
             t65s.append(timed(batch, NEW + 1))
+        after = llm.get_stats()
+        busy = after["device_busy_s"] - before["device_busy_s"]
+        idle = after["device_idle_s"] - before["device_idle_s"]
         decode = [batch * NEW / (b - a) for a, b in zip(t1s, t65s, strict=True)]
         result["runs"][batch] = {"t1_s": t1s, "t65_s": t65s, "decode_tok_s": decode,
+                                 "device_busy_s": busy, "device_idle_s": idle,
+                                 "device_idle_fraction": idle / (busy + idle) if busy + idle else 0.0,
                                  "decode_tok_s_median": statistics.median(decode),
                                  "prefill_s_median": statistics.median(t1s),
                                  "decode_step_ms_median": 1000 * statistics.median(
                                      [(b - a) / NEW for a, b in zip(t1s, t65s, strict=True)])}
         print(f"deepinfer B={batch}: decode {result['runs'][batch]['decode_tok_s_median']:.1f} tok/s "
-              f"(runs {[round(x, 1) for x in decode]}), prefill+1 {statistics.median(t1s) * 1000:.1f} ms", flush=True)
+              f"(runs {[round(x, 1) for x in decode]}), prefill+1 {statistics.median(t1s) * 1000:.1f} ms, "
+              f"device idle {100 * result['runs'][batch]['device_idle_fraction']:.1f}% between steps", flush=True)
     if profile_out is not None:
         try:
-            result["profile"] = profile_decode(llm, max(batches), profile_out)
+            result["profile"] = profile_decode(llm, profile_batch or max(batches), profile_out)
         except Exception as exc:
             result["profile"] = {"error": repr(exc)}
             print(f"profile failed: {exc!r}", flush=True)
@@ -241,16 +255,21 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     parser.add_argument("--profile-out", type=Path)
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--plugins", nargs="*", default=["attention", "moe"],
+                        help="plugins to enable (default: attention moe; none: the core's reference backends)")
+    parser.add_argument("--eager", action="store_true", help="kernels.cuda_graphs=false")
+    parser.add_argument("--profile-batch", type=int, help="batch of the profiled steps (default: the largest)")
     args = parser.parse_args()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": CONFIG,
-              "date": time.strftime("%Y-%m-%d")}
+              "date": time.strftime("%Y-%m-%d"), "plugins": args.plugins, "cuda_graphs": not args.eager}
     bw = copy_bandwidth()
     result["copy_bandwidth_bytes_s"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         (folder / "config.json").write_text(json.dumps(CONFIG))
-        result["deepinfer"] = bench_deepinfer(folder, args.batch, args.repeats, args.profile_out)
+        result["deepinfer"] = bench_deepinfer(folder, args.batch, args.repeats, args.profile_out, args.plugins,
+                                              not args.eager, args.profile_batch)
     torch.cuda.empty_cache()
     if not args.no_transformers:
         try:

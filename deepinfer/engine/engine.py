@@ -17,7 +17,7 @@ import torch
 
 from deepinfer.config import EngineConfig, build_config
 from deepinfer.engine.core import EngineCore
-from deepinfer.engine.cost import StepCost, time_call
+from deepinfer.engine.cost import CurveCache, StepCost, time_call
 from deepinfer.engine.executor import SyncExecutor
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
@@ -25,11 +25,13 @@ from deepinfer.engine.scheduler import ReplayStart, Scheduler
 from deepinfer.engine.speculation import DraftCache, Speculator
 from deepinfer.engine.stats import EngineStats
 from deepinfer.errors import ConfigError
-from deepinfer.interfaces import CacheLayout, EngineInfo, RunRequirements, StepStats
+from deepinfer.interfaces import CacheLayout, EngineInfo, ReplayPlan, RunRequirements, StepStats
 from deepinfer.kv.blocks import KVCacheManager
-from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, num_blocks_for, state_bytes
+from deepinfer.kv.fp8 import kv_storage_dtype
+from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_kv_dtype, num_blocks_for, state_bytes
 from deepinfer.kv.state import has_state, num_state_slots_for
 from deepinfer.model.assets import resolve_model_path
+from deepinfer.model.graphs import DecodeGraphs
 from deepinfer.model.loader import init_dummy, load_checkpoint, read_hf_config
 from deepinfer.model.registry import resolve_architecture
 from deepinfer.model.runner import ModelRunner
@@ -126,14 +128,16 @@ class LLMEngine:
             layout=CacheLayout(tuple(s.info() for s in specs), cfg.cache.block_size, max_backtrack),
             has_mtp=self.model_has_mtp,
             max_draft=max_draft,
+            seed=cfg.sampling.seed,
             device=self.device.type,
             dtype=str(self.dtype).removeprefix("torch."),
             world_size=world_size,
         )
         self.host.notify("deepinfer_validate_config", config=cfg, info=self.info)
-        if self.device.type == "cuda" and cfg.kernels.cuda_graphs:
-            logger.warning("kernels.cuda_graphs: CUDA graph capture is not implemented yet; running eagerly")
         backends = self._select_backends()
+        # Paged KV rows are stored in this dtype (kv/fp8.py); per-request state stays in the model dtype.
+        self.kv_dtype = kv_storage_dtype(cfg.cache.kv_dtype, self.dtype)
+        check_kv_dtype(specs, self.kv_dtype, self.dtype, cfg.cache.kv_dtype)
 
         if cfg.model.load_format == "dummy":
             if self.uses_mtp:
@@ -150,7 +154,7 @@ class LLMEngine:
         mtp_specs = self._mtp_cache_specs()
         num_blocks = self._num_kv_blocks([*specs, *mtp_specs])
         self.pool = KVPool([*specs, *mtp_specs], num_blocks, cfg.cache.block_size, self.dtype, self.device,
-                           num_state_slots=self.num_state_slots, max_backtrack=max_backtrack)
+                           num_state_slots=self.num_state_slots, max_backtrack=max_backtrack, kv_dtype=self.kv_dtype)
         self.model.bind_cache(self.pool.layers[:len(specs)])
         if mtp_specs:
             self.model.bind_mtp_cache(self.pool.layers[len(specs):])
@@ -165,6 +169,7 @@ class LLMEngine:
             )
         policy = self.host.select("deepinfer_schedule_policies", cfg.scheduler.policy, "scheduler.policy")
         self.runner = ModelRunner(self.model, backends, cfg.cache.block_size, self.device)
+        self.runner.graphs = self._decode_graphs(backends, world_size)
         self.speculator = self._build_speculator()
         self.scheduler = Scheduler(self.kv, policy, max_num_seqs=cfg.scheduler.max_num_seqs,
                                    max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
@@ -187,16 +192,19 @@ class LLMEngine:
         replay = self.host.select("deepinfer_replay_planners", cfg.cache.replay, "cache.replay")
         if self.num_state_slots:
             self.runner.state_slot, self.runner.write_floor = self.kv.state_slot, self.kv.write_floor
-            # A prefix hit (or a preempted request's surviving blocks) restores paged entries but not
-            # the state rings: recompute from the replay planner's first token (ARCHITECTURE §6).
-            self.scheduler.replay = ReplayStart(replay, self.info.layout)
+        # A prefix hit (or a preempted request's surviving blocks) restores paged entries but not the
+        # state rings: recompute from the replay planner's first token; the planner may also bound that
+        # replay or truncate YoCo prefills (ARCHITECTURE §6, scheduler.ReplayStart).
+        self.scheduler.replay = ReplayStart(replay, self.info.layout, stateful=bool(self.num_state_slots))
         self.host.select("deepinfer_request_routers", cfg.parallel.router, "parallel.router")
         factory = self.host.select("deepinfer_step_executors", cfg.scheduler.executor, "scheduler.executor")
         self.executor = factory(self.core)
         if self.speculator is not None and not isinstance(self.executor, SyncExecutor):
-            raise ConfigError(
-                "plugins.spec_decode: speculative decoding runs with the synchronous executor only for now; "
-                "set scheduler.executor=sync (or disable plugins.scheduling)")
+            # An overlapped executor schedules, and so asks the plan's budget, while a step runs: profile
+            # the step-cost curve now, so that no placeholder step ever runs beside a real one.
+            cost = self.speculator.cost
+            if isinstance(cost, StepCost):
+                cost.profile_all()
         self._counter = 0
         self._grammars: GrammarCompiler | None = None  # structured output, built on first use
         self.host.notify("deepinfer_engine_started", info=self.info)
@@ -280,17 +288,82 @@ class LLMEngine:
 
         drafter = factory(model=self.model, info=self.info)
         cache = None
-        if self.uses_mtp:  # the drafter writes MTP cache rows for every committed token (CommittedRows)
+        # A drafter that called the model's ``capture_hidden`` (dspark) reads those layers' features of the
+        # committed rows (CommittedRows.hidden); the mtp drafter writes MTP cache rows for every committed token.
+        self.runner.hidden_layers = tuple(getattr(self.model, "captured_layers", ()))
+        if self.uses_mtp or self.runner.hidden_layers:
             self.runner.keep_hidden = True
-            cache = DraftCache(self.runner.span_context, self.kv.allocate, self.kv.table, self.config.cache.block_size)
-        return Speculator(drafter, plan, StepCost(measure, largest), settings.max_draft, self.device, cache)
+            cache = DraftCache(self.runner.span_context, self.kv.allocate, self.kv.table, self.config.cache.block_size,
+                               self.kv.slots.get if self.num_state_slots else None)
+        return Speculator(drafter, plan, self._step_cost(measure, largest, 1 + settings.max_draft),
+                          settings.max_draft, self.device, cache)
+
+    def _step_cost(self, measure: Any, largest: int, query_len: int) -> StepCost:
+        """The varlen plan's step-cost curve: profiled on demand on eager placeholder steps, or, with CUDA
+        graphs, at start-up from one replay per graph bucket (cached on disk when
+        ``scheduler.step_cost_cache_dir`` is set)."""
+        graphs = self.runner.graphs
+        if graphs is None:
+            return StepCost(measure, largest)
+
+        def replay(query_tokens: int) -> float:
+            return time_call(lambda: graphs.replay((query_tokens, query_len)), self.device)
+
+        cost = StepCost(replay, largest, sizes=graphs.buckets)
+        sched = self.config.scheduler
+        folder = sched.step_cost_cache_dir
+        cache = CurveCache(folder, sched.step_cost_cache_ttl_s) if folder else None
+        key = {"model": str(self.model_path), "architecture": self.info.architecture, "dtype": self.info.dtype,
+               "device": torch.cuda.get_device_name(self.device),
+               "backends": sorted(f"{op}={getattr(b, 'name', '')}" for op, b in self.runner.backends.items()),
+               "buckets": graphs.buckets, "query_len": query_len, "block_size": self.config.cache.block_size,
+               "kv_dtype": str(self.kv_dtype)}
+        cached = cache.load(key) if cache else None
+        if cached:
+            cost.load(cached)
+            return cost
+        cost.profile_all()
+        if cache:
+            cache.save(key, cost.points)
+        return cost
+
+    def _decode_graphs(self, backends: Mapping[str, Any], world_size: int) -> DecodeGraphs | None:
+        """CUDA graphs for decode-shaped steps (``model/graphs.py``), captured now; None when the run is
+        not on CUDA, ``kernels.cuda_graphs`` is off, or something in the step cannot be captured (then
+        a warning names it and the GPU runs eagerly)."""
+        k = self.config.kernels
+        if self.device.type != "cuda" or not k.cuda_graphs:
+            return None
+        ops = getattr(self.model, "backend_ops", None) or frozenset(backends)
+        blockers = [f"{op} backend {backends[op].name!r} is not graph_safe" for op in sorted(ops)
+                    if op in backends and not backends[op].capabilities.graph_safe]
+        if self.num_state_slots:
+            blockers.append(f"{self.info.architecture} plans its per-request state attention on the host")
+        if world_size > 1:
+            blockers.append("expert parallelism exchanges split sizes on the host")
+        if blockers:
+            logger.warning("kernels.cuda_graphs: running eagerly: %s (enable a plugin that offers graph-safe "
+                           "backends, e.g. plugins.attention, or set kernels.cuda_graphs=false)", "; ".join(blockers))
+            return None
+        sched = self.config.scheduler
+        max_draft = self.spec_settings.max_draft if self.spec_settings else 0
+        graphs = DecodeGraphs(self.model, backends, self.config.cache.block_size, self.device,
+                              max_tokens=min(sched.max_num_seqs * (1 + max_draft), sched.max_num_batched_tokens),
+                              max_query_lens=(1, 1 + max_draft),
+                              max_blocks=self.kv.blocks_needed(self.max_model_len),
+                              interval=k.cuda_graph_interval)
+        graphs.capture()
+        return graphs
 
     def _select_backends(self) -> dict[str, Any]:
         k = self.config.kernels
+        kv_dtype = self.config.cache.kv_dtype
+        if kv_storage_dtype(kv_dtype, self.dtype) == self.dtype:
+            kv_dtype = "auto"  # e.g. bf16 on a bf16 model: the cache every backend reads
         req = RunRequirements(
             device=self.device.type,
             dtype=self.dtype,
-            kv_dtype=self.config.cache.kv_dtype,
+            kv_dtype=kv_dtype,
             graph_safe=False,
             batch_invariant=k.batch_invariant,
         )
@@ -298,7 +371,9 @@ class LLMEngine:
         for hook, chosen, path in (("deepinfer_attention_backends", k.attention, "kernels.attention"),
                                    ("deepinfer_moe_backends", k.moe, "kernels.moe"),
                                    ("deepinfer_gemm_backends", k.gemm, "kernels.gemm")):
-            backends.update(self.host.select_backends(hook, chosen, path, req,
+            # Only attention backends read the KV cache; MoE and GEMM backends are not asked about its dtype.
+            hook_req = req if hook == "deepinfer_attention_backends" else dataclasses.replace(req, kv_dtype="auto")
+            backends.update(self.host.select_backends(hook, chosen, path, hook_req,
                                                       getattr(self.model, "backend_ops", None)))
         return backends
 
@@ -327,9 +402,9 @@ class LLMEngine:
                 f"(from scheduler.max_num_seqs={self.config.scheduler.max_num_seqs}), more than the KV budget "
                 f"of {budget} bytes; raise cache.kv_cache_bytes or lower scheduler.max_num_seqs")
         budget -= state
-        blocks = num_blocks_for(budget, specs, cache.block_size, self.dtype)
+        blocks = num_blocks_for(budget, specs, cache.block_size, self.kv_dtype)
         logger.info("KV cache: %d blocks of %d tokens (%d bytes each)", blocks, cache.block_size,
-                    bytes_per_block(specs, cache.block_size, self.dtype))
+                    bytes_per_block(specs, cache.block_size, self.kv_dtype))
         return blocks
 
     # ---------------------------------------------------------------------------------------- requests
@@ -343,7 +418,7 @@ class LLMEngine:
                 raise ValueError(
                     f"prompt is a string but the model folder {str(self.model_path)!r} has no tokenizer "
                     "(tokenizer.json); pass token ids or set model.tokenizer")
-            text, ids = prompt, self.tokenizer.encode(prompt)
+            text, ids = prompt, self.tokenizer.encode_prompt(prompt)
         else:
             ids = list(prompt)
         if not ids:
@@ -361,10 +436,15 @@ class LLMEngine:
         spec = params.grammar_spec
         grammars = self._grammar_compiler() if spec is not None else None  # raises before anything is queued
         seed = params.seed if params.seed is not None else derive_seed(self.config.sampling.seed, self._counter)
-        request_id = str(self._counter)
-        self._counter += 1
-        request = Request(request_id, text, ids, params, seed, self.eos_token_ids,
+        request = Request(str(self._counter), text, ids, params, seed, self.eos_token_ids,
                           max_total_tokens=min(len(ids) + params.max_tokens, self.max_model_len))
+        truncation = self._prefill_truncation(request)
+        if truncation is not None and params.prompt_logprobs is not None:
+            raise ValueError(
+                f"SamplingParams.prompt_logprobs is not available while the replay planner (cache.replay) "
+                f"truncates YoCo prefills (mode {truncation.mode!r}: consumer layers compute no queries below "
+                f"position {truncation.visibility_floor}); leave prompt_logprobs unset or turn truncation off")
+        self._counter += 1
         if grammars is not None and spec is not None:
             request.grammar = grammars.request(spec)  # compiles in the background; the scheduler waits for it
         return request
@@ -373,6 +453,11 @@ class LLMEngine:
         self.stats.prompt_tokens += request.num_prompt_tokens
         self.scheduler.add(request)
 
+    def _prefill_truncation(self, request: Request) -> ReplayPlan | None:
+        """The replay planner's prefill plan for ``request`` when it truncates (YoCo), else None."""
+        replay = self.scheduler.replay
+        return replay.truncation(request) if replay is not None else None
+
     def abort(self, request_id: str) -> bool:
         return self.core.abort(request_id)
 
@@ -380,7 +465,10 @@ class LLMEngine:
         return self.core.has_work()
 
     def step(self) -> list[RequestOutput]:
-        return self.executor.step()
+        outputs = self.executor.step()
+        if not self.core.has_work():
+            self.runner.work_drained()
+        return outputs
 
     # ------------------------------------------------------------------------------------------ stats
 
@@ -395,6 +483,9 @@ class LLMEngine:
             "kv_blocks_total": kv.pool.num_usable,
             "kv_blocks_free": kv.num_free_blocks,
             "step_time_split": dict(self.stats.phase_seconds),
+            "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs else 0,
+            "device_busy_s": self.stats.device_busy_s,
+            "device_idle_s": self.stats.device_idle_s,
         }
         stats.update(self.host.plugin_stats())
         return stats

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from deepinfer.engine.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, TokenLogprobs
+from deepinfer.interfaces import ReplayPlan
 from deepinfer.sampling.params import SamplingParams
 
 
@@ -58,6 +59,12 @@ class Request:
         # Structured output: the request's grammar (``deepinfer.structured.grammar.RequestGrammar``), set by
         # the engine when the params ask for one; the scheduler admits the request once it is ready.
         self.grammar: Any = None
+        # Bounded replay (ReplayStart, engine/scheduler.py), set at each admission: the position below which
+        # sliding-window attention sees nothing (a bounded restore; 0: none), and the YoCo truncation plan
+        # (None: none) of the prefill that ends at ``truncation_end`` (the request's length when admitted).
+        self.visibility_floor = 0
+        self.truncation: ReplayPlan | None = None
+        self.truncation_end = 0
         self.clear_drafts()
 
     def clear_drafts(self) -> None:

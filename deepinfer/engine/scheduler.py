@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.interfaces import CacheLayout, ReplayPlanner, SchedulePolicy
-from deepinfer.kv.blocks import KVCacheManager
+from deepinfer.interfaces import CacheLayout, ReplayPlan, ReplayPlanner, SchedulePolicy
+from deepinfer.kv.blocks import KVCacheManager, PrefixHit
 
 
 @dataclass
@@ -60,23 +61,56 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+class Restore(NamedTuple):
+    """Where an admitted request starts: compute from ``first``, keep ``cached`` tokens of its prefix
+    hit, and hide keys below ``floor`` from sliding-window attention (0: none)."""
+
+    first: int
+    cached: int
+    floor: int
+
+
 @dataclass(frozen=True)
 class ReplayStart:
-    """Where a request resumes when its first ``computed`` tokens are in the cache (a prefix hit, or
-    a preempted request's surviving blocks) but its per-request state (sliding-window rings,
-    compressor windows) is not: the replay planner's ``first_token``. The tokens in between are
-    recomputed only to rebuild that state; they do not rewrite the shared blocks
-    (``KVCacheManager.write_floor``)."""
+    """The replay planner's decisions at admission (ARCHITECTURE §6).
+
+    ``restore``: where a request resumes when its first ``computed`` tokens are in the cache (a prefix
+    hit, or a preempted request's surviving blocks). With per-request state (``stateful``: sliding-window
+    rings, compressor windows) the state is rebuilt by recomputing from the plan's ``first_token``; those
+    rows do not rewrite the shared blocks (``KVCacheManager.write_floor``). Sliding layers over full paged
+    KV (Gemma-3) lose nothing at a hit and replay only for a bounded plan (floor above 0), which they then
+    emulate: the hit is cut back to the whole blocks below the plan's first token, so the replayed tokens
+    get blocks of their own and every layer recomputes them (the global layers too, unlike a ring model
+    whose shared entries stay exact). ``truncation``: the prefill plan, None unless it truncates."""
 
     planner: ReplayPlanner
     layout: CacheLayout
+    stateful: bool = True
 
-    def first_token(self, req: Request, computed: int) -> int:
-        reason = "preempted" if req.num_preemptions else "prefix_hit"
+    def restore(self, req: Request, computed: int) -> Restore:
+        """Where a request with ``computed`` cached tokens (a prefix hit) starts, from the plan for
+        reason ``preempted`` (it was preempted before) or ``prefix_hit``."""
+        plan = self._plan(req, computed, "preempted" if req.num_preemptions else "prefix_hit")
+        first = min(computed, max(0, plan.first_token))
+        if not self.stateful:
+            if plan.visibility_floor <= 0:
+                return Restore(computed, computed, 0)
+            first -= first % self.layout.block_size
+            return Restore(first, first, min(plan.visibility_floor, first))
+        return Restore(first, computed, max(0, min(plan.visibility_floor, first)))
+
+    def truncation(self, req: Request) -> ReplayPlan | None:
+        """The plan of the request's prefill (from its computed tokens on), if it truncates."""
+        plan = self._plan(req, req.num_computed_tokens, "prefill")
+        return None if plan.mode == "full" else plan
+
+    def _plan(self, req: Request, computed: int, reason: Literal["prefill", "prefix_hit", "preempted"]
+              ) -> ReplayPlan:
         before, req.num_computed_tokens = req.num_computed_tokens, computed
-        plan = self.planner.plan(req, self.layout, reason)
-        req.num_computed_tokens = before
-        return min(computed, max(0, plan.first_token))
+        try:
+            return self.planner.plan(req, self.layout, reason)
+        finally:
+            req.num_computed_tokens = before
 
 
 DraftPlanner = Callable[[Sequence[Request]], list[int]]
@@ -100,7 +134,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Set by the engine for models with per-request state (kv/state.py): exact state restore.
+        # Set by the engine: the replay planner's restore and prefill truncation (ReplayStart).
         self.replay: ReplayStart | None = None
 
     def add(self, request: Request) -> None:
@@ -115,7 +149,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
-        queue = [r for r in self.running if not self._at_limit(r)]
+        queue = [r for r in self.running if not self._at_limit(r) and not self._awaits_drafts(r)]
         drafts = self._plan_drafts(queue)
         while queue and budget > 0:
             req = queue.pop(0)
@@ -157,6 +191,13 @@ class Scheduler:
         granted = self.draft_planner(decoding)
         return {r.request_id: r.draft_tokens[:n] for r, n in zip(decoding, granted, strict=True) if n > 0}
 
+    def _awaits_drafts(self, req: Request) -> bool:
+        """Under speculative decoding a request whose sampled tokens are still unread (an overlapped
+        executor's step in flight) sits this step out: how many tokens it commits, and so its positions
+        and the drafts proposed after them, are known only once that step is processed. Its next step
+        then verifies exactly what the synchronous executor's would (plugins/scheduling/README.md)."""
+        return self.draft_planner is not None and req.num_pending > 0
+
     @staticmethod
     def _at_limit(req: Request) -> bool:
         """A request whose in-flight token is its last (under overlap) waits for that result."""
@@ -178,8 +219,12 @@ class Scheduler:
             prefix = self.kv.find_prefix(req.request_id, req.all_token_ids) if req.params.prompt_logprobs is None \
                 else None
             computed = prefix.num_tokens if prefix else 0
-            # With per-request state, cached tokens still rebuild it from the replay's first token.
-            start = self.replay.first_token(req, computed) if self.replay is not None and computed else computed
+            # Cached tokens may still be replayed to rebuild per-request state (ReplayStart).
+            restore = self.replay.restore(req, computed) if self.replay is not None and computed else None
+            start = restore.first if restore else computed
+            if prefix is not None and restore is not None and restore.cached < computed:
+                computed = restore.cached
+                prefix = PrefixHit(prefix.block_ids[:computed // self.kv.block_size], computed)
             remaining = req.num_tokens - start
             num_new = remaining if remaining <= budget else (budget if self.chunked_prefill else 0)
             if num_new == 0 or not self.kv.allocate(req.request_id, max(computed, start + num_new), prefix):
@@ -188,6 +233,9 @@ class Scheduler:
             if prefix is not None:
                 self.kv.record_lookup(req.num_tokens, computed)
             req.num_computed_tokens = start
+            req.visibility_floor = restore.floor if restore else 0
+            req.truncation = self.replay.truncation(req) if self.replay is not None else None
+            req.truncation_end = req.num_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, start, num_new))

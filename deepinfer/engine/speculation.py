@@ -13,7 +13,9 @@ committed rows (``CommittedRows``): the main model's final hidden state of every
 computed and kept, the token after each, and a ``ForwardContext`` over them, so the drafter writes
 its cache row for every main-model token (prefill chunks included). Its chained drafts write rows
 past the committed length; the blocks for those positions are allocated here, without preempting
-anyone: a request whose table cannot grow gets fewer drafts.
+anyone: a request whose table cannot grow gets fewer drafts. A drafter that reads chosen layers'
+features (``dspark``, through the model's ``capture_hidden``) gets the same rows with those features
+in place of the final hidden state.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from deepinfer.interfaces import CommittedRows, Drafter, DraftInputs, ForwardCon
 
 MIN_CONFIDENCE = 1e-6  # a real draft never has confidence 0, which marks "no draft" for plans
 SCRATCH_TABLE = (0,)  # block 0 is never handed out (kv/pools.py): rows that must not land anywhere write it
+SCRATCH_SLOT = 0  # nor is state slot 0 (kv/state.py): the per-request state of such rows
 
 
 def room(req: Request) -> int:
@@ -42,12 +45,26 @@ class DraftCache:
     """What the speculator needs to give a drafter rows on the main paging (``CommittedRows``):
     ``context`` builds a ``ForwardContext`` over spans ``(block table, first position, count)``
     (``ModelRunner.span_context``), ``allocate(request_id, num_tokens)`` grows a request's block table
-    without preempting (False: not enough free blocks, nothing changed), ``table`` reads it."""
+    without preempting (False: not enough free blocks, nothing changed), ``table`` reads it. For models
+    with per-request state (``kv/state.py``, DeepSeek-V4), ``state_slot`` gives a request's state slot
+    (None once it gave it back)."""
 
     context: Callable[[Sequence[tuple[Sequence[int], int, int]]], ForwardContext]
     allocate: Callable[[str, int], bool]
     table: Callable[[str], list[int]]
     block_size: int
+    state_slot: Callable[[str], int | None] | None = None
+
+    def rows(self, spans: Sequence[tuple[Sequence[int], int, int]],
+             owners: Sequence[str | None]) -> ForwardContext:
+        """``context(spans)``; with per-request state also each span's state slot: that of its owner
+        (a request id), or the scratch slot for rows nobody reads (no owner, or a finished one)."""
+        ctx = self.context(spans)
+        if self.state_slot is not None:
+            slots = [SCRATCH_SLOT if rid is None else self.state_slot(rid) for rid in owners]
+            ctx.state_slots_host = [SCRATCH_SLOT if slot is None else slot for slot in slots]
+            ctx.state_slots = torch.tensor(ctx.state_slots_host, dtype=torch.int64, device=ctx.positions.device)
+        return ctx
 
 
 @dataclass(frozen=True)
@@ -81,12 +98,15 @@ class DraftChain:
         if not self._allocated:
             self._allocate()
         spans: list[tuple[Sequence[int], int, int]] = []
+        owners: list[str | None] = []
         for req, cap in zip(self.requests, self.caps, strict=True):
             if offset + 2 <= cap:
                 spans.append((self.cache.table(req.request_id), req.num_tokens - 1 + offset, 1))
-            else:  # a draft the request drops anyway: run a harmless row on the scratch block
+                owners.append(req.request_id)
+            else:  # a draft the request drops anyway: run a harmless row on the scratch block (and slot)
                 spans.append((SCRATCH_TABLE, 0, 1))
-        return self.cache.context(spans)
+                owners.append(None)
+        return self.cache.rows(spans, owners)
 
     def _allocate(self) -> None:
         """Blocks for every chained row a request may use; called after the committed rows were
@@ -199,7 +219,8 @@ class Speculator:
         return CommittedRows(
             hidden=hidden.index_select(0, torch.tensor(index, dtype=torch.int64, device=dev)),
             next_tokens=torch.tensor(next_tokens, dtype=torch.int64, device=dev),
-            ctx=self.cache.context([(span.table, span.start, count) for span, count in kept]),
+            ctx=self.cache.rows([(span.table, span.start, count) for span, count in kept],
+                                [None if span.request.finished else span.request.request_id for span, _ in kept]),
             last_rows=torch.tensor([last_row[r.request_id] for r in requests], dtype=torch.int64, device=dev),
             chain=chain,
         )

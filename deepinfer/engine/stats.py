@@ -18,6 +18,9 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # On CUDA, from events around each step: time the device ran steps, and the gaps between them.
+    device_busy_s: float = 0.0
+    device_idle_s: float = 0.0
 
 
 class StepTimer:

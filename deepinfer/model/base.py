@@ -39,18 +39,40 @@ class StackedDecoderLM(torch.nn.Module):
     ``layers`` (called as ``layer(positions, x, ctx)``) → ``norm``, and ``compute_logits`` applies the
     LM head (``lm_head``, or the tied ``embed_tokens`` weight when it is None) through the ``linear``
     op, in float32. Subclasses set those four attributes; a model with another residual shape
-    overrides ``forward``."""
+    overrides ``forward`` (calling ``run_layers`` when its layers take that call).
+
+    ``capture_hidden(layer_ids)`` is for drafters that read the main model's features (``dspark``):
+    every later ``forward`` keeps the residual stream entering each chosen layer (id
+    ``len(layers)``: the last layer's output, before ``norm``) in ``captured_hidden``."""
 
     embed_tokens: torch.nn.Embedding
     layers: torch.nn.ModuleList
     norm: torch.nn.Module
     lm_head: torch.nn.Parameter | None
+    captured_layers: tuple[int, ...] = ()
+
+    def capture_hidden(self, layer_ids: Sequence[int]) -> None:
+        """Keep, from the next ``forward`` on, the input ``[T, hidden]`` of each layer in ``layer_ids``
+        (ids in ``[0, len(layers)]``) in ``captured_hidden`` (layer id → tensor, replaced per forward)."""
+        bad = [i for i in layer_ids if not 0 <= i <= len(self.layers)]
+        if bad:
+            raise ValueError(f"capture_hidden: layer ids {bad} are outside [0, {len(self.layers)}]")
+        self.captured_layers = tuple(layer_ids)
+        self.captured_hidden: dict[int, torch.Tensor] = {}
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        return self.norm(self.run_layers(self.embed_tokens(input_ids), ctx))
+
+    def run_layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Every layer of ``layers`` over the embedded input ``x [T, hidden]``, keeping the captured
+        layers' inputs (``capture_hidden``); a subclass overriding ``forward`` calls it too."""
+        for i, layer in enumerate(self.layers):
+            if i in self.captured_layers:
+                self.captured_hidden[i] = x
             x = layer(ctx.positions, x, ctx)
-        return self.norm(x)
+        if len(self.layers) in self.captured_layers:
+            self.captured_hidden[len(self.layers)] = x
+        return x
 
     def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head

@@ -60,7 +60,8 @@ MTP layer is dropped with a warning). transformers' ``MtpModel`` calls ``shared_
   (float32). Row t takes the main model's output ``hidden[t]`` (after the final norm: what
   ``forward`` returns) for the token at ``positions[t]`` and the *next* token's id, and predicts the
   token after that: ``eh_proj(cat(enorm(embed(next)), hnorm(hidden)))`` → decoder block →
-  ``shared_head.norm`` → LM head. ``mtp_hidden`` returns that normed hidden (the input of depth + 1).
+  ``shared_head.norm`` → LM head. ``mtp_hidden`` returns that normed hidden (the input of depth + 1),
+  ``mtp_logits`` the LM head's logits of such rows.
 - The MTP block attends over its own latent cache, which shares the main model's paging: the same
   ``ctx`` (slot mapping, block tables, lengths) and ``positions = ctx.positions``, so the MTP row of
   the token at position p lives in the slot of p. ``mtp_cache_specs()`` gives one ``PagedLatentSpec``
@@ -446,10 +447,14 @@ class DeepseekV3ForCausalLM(StackedDecoderLM):
         """The normed output ``[T, H]`` of MTP layer ``depth`` (see the module docstring)."""
         return self.mtp_layers[depth](positions, self.embed_tokens(next_token_ids), hidden, ctx)
 
+    def mtp_logits(self, hidden: torch.Tensor, ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
+        """Float32 logits ``[T, V]`` of ``mtp_hidden``'s output (the shared LM head: already normed)."""
+        return self.compute_logits(hidden, ctx)
+
     def mtp_forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
                     ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
         """Float32 logits ``[T, V]`` of MTP layer ``depth`` for the token after ``next_token_ids``."""
-        return self.compute_logits(self.mtp_hidden(hidden, next_token_ids, positions, ctx, depth), ctx)
+        return self.mtp_logits(self.mtp_hidden(hidden, next_token_ids, positions, ctx, depth), ctx, depth)
 
     def gemm_weights(self) -> list[nn.Parameter]:
         """Linear weights for the GEMM backend. ``kv_b_weight`` is not listed (the MLA backend reads

@@ -49,24 +49,40 @@ hash tables) with a uniform draw, as for V3. ``router_stats``/``take_router_stat
 
 YoCo (``yoco_num_producer_layers`` = N > 0, API.md §7): the attention-norm output of layer N is the
 shared hidden; layers ≥ N compute their compressed entries, indexer keys and compressor state from
-it (queries, indexer queries and weights, and sliding keys from their own input).
+it (queries, indexer queries and weights, and sliding keys from their own input). Prefill truncation
+(``ctx.truncation_floor_host``, reference/deepinfer.md §6): the consumers need queries only from each
+request's floor on; their compressors still read the whole step's shared hidden, their windows see no
+key below the floor, and in compact mode the first consumer narrows the streams to the kept rows (the
+rows dropped come back from ``forward`` as zeros). Window keys below ``ctx.visibility_floor_host``
+(a bounded restore) are invisible in every layer.
 
 Weights load under the names transformers saves (``model.layers.L.attn.wq_a.weight``,
 ``model.layers.L.ffn.experts.E.w1.weight``, ``model.hc_head.hc_fn``, ``head.weight``, …) and the
 upstream un-prefixed names (``layers.L.…``, ``embed.weight``, ``hc_head_fn``, ``norm.weight``).
 MTP: upstream ``mtp.{k}.*`` tensors (``enorm``, ``hnorm``, ``e_proj``, ``h_proj``, ``norm``,
 ``hc_head_{fn,base,scale}`` and a decoder block under the layer names) load into ``mtp_layers``
-(one ``V4MTPLayer`` per depth, sliding-window attention). No drafter runs them yet: their forward
-(``e_proj(enorm(emb)) + h_proj(hnorm(h))`` per stream → block → ``hc_head`` → ``norm`` → head) is
-not verified against an oracle, since transformers does not instantiate V4 MTP. Tensors of an MTP
-depth that do not fit this structure drop that depth with a warning.
+(one ``V4MTPLayer`` per depth: sliding-window attention, learned-top-k MoE); tensors of a depth that
+do not fit this structure drop that depth with a warning, and ``build_mtp_layers()`` creates
+``num_nextn_predict_layers`` unfilled ones (``load_format=dummy``). A depth reads the main model's final
+streams (the last layer's output, before ``hc_head``) and the next token: ``x[k] = e_proj(enorm(emb)) +
+h_proj(hnorm(streams[k]))`` for every stream k → the block → its own ``hc_head`` → ``norm`` → the shared
+head. transformers does not instantiate V4 MTP (it drops ``mtp.*`` on load), so there is no oracle for
+it. The drafter interface is V3's (``deepseek_v3.py``), with V4's hidden: ``mtp_hidden(streams, next_ids,
+positions, ctx)`` maps flattened streams ``[T, hc_mult·H]`` to the depth's output streams (the input
+of the next chained draft), ``mtp_logits`` applies the depth's head to them, ``mtp_forward`` does both.
+``bind_mtp_cache`` makes ``forward`` keep its final streams in ``captured_hidden[num_hidden_layers]``
+(``captured_layers``), which the runner then hands the drafter as ``CommittedRows.hidden``. Each
+depth's cache (``mtp_cache_specs``) is one sliding-key ring in the request's state slot, like a main
+sliding layer's, so a rollback is again just the length going back. The ring row of position p
+depends only on the main streams at p, so exact replay restores it whenever the main model's rows
+from ``window`` positions before the restored length on are exact.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -78,8 +94,9 @@ from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.state import CompressedPart, HybridLayerSpec, RingPart
 from deepinfer.model.base import StackedDecoderLM, config_value
 from deepinfer.model.deepseek_v3 import FORCE_BALANCED_ROUTING_KEY
-from deepinfer.model.layers.reference_deepseek_v4 import entry_rows, gather_entries, ring_rows
+from deepinfer.model.layers.reference_deepseek_v4 import entry_rows, ring_rows
 from deepinfer.model.layers.rope import inverse_frequencies
+from deepinfer.model.transfer import to_device
 from deepinfer.sampling.rng import splitmix64
 
 logger = logging.getLogger(__name__)
@@ -334,6 +351,45 @@ def _segments(ctx: ForwardContext) -> list[_Segment]:
                      ctx.state_slots_host[i], floors[i], i) for i in range(len(lens))]
 
 
+@dataclass(frozen=True)
+class _ConsumerView:
+    """What the YoCo consumer layers compute under prefill truncation (reference/deepinfer.md §6): the
+    step's ``ctx``, ``segments``, ``positions`` and ``input_ids`` restricted to ``rows`` (None: every row,
+    mask mode), with each request's truncation floor as its visibility floor."""
+
+    ctx: ForwardContext
+    segments: list[_Segment]
+    positions: torch.Tensor
+    input_ids: torch.Tensor
+    rows: torch.Tensor | None
+
+
+def _consumer_view(ctx: ForwardContext, segments: Sequence[_Segment], input_ids: torch.Tensor) -> _ConsumerView:
+    """The consumer layers' view of a step with ``ctx.truncation_floor_host`` set. A compact request keeps
+    its rows from its floor on (a chunk wholly below it keeps its last row as a placeholder, whose window
+    is then just itself); a mask request keeps every row."""
+    assert ctx.truncation_floor_host is not None and ctx.truncation_compact_host is not None
+    restore = ctx.visibility_floor_host or [0] * len(segments)
+    floors = [max(a, b) for a, b in zip(restore, ctx.truncation_floor_host, strict=True)]
+    dev = ctx.positions.device
+    floor_tensor = to_device(floors, torch.int64, dev)
+    if not any(ctx.truncation_compact_host):
+        narrowed = replace(ctx, visibility_floor_host=floors, visibility_floor=floor_tensor)
+        return _ConsumerView(narrowed, list(segments), ctx.positions, input_ids, None)
+    kept: list[torch.Tensor] = []
+    starts, compact = [0], []
+    for s, floor, drop in zip(segments, floors, ctx.truncation_compact_host, strict=True):
+        clip = min(max(floor - s.start, 0), s.hi - s.lo - 1) if drop else 0
+        kept.append(torch.arange(s.lo + clip, s.hi, device=dev))
+        compact.append(replace(s, lo=starts[-1], hi=starts[-1] + s.hi - s.lo - clip, start=s.start + clip))
+        starts.append(compact[-1].hi)
+    rows = torch.cat(kept)
+    narrowed = replace(ctx, positions=ctx.positions[rows], slot_mapping=ctx.slot_mapping[rows],
+                       query_start_loc=to_device(starts, ctx.query_start_loc.dtype, dev),
+                       query_start_loc_host=starts, visibility_floor_host=floors, visibility_floor=floor_tensor)
+    return _ConsumerView(narrowed, compact, narrowed.positions, input_ids[rows], rows)
+
+
 class Compressor(nn.Module):
     """Pools ``ratio`` tokens into one entry of ``width`` (HCA: one series; CSA and the indexer:
     ``overlap``, two series over 2·ratio slots). Bound to a paged entry tensor and a ring of the raw
@@ -369,7 +425,8 @@ class Compressor(nn.Module):
                 older = self.ring[s.slot].index_select(0, ring_rows(first_window * r, s.start, size, dev))
                 rows = torch.cat([older, proj[s.lo:s.lo + w1 * r - s.start]])
                 entries = self._pool(rows, w0, w1, first_window, rotary)
-                ids = torch.arange(max(w0, -(-s.floor // r)), w1, device=dev)
+                # A replay chunk may end wholly below the write floor: then it writes no entry.
+                ids = torch.arange(min(w1, max(w0, -(-s.floor // r))), w1, device=dev)
                 if ids.numel():
                     targets = entry_rows(ctx.block_tables[s.index], ids, per_block)
                     flat.index_copy_(0, targets, entries[ids - w0])
@@ -398,7 +455,8 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """The lightning indexer of a CSA layer: its own compressor of keys and a top-k over them."""
+    """The lightning indexer of a CSA layer: its own compressor of keys and a top-k over them (the
+    scoring and top-k run in the backend op ``indexer_topk``)."""
 
     def __init__(self, d: V4Dims, ratio: int, dtype: torch.dtype, device: torch.device | None = None) -> None:
         super().__init__()
@@ -408,26 +466,16 @@ class Indexer(nn.Module):
         self.weights_weight = nn.Parameter(torch.empty(d.index_heads, d.hidden, dtype=dtype, device=device))
 
     def select(self, q_latent: torch.Tensor, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
-               segments: Sequence[_Segment], rotary: V4Rotary) -> torch.Tensor:
+               rotary: V4Rotary) -> torch.Tensor:
         """The entries ``[T, index_topk]`` each query attends to (−1: none), best first."""
         gemm = ctx.backends["linear"]
         q = rotary.rotate(gemm.linear(q_latent, self.q_b_weight).view(-1, self.heads, self.dim), positions)
         head_w = gemm.linear(x, self.weights_weight).float() * self.heads ** -0.5  # [T, heads]
-        out = torch.full((x.shape[0], self.topk), -1, dtype=torch.int64, device=x.device)
         paged = self.compressor.paged
         assert paged is not None
-        for s in segments:
-            count = s.end // self.ratio
-            if count == 0:
-                continue
-            keys = gather_entries(paged, ctx.block_tables[s.index], count).float()
-            scores = torch.relu(torch.einsum("nhd,cd->nhc", q[s.lo:s.hi].float(), keys)) * self.dim ** -0.5
-            scores = (scores * head_w[s.lo:s.hi].unsqueeze(-1)).sum(dim=1)  # [n, count]
-            complete = ((positions[s.lo:s.hi] + 1) // self.ratio).unsqueeze(1)
-            scores = scores.masked_fill(torch.arange(count, device=x.device) >= complete, float("-inf"))
-            picks = scores.topk(min(self.topk, count), dim=-1).indices
-            out[s.lo:s.hi, : picks.shape[1]] = torch.where(picks < complete, picks, -1)
-        return out
+        # Scoring and top-k are the backend op ``indexer_topk`` (reference: reference_deepseek_v4.py).
+        return ctx.backends["indexer_topk"].indexer_topk(q, head_w, paged, ctx, ratio=self.ratio, topk=self.topk,
+                                                         scale=self.dim ** -0.5)
 
 
 class V4Attention(nn.Module):
@@ -471,9 +519,12 @@ class V4Attention(nn.Module):
             comp.paged, comp.ring = p, ring
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, source: torch.Tensor, ctx: ForwardContext,
-                segments: Sequence[_Segment]) -> torch.Tensor:
+                segments: Sequence[_Segment],
+                source_rows: tuple[ForwardContext, Sequence[_Segment]] | None = None) -> torch.Tensor:
         """``x [T, H]`` the attention input; ``source`` the compressors' input (``x``, or the YoCo shared
-        hidden in consumer layers)."""
+        hidden in consumer layers); ``source_rows`` the context and segments of ``source``'s rows when
+        they are not ``x``'s (truncated consumers: the compressors still see the whole step)."""
+        source_ctx, source_segments = source_rows or (ctx, segments)
         d, gemm = self.d, ctx.backends["linear"]
         q_latent, kv = gemm.linear(x, self.qkv_a_weight).split([d.q_lora, d.head_dim], dim=-1)
         q_latent = self.q_a_norm(q_latent)
@@ -482,11 +533,11 @@ class V4Attention(nn.Module):
         kv = self.rotary.rotate(self.kv_norm(kv), positions)
         compressed = selected = None
         if self.compressor is not None:
-            self.compressor.update(source, ctx, segments, self.rotary)
+            self.compressor.update(source, source_ctx, source_segments, self.rotary)
             compressed = self.compressor.paged
         if self.indexer is not None:
-            self.indexer.compressor.update(source, ctx, segments, self.rotary)
-            selected = self.indexer.select(q_latent, x, positions, ctx, segments, self.rotary)
+            self.indexer.compressor.update(source, source_ctx, source_segments, self.rotary)
+            selected = self.indexer.select(q_latent, x, positions, ctx, self.rotary)
         assert self.ring is not None, "attention cache not bound"
         out = ctx.backends["sink_attention"].sink_attention(
             q, kv, self.ring, ctx, window=d.window, scale=self.scale, sinks=self.sinks, compressed=compressed,
@@ -576,15 +627,23 @@ class V4DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
                 ctx: ForwardContext, segments: Sequence[_Segment], shared: torch.Tensor | None,
-                shares: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                shares: bool, view: _ConsumerView | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One block on ``streams [T, m, H]``. ``shares``: this layer's attention input becomes the
         YoCo shared hidden; ``shared``: the shared hidden the compressors read (None: own input).
-        Returns the new streams and the shared hidden for the next layers."""
+        ``view``: a truncated consumer's rows (the compressors still read the whole step's shared
+        hidden); the first consumer narrows ``streams`` to them. Returns the new streams and the shared
+        hidden for the next layers."""
         post, comb, collapsed = self.attn_hc(streams)
         h = self.input_layernorm(collapsed)
         if shares:
             shared = h
-        y = self.self_attn(positions, h, h if shared is None else shared, ctx, segments)
+        source_rows = None
+        if view is not None:
+            if shares and view.rows is not None:
+                post, comb, h, streams = (t.index_select(0, view.rows) for t in (post, comb, h, streams))
+            source_rows = (ctx, segments)
+            ctx, segments, positions, input_ids = view.ctx, view.segments, view.positions, view.input_ids
+        y = self.self_attn(positions, h, h if shared is None else shared, ctx, segments, source_rows)
         streams = HyperConnection.write_back(post, comb, y, streams)
         post, comb, collapsed = self.ffn_hc(streams)
         y = self.mlp(self.post_attention_layernorm(collapsed), input_ids, positions, ctx)
@@ -592,12 +651,13 @@ class V4DecoderLayer(nn.Module):
 
 
 class V4MTPLayer(nn.Module):
-    """One MTP depth as the upstream checkpoint stores it (loaded, not run: see the module docstring);
-    its block has sliding-window attention and a learned-top-k MoE."""
+    """One MTP depth as the upstream checkpoint stores it (see the module docstring); its block has
+    sliding-window attention and a learned-top-k MoE."""
 
     def __init__(self, d: V4Dims, rotary: V4Rotary, dtype: torch.dtype, device: torch.device | None = None) -> None:
         super().__init__()
         kw = {"dtype": dtype, "device": device}
+        self.m, self.hidden = d.hc_mult, d.hidden
         self.enorm = V4RMSNorm(d.hidden, d.eps, device)
         self.hnorm = V4RMSNorm(d.hidden, d.eps, device)
         self.e_proj_weight = nn.Parameter(torch.empty(d.hidden, d.hidden, **kw))
@@ -605,6 +665,20 @@ class V4MTPLayer(nn.Module):
         self.norm = V4RMSNorm(d.hidden, d.eps, device)
         self.hc_head = HyperHead(d, device)
         self.block = V4DecoderLayer(d, d.layers, rotary, dtype, device, kind=SLIDING, mlp_type="moe")
+
+    def forward(self, streams: torch.Tensor, next_token_ids: torch.Tensor, embedded: torch.Tensor,
+                positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Flattened streams ``[T, m·H]`` at ``positions`` and the embedded next tokens ``[T, H]`` →
+        this depth's output streams ``[T, m·H]``; writes the block's ring rows of those positions."""
+        gemm = ctx.backends["linear"]
+        e = gemm.linear(self.enorm(embedded), self.e_proj_weight)
+        h = gemm.linear(self.hnorm(streams.reshape(-1, self.hidden)), self.h_proj_weight).view(-1, self.m, self.hidden)
+        out, _ = self.block(e.unsqueeze(1) + h, positions, next_token_ids, ctx, _segments(ctx), None, False)
+        return out.flatten(1)
+
+    def head_input(self, streams: torch.Tensor) -> torch.Tensor:
+        """The normed hidden ``[T, H]`` the shared LM head reads, from output streams ``[T, m·H]``."""
+        return self.norm(self.hc_head(streams.view(-1, self.m, self.hidden)))
 
 
 # ------------------------------------------------------------------------------------ checkpoint names
@@ -670,6 +744,13 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
     def _rotary(self, layer: int) -> V4Rotary:
         return self.rotary_main if self.d.layer_types[layer] == SLIDING else self.rotary_compress
 
+    def capture_hidden(self, layer_ids: Sequence[int]) -> None:
+        """Refused: V4's layers pass hyper-connection streams, not one residual row per token, so there
+        is no single feature row to capture for a drafter (``dspark``). (Its own MTP layers' input is
+        kept by ``bind_mtp_cache``.)"""
+        raise ValueError("DeepSeek-V4 cannot capture layer features for a drafter (its layers pass "
+                         "hyper-connection streams)")
+
     # ------------------------------------------------------------------------------------------ cache
 
     def cache_specs(self) -> Sequence[HybridLayerSpec]:
@@ -691,11 +772,53 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
         segments = _segments(ctx)
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.d.hc_mult, -1).contiguous()
-        shared = None
+        shared = view = None
         for i, layer in enumerate(self.layers):
             shares = bool(self.d.yoco) and i == self.d.yoco
-            streams, shared = layer(streams, ctx.positions, input_ids, ctx, segments, shared, shares)
-        return self.norm(self.hc_head(streams))
+            if shares and ctx.truncation_floor_host is not None:
+                view = _consumer_view(ctx, segments, input_ids)
+            streams, shared = layer(streams, ctx.positions, input_ids, ctx, segments, shared, shares, view)
+        hidden = self.norm(self.hc_head(streams))
+        if self.captured_layers:  # the MTP layers' input (bind_mtp_cache)
+            self.captured_hidden[self.d.layers] = _all_rows(streams.flatten(1), input_ids.shape[0], view)
+        return _all_rows(hidden, input_ids.shape[0], view)
+
+    # -------------------------------------------------------------------------------------------- MTP
+
+    def mtp_cache_specs(self) -> Sequence[HybridLayerSpec]:
+        """One sliding-key ring per loaded MTP layer (empty without MTP weights); not in ``cache_specs``."""
+        return [layer.block.self_attn.cache_spec("plain") for layer in self.mtp_layers]
+
+    def bind_mtp_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
+        """Bind the MTP layers' rings, and from now on keep each forward's final streams (their input)
+        in ``captured_hidden[num_hidden_layers]``."""
+        for layer, cache in zip(self.mtp_layers, caches, strict=True):
+            layer.block.self_attn.bind(cache)
+        self.captured_layers = (self.d.layers,)
+        self.captured_hidden = {}
+
+    def build_mtp_layers(self) -> None:
+        """Create the ``num_nextn_predict_layers`` MTP layers, unfilled, if there are none yet (dummy
+        weights fill them; ``load_weights`` builds them from the checkpoint)."""
+        if not self.mtp_layers:
+            self.mtp_layers.extend(V4MTPLayer(self.d, self.rotary_main, self._dtype, self._device)
+                                   for _ in range(self.d.num_mtp))
+
+    def mtp_hidden(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
+                   ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
+        """MTP layer ``depth``'s output streams ``[T, hc_mult·H]`` from the flattened streams ``hidden``
+        (the main model's final ones, or a previous MTP output) of the tokens at ``positions`` and the ids
+        of the tokens after them; ``ctx`` covers those rows (with their state slots)."""
+        return self.mtp_layers[depth](hidden, next_token_ids, self.embed_tokens(next_token_ids), positions, ctx)
+
+    def mtp_logits(self, hidden: torch.Tensor, ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
+        """Float32 logits ``[T, V]`` of MTP layer ``depth``'s output streams ``hidden [T, hc_mult·H]``."""
+        return self.compute_logits(self.mtp_layers[depth].head_input(hidden), ctx)
+
+    def mtp_forward(self, hidden: torch.Tensor, next_token_ids: torch.Tensor, positions: torch.Tensor,
+                    ctx: ForwardContext, depth: int = 0) -> torch.Tensor:
+        """Float32 logits ``[T, V]`` of MTP layer ``depth`` for the token after ``next_token_ids``."""
+        return self.mtp_logits(self.mtp_hidden(hidden, next_token_ids, positions, ctx, depth), ctx, depth)
 
     def gemm_weights(self) -> list[nn.Parameter]:
         """Weights used through the ``linear`` op (not the grouped ``o_a``, experts, router, HC)."""
@@ -841,6 +964,14 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
             self.mtp_layers.append(layer)
             loaded |= {f"mtp_layers.{k}.{n}" for n in params}
         return loaded
+
+
+def _all_rows(rows: torch.Tensor, num_tokens: int, view: _ConsumerView | None) -> torch.Tensor:
+    """``rows`` of the step's tokens; under compact YoCo truncation only ``view.rows`` were computed and
+    the others come back as zeros (never sampled, and below every later query's window)."""
+    if view is None or view.rows is None:
+        return rows
+    return rows.new_zeros(num_tokens, rows.shape[1]).index_copy_(0, view.rows, rows)
 
 
 def _copy(name: str, dest: tuple[str, torch.Tensor], tensor: torch.Tensor, filled: dict[str, int]) -> None:

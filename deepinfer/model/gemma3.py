@@ -175,10 +175,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return [PagedKVSpec(self.d.kv_heads, self.d.head_dim, window=layer.self_attn.window) for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids) * self.embed_scale
-        for layer in self.layers:
-            x = layer(ctx.positions, x, ctx)
-        return self.norm(x)
+        return self.norm(self.run_layers(self.embed_tokens(input_ids) * self.embed_scale, ctx))
 
     def compute_logits(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         logits = super().compute_logits(hidden, ctx)

@@ -17,6 +17,8 @@ import torch
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
+from deepinfer.model.graphs import DecodeGraphs, GraphStep
+from deepinfer.model.transfer import to_device, to_host
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
 from deepinfer.sampling.verify import VerifyBatch, VerifyResult, verify
 from deepinfer.structured.masks import StepMasks
@@ -51,6 +53,8 @@ class StepInputs:
     # Structured output: bitmasks of the structured sampler rows, filled by the host (EngineCore.prepare /
     # process) while the forward runs; sampling waits for them.
     grammar: StepMasks | None = None
+    # Set when the step replays a CUDA graph: its inputs, staged for the graph's static buffers.
+    graph: GraphStep | None = None
 
 
 @dataclass
@@ -63,8 +67,24 @@ class StepResults:
     prompt_logits: torch.Tensor | None
     verified: VerifyResult | None = None
     # The step's final hidden states ``[T, H]`` (row order of the step's tokens), kept only when the
-    # runner's ``keep_hidden`` is set: a drafter runs its own layers over the committed rows (MTP).
+    # runner's ``keep_hidden`` is set: a drafter runs its own layers over the committed rows (MTP); with
+    # ``hidden_layers`` set, those layers' inputs instead, ``[T, H · len(hidden_layers)]`` (dspark).
     hidden: torch.Tensor | None = None
+    # On CUDA: ``sampled``/``verified`` copied to pinned host memory, complete once ``ready`` has fired
+    # (``host_results``); the host waits on that one event, not on the stream.
+    host_sampled: SampleResult | None = None
+    host_verified: VerifyResult | None = None
+    ready: torch.cuda.Event | None = None
+    # On CUDA: recorded on the stream before the step's first kernel (with ``ready``, the step's device span).
+    started: torch.cuda.Event | None = None
+
+    def host_results(self) -> tuple[SampleResult | None, VerifyResult | None]:
+        """``sampled`` and ``verified`` readable on the host: the pinned copies once the step's event has
+        fired (CUDA), else the results themselves."""
+        if self.ready is None:
+            return self.sampled, self.verified
+        self.ready.synchronize()
+        return self.host_sampled, self.host_verified
 
 
 class ModelRunner:
@@ -82,6 +102,12 @@ class ModelRunner:
         self.write_floor: Callable[[str], int] | None = None
         # Set by the engine when the drafter reads the main model's rows (MTP): results keep ``hidden``.
         self.keep_hidden = False
+        # Set by the engine when decode-shaped steps replay CUDA graphs (model/graphs.py).
+        self.graphs: DecodeGraphs | None = None
+        self._last_ready: torch.cuda.Event | None = None  # the previous step's end, for device_span
+        # Set with ``keep_hidden`` when the drafter reads chosen layers' features (dspark, the model's
+        # ``capture_hidden``): the kept ``hidden`` is then those layers' inputs, concatenated in this order.
+        self.hidden_layers: tuple[int, ...] = ()
 
     def prepare(self, sched: SchedulerOutput, block_table: Callable[[str], list[int]]) -> StepInputs:
         """Flatten the batch: token ids, positions, cache slots, block tables, logits rows."""
@@ -120,31 +146,52 @@ class ModelRunner:
                 samplers.append(s)
                 sample_rows.extend(range(len(logits_rows), len(logits_rows) + 1 + len(s.drafts)))
                 logits_rows.extend(range(first_row + n - 1 - len(s.drafts), first_row + n))
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        num_decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
+        max_query_len = max(s.num_new_tokens for s in sched.scheduled)
         dev = self.device
 
         def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return to_device(values, dtype, dev)  # never waits for the device (launch path)
 
-        ctx = ForwardContext(
-            positions=tensor(positions),
-            slot_mapping=tensor(slots),
-            query_start_loc=tensor(starts, torch.int32),
-            seq_lens=tensor(seq_lens),
-            block_tables=tensor(padded),
-            num_decodes=num_decodes,
-            query_start_loc_host=starts,
-            seq_lens_host=seq_lens,
-            block_size=bs,
-            backends=self.backends,
-        )
+        # Bounded replay: restore floors, and the YoCo truncation of chunks of a truncated prefill.
+        floors = [s.request.visibility_floor for s in sched.scheduled]
+        truncations = [s.request.truncation if s.start < s.request.truncation_end else None for s in sched.scheduled]
+        floored = any(floors) or any(t is not None for t in truncations)
+        bucket = None
+        # Graphs carry neither replay floors nor captured layer features (dspark's hidden_layers): eager then.
+        if self.graphs is not None and not spans and not floored and not self.hidden_layers:
+            bucket = self.graphs.bucket_for(len(ids), max_query_len)
+        graph = None
+        if bucket is not None:
+            assert self.graphs is not None
+            graph = self.graphs.stage(bucket, ids, positions, slots, seq_lens, starts, tables)
+            input_ids, ctx = self.graphs.context(bucket)
+        else:
+            width = max(len(t) for t in tables)
+            input_ids = tensor(ids)
+            ctx = ForwardContext(
+                positions=tensor(positions),
+                slot_mapping=tensor(slots),
+                query_start_loc=tensor(starts, torch.int32),
+                seq_lens=tensor(seq_lens),
+                block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
+                num_decodes=sum(1 for s in sched.scheduled if s.num_new_tokens == 1),
+                query_start_loc_host=starts,
+                seq_lens_host=seq_lens,
+                block_size=bs,
+                backends=self.backends,
+                max_query_len=max_query_len,
+            )
         if self.state_slot is not None and self.write_floor is not None:
             rids = [s.request.request_id for s in sched.scheduled]
             ctx.state_slots_host = [self.state_slot(r) for r in rids]
             ctx.state_slots = tensor(ctx.state_slots_host)
             ctx.write_floor_host = [self.write_floor(r) for r in rids]
+        if any(floors):
+            ctx.visibility_floor_host = floors
+            ctx.visibility_floor = tensor(floors)
+        if any(t is not None for t in truncations):
+            ctx.truncation_floor_host = [t.visibility_floor if t else 0 for t in truncations]
+            ctx.truncation_compact_host = [t is not None and t.mode == "compact" for t in truncations]
         sampling = None
         if samplers:
             sampling = SamplingBatch.build(
@@ -157,8 +204,8 @@ class ModelRunner:
         if any(s.drafts for s in samplers):
             assert sampling is not None
             verify_batch = self._verify_batch(samplers, sampling)
-        return StepInputs(tensor(ids), ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans,
-                          pending_rows, pending_requests, verify_batch)
+        return StepInputs(input_ids, ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans,
+                          pending_rows, pending_requests, verify_batch, graph=graph)
 
     def _verify_batch(self, samplers: list[ScheduledRequest], sampling: SamplingBatch) -> VerifyBatch:
         dev = self.device
@@ -168,7 +215,7 @@ class ModelRunner:
             row_start.append(len(row_request))
             row_request.extend([i] * (1 + len(s.drafts)))
             row_offset.extend(range(1 + len(s.drafts)))
-        drafts = torch.tensor([s.drafts + [-1] * (k - len(s.drafts)) for s in samplers], dtype=torch.int64, device=dev)
+        drafts = to_device([s.drafts + [-1] * (k - len(s.drafts)) for s in samplers], torch.int64, dev)
         probs = None
         if any(s.request.draft_probs is not None for s in samplers):
             probs = torch.zeros(len(samplers), k, self.model.vocab_size, device=dev)
@@ -181,7 +228,7 @@ class ModelRunner:
         params = [s.request.params for s in samplers]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
+            return to_device(values, dtype, dev)
 
         return VerifyBatch(
             row_start=tensor(row_start, torch.int64),
@@ -204,10 +251,24 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResults:
         """Forward, LM head on the selected rows, and sampling (all on the device). ``fill`` =
         ``(rows, tokens)`` writes tokens still on the device into ``input_ids`` first."""
+        started = None
+        if self.device.type == "cuda":
+            started = torch.cuda.Event(enable_timing=True)
+            started.record()
+        if inputs.graph is not None:
+            assert self.graphs is not None
+            self.graphs.load(inputs.graph)
         if fill is not None:
             inputs.input_ids[fill[0]] = fill[1]
-        hidden = self.model.forward(inputs.input_ids, inputs.ctx)
-        logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
+        if inputs.graph is not None:
+            assert self.graphs is not None
+            hidden, all_logits = self.graphs.replay(inputs.graph.bucket)
+            logits = all_logits.index_select(0, inputs.logits_indices)
+            # The graph's outputs are overwritten by the next replay: results keep their own copy.
+            hidden = hidden[:inputs.graph.num_tokens].clone() if self.keep_hidden else hidden
+        else:
+            hidden = self.model.forward(inputs.input_ids, inputs.ctx)
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
         sampled = verified = None
         if inputs.verify is not None:
             rows = logits.index_select(0, inputs.sample_rows)
@@ -217,14 +278,42 @@ class ModelRunner:
             rows = logits.index_select(0, inputs.sample_rows)
             sampled = sample(rows, inputs.sampling) if inputs.grammar is None else inputs.grammar.sample(
                 rows, inputs.sampling)
-        return StepResults(inputs.samplers, sampled, inputs.prompt_spans, logits if inputs.prompt_spans else None,
-                           verified, hidden if self.keep_hidden else None)
+        kept = None
+        if self.keep_hidden and self.hidden_layers:
+            kept = torch.cat([self.model.captured_hidden[i] for i in self.hidden_layers], dim=-1)
+        elif self.keep_hidden:
+            kept = hidden
+        results = StepResults(inputs.samplers, sampled, inputs.prompt_spans,
+                              logits if inputs.prompt_spans else None, verified, kept)
+        if self.device.type == "cuda":
+            results.host_sampled = to_host(sampled) if sampled is not None else None
+            results.host_verified = to_host(verified) if verified is not None else None
+            results.ready = torch.cuda.Event(enable_timing=True)
+            results.ready.record()
+            results.started = started
+        return results
+
+    def work_drained(self) -> None:
+        """No request is left: the wait until the next one arrives is not the device's idle time."""
+        self._last_ready = None
+
+    def device_span(self, results: StepResults) -> tuple[float, float]:
+        """``(busy, idle)`` seconds of the device for a step whose results were read: from its first
+        kernel to its results, and the gap since the previous step's results (0 for the first step, or
+        off CUDA). Call once per step, in step order."""
+        if results.started is None or results.ready is None:
+            return 0.0, 0.0
+        busy = results.started.elapsed_time(results.ready) / 1000
+        previous, self._last_ready = self._last_ready, results.ready
+        idle = previous.elapsed_time(results.started) / 1000 if previous is not None else 0.0
+        return busy, max(0.0, idle)
 
     def span_context(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> ForwardContext:
         """A ``ForwardContext`` over ``spans`` of ``(block table, first position, count)``: each a request
         computing positions ``[first, first + count)`` on its blocks, KV length ``first + count``. Spans of
         one position must come first (they are the context's decode rows). For drafters that run layers of
-        their own over the main paging (``CommittedRows``); models with per-request state are not served."""
+        their own over the main paging (``CommittedRows``); state slots, for models with per-request state,
+        are the caller's to set (``DraftCache.rows``)."""
         bs, dev = self.block_size, self.device
         positions = [p for _, first, count in spans for p in range(first, first + count)]
         slots = [table[p // bs] * bs + p % bs for table, first, count in spans for p in range(first, first + count)]
@@ -248,8 +337,8 @@ class ModelRunner:
             seq_lens_host=seq_lens,
             block_size=bs,
             backends=self.backends,
+            max_query_len=max((count for _, _, count in spans), default=0),
         )
-
 
     @torch.inference_mode()
     def placeholder_step(self, num_tokens: int, tokens_per_request: int = 1) -> None:
@@ -278,6 +367,7 @@ class ModelRunner:
             seq_lens_host=lengths,
             block_size=bs,
             backends=self.backends,
+            max_query_len=max(lengths),
         )
         if self.state_slot is not None:  # reserved slot 0 and block 0 absorb the placeholder's state
             ctx.state_slots_host, ctx.write_floor_host = [0] * len(lengths), [0] * len(lengths)

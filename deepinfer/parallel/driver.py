@@ -101,6 +101,12 @@ class ParallelEngine:
     make_request = LLMEngine.make_request
     _load_tokenizer = LLMEngine._load_tokenizer
 
+    @staticmethod
+    def _prefill_truncation(request: Any) -> None:
+        """The replay planners live in the ranks: the driver does not refuse prompt logprobs under YoCo
+        prefill truncation (docs/status.md)."""
+        return None
+
     def __init__(self, model: str | None = None, *, config: Any = None,
                  overrides: Mapping[str, Any] | None = None) -> None:
         installed = discover_plugins()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.model.transfer import to_device
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.rng import Purpose, uniform
 
@@ -45,7 +46,7 @@ class SamplingBatch:
         picked = [params[i] for i in random_rows]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(values, dtype, device)
 
         return cls(
             temperature=tensor([p.temperature for p in picked], torch.float32),

@@ -398,7 +398,9 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             raise bad_request("this model has no tokenizer, so chat is unavailable; use /v1/completions with "
                               "token ids", "messages")
         try:
-            prompt = llm.tokenizer.render_chat([m.as_dict() for m in body.messages])
+            # The tokenizer's own chat encoding makes the ids, as LLM.chat does: for tokenizer="deepseek-v4"
+            # that is deepseek-recipe's V4 encoding, which is not encode(render(...)) (tokenizer_deepseek.py).
+            _, prompt = llm.tokenizer.encode_chat([m.as_dict() for m in body.messages])
         except (ValueError, TemplateError) as exc:
             raise bad_request(f"the chat template failed: {exc}", "messages", "invalid_messages") from exc
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

@@ -3,7 +3,24 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+# torch's CUDA reduction (ATen Reduce.cuh, ReduceConfig::set_block_dimension) gives each row more threads,
+# so another summation tree, when fewer than 16 rows are reduced; from 16 rows on, each row of width ≥ 32
+# is reduced by one warp in an order fixed by its width. Padding to 16 rows keeps a row's statistics the
+# same bits in any batch on CUDA (kernels.batch_invariant, reference/deepinfer.md §9).
+_MIN_CUDA_ROWS = 16
+
+
+def mean_square(x32: torch.Tensor) -> torch.Tensor:
+    """``mean(x32², -1, keepdim=True)`` whose value for a row does not depend on the number of rows,
+    on CPU (torch splits CPU reductions across rows only) and on CUDA (padded to ``_MIN_CUDA_ROWS``)."""
+    rows = x32.numel() // max(x32.shape[-1], 1)
+    if not x32.is_cuda or rows >= _MIN_CUDA_ROWS:
+        return x32.pow(2).mean(-1, keepdim=True)
+    padded = F.pad(x32.reshape(rows, x32.shape[-1]), (0, 0, 0, _MIN_CUDA_ROWS - rows))
+    return padded.pow(2).mean(-1, keepdim=True)[:rows].reshape(*x32.shape[:-1], 1)
 
 
 class RMSNorm(nn.Module):
@@ -17,7 +34,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x32 * torch.rsqrt(mean_square(x32) + self.eps)
         return self.weight * x32.to(x.dtype)
 
 
@@ -33,5 +50,5 @@ class OffsetRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = x32 * torch.rsqrt(mean_square(x32) + self.eps)
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)

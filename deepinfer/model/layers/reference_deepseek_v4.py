@@ -1,5 +1,5 @@
-"""Reference backend for DeepSeek-V4 attention in plain torch (op ``sink_attention``), and the helpers
-that address paged compressed entries (``kv/state.py``).
+"""Reference backend for DeepSeek-V4 attention in plain torch (ops ``sink_attention`` and
+``indexer_topk``), and the helpers that address paged compressed entries (``kv/state.py``).
 
 A V4 query at position p attends, with one shared key=value head (MQA, K = V), to
 - the sliding window: the keys of positions ``(p − window, p]`` of its own request; this step's keys
@@ -9,6 +9,10 @@ A V4 query at position p attends, with one shared key=value head (MQA, K = V), t
   its indexer selected (``selected``, −1 = no entry);
 - a learned per-head sink: one extra logit per head that takes softmax mass and contributes no value.
 Logits and softmax are computed in float32.
+
+The lightning indexer of a CSA layer picks those entries (op ``indexer_topk``): entry ``e`` scores
+``scale · Σ_h w_h · relu(q_h · k_e)`` for the query's indexer heads ``q_h`` and weights ``w_h``
+(``reference/deepinfer.md`` §8), complete entries only; the query keeps its ``topk`` best.
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ def ring_rows(first: int, end: int, size: int, device: torch.device) -> torch.Te
 
 
 class TorchSinkAttentionBackend:
-    """Reference DeepSeek-V4 attention (op ``sink_attention``), one request at a time."""
+    """Reference DeepSeek-V4 attention (ops ``sink_attention`` and ``indexer_topk``), one request at a time."""
 
     name = "torch_v4"
     priority = 0
-    ops = frozenset({"sink_attention"})
+    ops = frozenset({"sink_attention", "indexer_topk"})
     capabilities = BackendCapabilities(dtypes=_ALL_DTYPES, varlen=True)
 
     def available(self) -> bool:
@@ -57,7 +61,8 @@ class TorchSinkAttentionBackend:
         [num_blocks, block_size / ratio, D]`` the layer's paged compressed entries (this step's new
         entries already written) or None; ``selected [T, k]`` the entries each query may see (−1: none)
         or None (every complete entry). Reads the window's older keys from the ring, then writes this
-        step's keys there (the last ``size`` positions of each request). Returns ``[T, H, D]``."""
+        step's keys there (the last ``size`` positions of each request); window keys below
+        ``ctx.visibility_floor_host`` are invisible but a query's own. Returns ``[T, H, D]``."""
         assert ctx.state_slots_host is not None, "sink_attention needs ctx.state_slots_host"
         size = ring.shape[1]
         heads = q.shape[1]
@@ -73,6 +78,8 @@ class TorchSinkAttentionBackend:
             key_pos = torch.arange(first, end, device=dev)
             q_pos = torch.arange(start, end, device=dev).unsqueeze(1)
             visible = (key_pos <= q_pos) & (key_pos > q_pos - window)
+            if ctx.visibility_floor_host is not None and ctx.visibility_floor_host[i] > 0:
+                visible &= (key_pos >= ctx.visibility_floor_host[i]) | (key_pos == q_pos)  # bounded replay
             if compressed is not None:
                 count = end // ratio
                 entries = gather_entries(compressed, ctx.block_tables[i], count)
@@ -92,4 +99,27 @@ class TorchSinkAttentionBackend:
             sink = sinks.float().view(heads, 1, 1).expand(heads, n, 1)
             probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
             out[lo:hi] = torch.einsum("hnl,ld->nhd", probs, keys.float()).to(q.dtype)
+        return out
+
+    def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext, *,
+                     ratio: int, topk: int, scale: float) -> torch.Tensor:
+        """``q [T, heads, dim]`` the indexer queries (rotated), ``weights [T, heads]`` float32 the head
+        weights, ``keys [num_blocks, block_size / ratio, dim]`` the layer's paged indexer keys (this
+        step's new entries already written). Entry ``e`` scores ``scale · Σ_h weights_h · relu(q_h · k_e)``
+        for a query at position p if complete, ``e < (p + 1) // ratio``. Returns int64 ``[T, topk]``:
+        the best entries first, −1 where the query has fewer complete entries than ``topk``."""
+        out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+        starts, lens = ctx.query_start_loc_host, ctx.seq_lens_host
+        for i, end in enumerate(lens):
+            lo, hi = starts[i], starts[i + 1]
+            count = end // ratio
+            if count == 0:
+                continue
+            entries = gather_entries(keys, ctx.block_tables[i], count).float()
+            scores = torch.relu(torch.einsum("nhd,cd->nhc", q[lo:hi].float(), entries)) * scale
+            scores = (scores * weights[lo:hi].unsqueeze(-1)).sum(dim=1)  # [n, count]
+            complete = ((ctx.positions[lo:hi] + 1) // ratio).unsqueeze(1)
+            scores = scores.masked_fill(torch.arange(count, device=q.device) >= complete, float("-inf"))
+            picks = scores.topk(min(topk, count), dim=-1).indices
+            out[lo:hi, : picks.shape[1]] = torch.where(picks < complete, picks, -1)
         return out

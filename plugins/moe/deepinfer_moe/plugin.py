@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer import hookimpl
+from deepinfer_moe.batch_invariant import TritonBIMoEBackend
 from deepinfer_moe.config import MoEConfig
 from deepinfer_moe.deepep import DeepEPBackend
 from deepinfer_moe.deepgemm_backend import DeepGemmMoEBackend
@@ -12,7 +13,8 @@ from deepinfer_moe.grouped import GroupedMoEBackend
 from deepinfer_moe.triton_backend import TritonMoEBackend
 
 # kernels.moe: auto takes the highest priority that fits. Priorities: the core's torch 0, deep_gemm 4,
-# triton_fp8 5, grouped 10, triton 20; with auto_fp8 the FP8 backends move above bf16 triton.
+# triton_fp8 5, grouped 10, triton 20; with auto_fp8 the FP8 backends move above bf16 triton. triton_bi (-5)
+# declares batch_invariant and serves only that mode.
 _FP8_AUTO_PRIORITY = {"deep_gemm": 30, "triton_fp8": 25}
 
 
@@ -35,4 +37,5 @@ class Plugin:
             deep_gemm.priority = _FP8_AUTO_PRIORITY["deep_gemm"]
         return [GroupedMoEBackend(), TritonMoEBackend(decode_max_tokens=cfg.decode_max_tokens), triton_fp8,
                 deep_gemm, DeepEPBackend(max_slots=cfg.deep_ep_max_slots,
-                                         max_tokens_per_rank=cfg.deep_ep_max_tokens_per_rank)]
+                                         max_tokens_per_rank=cfg.deep_ep_max_tokens_per_rank),
+                TritonBIMoEBackend()]

@@ -60,6 +60,15 @@ def triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def contiguous_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert parameters themselves, made contiguous in place if another backend re-laid them out."""
+    with torch.no_grad():
+        for param in (w13, w2):
+            if not param.is_contiguous():
+                param.data = param.data.contiguous()
+    return w13, w2
+
+
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                   decode_max_tokens: int = 4, swiglu_limit: float | None = None) -> torch.Tensor:
@@ -118,11 +127,7 @@ class TritonMoEBackend:
         out; FP8: an ``Fp8Experts`` copy quantized with 128×128 tiles (the bf16 originals stay)."""
         if self.fp8:
             return Fp8Experts.quantize(w13.detach(), w2.detach())
-        with torch.no_grad():
-            for param in (w13, w2):
-                if not param.is_contiguous():
-                    param.data = param.data.contiguous()
-        return w13, w2
+        return contiguous_experts(w13, w2)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 weights: Any, *, swiglu_limit: float | None = None) -> torch.Tensor:

@@ -12,6 +12,11 @@ The "device" is one worker thread that runs steps strictly in order, like a CUDA
 overlap is real on CPU too (torch releases the GIL inside its kernels). Outputs equal the
 synchronous executor's: every draw is a pure function of (seed, position), and results of requests
 preempted, aborted or finished while a step was in flight are dropped (core ``process``).
+
+Under speculative decoding the core's scheduler holds back a request whose sampled tokens are still
+in flight, so step N+1 carries the other requests; see the README for the choice and its cost.
+Steps 1–2 (the launch path) run inside the sync guard's ``launching`` scope, step 3's read inside
+its ``reading`` scope (``sync_guard.py``; a no-op unless ``plugins.scheduling.sync_guard``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.interfaces import StepContext
+from deepinfer_scheduling.sync_guard import SyncGuard
 
 
 @dataclass
@@ -64,8 +70,9 @@ class DeviceTimeline:
 class OverlapExecutor:
     """Runs step N+1 on the device while the host post-processes step N."""
 
-    def __init__(self, context: StepContext) -> None:
+    def __init__(self, context: StepContext, guard: SyncGuard | None = None) -> None:
         self.context = context
+        self.guard = guard or SyncGuard(enabled=False)
         self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-device")
         self.timeline = DeviceTimeline()
         self.inflight: _InFlight | None = None
@@ -75,13 +82,16 @@ class OverlapExecutor:
         launched = None
         if not scheduled.is_empty:
             previous = self.inflight
-            prepared = self.context.prepare(scheduled, previous.scheduled if previous else None)
+            with self.guard.launching():
+                prepared = self.context.prepare(scheduled, previous.scheduled if previous else None)
             future = self.device.submit(self._device_step, prepared, previous.future if previous else None)
             launched = _InFlight(scheduled, future)
         if self.inflight is None:
             outputs = self.context.process(None, None)
         else:
-            outputs = self.context.process(self.inflight.scheduled, self.inflight.future.result())
+            results = self.inflight.future.result()
+            with self.guard.reading():
+                outputs = self.context.process(self.inflight.scheduled, results)
         self.inflight = launched
         if launched is None:
             self.timeline.mark_drained()
@@ -91,7 +101,8 @@ class OverlapExecutor:
         # The worker runs steps in order, so the previous step is complete here.
         previous_results = previous.result() if previous is not None else None
         start = time.perf_counter()
-        results = self.context.run(prepared, previous_results)
+        with self.guard.launching():
+            results = self.context.run(prepared, previous_results)
         self.timeline.record(start, time.perf_counter())
         return results
 

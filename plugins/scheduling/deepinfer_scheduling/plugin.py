@@ -9,6 +9,7 @@ from deepinfer.interfaces import StepContext
 from deepinfer_scheduling.config import SchedulingConfig
 from deepinfer_scheduling.overlap import OverlapExecutor
 from deepinfer_scheduling.policies import PriorityPolicy, ShortestPromptFirst
+from deepinfer_scheduling.sync_guard import SyncGuard
 
 
 class Plugin:
@@ -25,7 +26,7 @@ class Plugin:
         return {"DEEPINFER_ZERO_OVERHEAD_SCHEDULING": "plugins.scheduling.enabled"}
 
     def _overlap(self, context: StepContext) -> OverlapExecutor:
-        executor = OverlapExecutor(context)
+        executor = OverlapExecutor(context, SyncGuard(self.config.sync_guard))
         self.executors.append(executor)
         return executor
 

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from abort_drills import drain_with_random_aborts
 from tiny_models import TINY, save_tiny
 
 from deepinfer import LLM, SamplingParams
@@ -83,21 +84,7 @@ def test_aborts_in_flight_and_a_thousand_requests_leak_nothing(tmp_path):
     rng = random.Random(7)
     requests = [engine.make_request(p, SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randint(1, 12)))
                 for i, p in enumerate(_prompts(1000, 3, lo=1, hi=30))]
-    for req in requests:
-        engine.add(req)
-    finished: dict[str, str] = {}
-    by_id = {r.request_id: r for r in requests}
-    while engine.has_unfinished():
-        for out in engine.step():
-            assert out.request_id not in finished
-            finished[out.request_id] = out.outputs[0].finish_reason
-            assert len(out.outputs[0].token_ids) <= by_id[out.request_id].params.max_tokens
-            assert all(t >= 0 for t in out.outputs[0].token_ids)
-        if rng.random() < 0.2:
-            live = [r for r in requests if not r.finished and r.status.value == "running"]
-            if live:
-                assert engine.abort(rng.choice(live).request_id)  # its current step is in flight
-    assert set(finished) == set(by_id)
+    finished = drain_with_random_aborts(llm, requests, rng)  # aborted requests have their step in flight
     assert {"abort", "length"} <= set(finished.values())
     stats = llm.get_stats()
     assert stats["preemptions"] > 0

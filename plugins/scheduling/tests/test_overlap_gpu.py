@@ -29,3 +29,57 @@ def test_overlap_equals_sync_on_cuda(name, dtype):
         stats = llm.get_stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert outs["overlap"] == outs["sync"]
+
+
+PROMPTS = [[5, 9, 13, 5, 9, 13, 5, 9], [40, 41, 42], [7] * 20, [100, 3, 100, 3, 100]]
+PARAMS = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=8 + 4 * i) for i in range(len(PROMPTS))]
+SPEC = {"spec_decode": {"enabled": True, "drafter": "ngram", "plan": "fixed", "max_draft": 3}}
+
+
+def _llm(guard: bool, plugins: dict | None = None) -> LLM:
+    return LLM(REFS / "llama", device="cuda", dtype="float32", block_size=16, kv_cache_bytes=1 << 22,
+               plugins={"scheduling": {"enabled": True, "sync_guard": guard}, **(plugins or {})})
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("plugins", [{}, SPEC], ids=["plain", "spec_decode"])
+def test_sync_guard_passes_a_run_without_hidden_syncs(plugins):
+    """The launch path (inputs through pinned buffers and non-blocking copies, forward, sampling or
+    verification) never synchronizes: with the guard on the run completes, with the same tokens."""
+    reference = LLM(REFS / "llama", device="cuda", dtype="float32", block_size=16, kv_cache_bytes=1 << 22,
+                    plugins=plugins)
+    expected = _tokens(reference)
+    reference.shutdown()
+    llm = _llm(True, plugins)
+    assert _tokens(llm) == expected
+    assert torch.cuda.get_sync_debug_mode() == 0  # restored once no launch runs
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("where", ["prepare", "execute"], ids=["host_inputs", "device_launch"])
+def test_sync_guard_catches_a_planted_sync(where):
+    """A ``.item()`` planted in the host's input building or in the device thread's launch raises with
+    the guard on (the first step's launch runs before the host reads anything), and goes unnoticed
+    without it."""
+    for guard in (False, True):
+        llm = _llm(guard)
+        runner = llm.engine.runner
+        original = getattr(runner, where)
+
+        def planted(*args, _original=original, _device=runner.device, **kwargs):
+            torch.ones(1, device=_device).item()  # a hidden device sync
+            return _original(*args, **kwargs)
+
+        setattr(runner, where, planted)
+        try:
+            if guard:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    _tokens(llm)
+            else:
+                assert len(_tokens(llm)) == len(PROMPTS)
+        finally:
+            llm.shutdown()
+        assert torch.cuda.get_sync_debug_mode() == 0

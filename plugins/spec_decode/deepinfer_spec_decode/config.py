@@ -11,15 +11,25 @@ class SpecDecodeConfig(BaseModel):
     """``plugins={"spec_decode": {"enabled": True, ...}}``.
 
     ``drafter``: ``auto`` (``mtp`` when the model has MTP layers, else ``ngram``), ``mtp`` (DeepSeek-V3's
-    MTP layer, chained; the checkpoint must carry its weights), ``ngram``, ``oracle`` or a third party's
-    name. ``plan``: ``varlen`` (confidence-driven), ``fixed`` or a third party's;
-    the reference's ``DEEPINFER_ENABLE_MTP_VARLEN`` maps 1/0 onto varlen/fixed. ``max_draft``: drafts
-    proposed per request per step (the reference's ``DEEPINFER_USE_NEXTN_DECODE``).
+    MTP layer, chained; the checkpoint must carry its weights), ``dspark`` (the block drafter, below),
+    ``ngram``, ``oracle`` or a third party's name. ``plan``: ``varlen`` (confidence-driven), ``fixed``
+    or a third party's; the reference's ``DEEPINFER_ENABLE_MTP_VARLEN`` maps 1/0 onto varlen/fixed.
+    ``max_draft``: drafts proposed per request per step (the reference's ``DEEPINFER_USE_NEXTN_DECODE``).
     ``ngram_min``/``ngram_max``: the n-gram lengths prompt lookup tries, longest first.
     ``oracle_file``: JSONL of ``{"token_ids": [...]}`` known sequences for the test drafter;
     ``oracle_corruption``: the rate at which it plants a wrong draft; ``oracle_draft_probs``: draw
     drafts from a smoothed distribution and report it (exercises the non-one-hot path).
     ``calibration``: ``isotonic`` (per position, online) or ``off``; ``calibration_bins``.
+
+    The ``dspark`` block drafter (``dspark.py``, reference/deepinfer.md §4; its block is ``max_draft``
+    tokens): ``dspark_target_layer_ids`` the main-model layers whose inputs are its features (None:
+    layers 1, the middle one and the last); ``dspark_num_layers``, ``dspark_num_heads`` and
+    ``dspark_intermediate_size`` (None: 2 × hidden) its blocks; ``dspark_markov_rank`` the rank of the
+    first-order Markov correction; ``dspark_noise_token_id`` the filler of the block after the last
+    token (None: the last vocabulary id); ``dspark_confidence_temperature`` the sigmoid temperature of
+    the confidence head, one value or one per draft position (the reference's
+    ``DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE``, a comma list); ``dspark_weights`` a safetensors
+    file in the README's layout (None: random weights from the engine seed).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -34,6 +44,14 @@ class SpecDecodeConfig(BaseModel):
     oracle_draft_probs: bool = False
     calibration: Literal["isotonic", "off"] = "isotonic"
     calibration_bins: int = Field(default=10, ge=1, le=1000)
+    dspark_target_layer_ids: list[int] | None = None
+    dspark_num_layers: int = Field(default=1, ge=1)
+    dspark_num_heads: int = Field(default=4, ge=1)
+    dspark_intermediate_size: int | None = Field(default=None, ge=1)
+    dspark_markov_rank: int = Field(default=32, ge=1)
+    dspark_noise_token_id: int | None = Field(default=None, ge=0)
+    dspark_confidence_temperature: float | list[float] = 1.0
+    dspark_weights: str | None = None
 
     @field_validator("plan", mode="before")
     @classmethod
@@ -43,8 +61,31 @@ class SpecDecodeConfig(BaseModel):
             return "varlen" if value else "fixed"
         return value
 
+    @field_validator("dspark_confidence_temperature", mode="before")
+    @classmethod
+    def _temperature_list(cls, value: Any) -> Any:
+        """``DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE`` may be a comma list (one per draft position)."""
+        if isinstance(value, str):
+            try:
+                values = [float(v) for v in value.split(",")]
+            except ValueError:
+                raise ValueError(f"expected a number or a comma list of numbers, got {value!r}") from None
+            return values[0] if len(values) == 1 else values
+        return value
+
     @model_validator(mode="after")
     def _ngram_range(self) -> SpecDecodeConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _dspark_temperatures(self) -> SpecDecodeConfig:
+        temps = self.dspark_confidence_temperature
+        values = temps if isinstance(temps, list) else [temps]
+        if any(t <= 0 for t in values):
+            raise ValueError(f"dspark_confidence_temperature values must be > 0, got {temps}")
+        if isinstance(temps, list) and len(temps) != self.max_draft:
+            raise ValueError(f"dspark_confidence_temperature has {len(temps)} values; a list needs one per draft "
+                             f"position (max_draft = {self.max_draft})")
         return self

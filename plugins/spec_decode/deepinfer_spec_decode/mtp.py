@@ -1,4 +1,9 @@
-"""``mtp``: a DeepSeek-V3 model's multi-token-prediction layer as the drafter, chained for k drafts.
+"""``mtp``: a DeepSeek-V3 or -V4 model's multi-token-prediction layer as the drafter, chained for k drafts.
+
+The model's interface (``deepseek_v3.py``, ``deepseek_v4.py``): ``mtp_hidden(hidden, next_ids, positions,
+ctx)`` (the MTP layer's output rows, which stand in for the main model's at the next position) and
+``mtp_logits(rows, ctx)``. What a hidden row is belongs to the model: V3's final normed hidden state,
+V4's final hyper-connection streams (flattened).
 
 After every step the core hands over the committed rows (``DraftInputs.rows``, a ``CommittedRows``):
 the main model's final hidden state of every token the step computed and kept, and the token after
@@ -9,8 +14,8 @@ committed row (position n − 2 for a request of n tokens, whose next token is t
 token) gives draft 1. Drafts 2..k chain the same layer: its own output hidden stands in for the main
 model's at the next position, the previous draft is the next token, and the row lands past the
 committed length (``CommittedRows.chain``: the core allocated the blocks); rows of rejected drafts
-are overwritten once those positions are committed for real. Only depth 0 runs: DeepSeek-V3 ships
-one MTP layer, and a deeper one would need its own catch-up over drafts not yet known.
+are overwritten once those positions are committed for real. Only depth 0 runs: DeepSeek-V3 and V4
+ship one MTP layer, and a deeper one would need its own catch-up over drafts not yet known.
 
 Drafts: a greedy request takes the argmax; a sampling request draws from ``softmax(logits / T)`` with
 its own temperature and the counter RNG (seed, the draft's position, ``Purpose.DRAFT``), so the draft
@@ -50,7 +55,7 @@ def choose_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
 
 
 class MTPDrafter:
-    """Chained MTP drafts over the model's ``mtp_hidden`` / ``compute_logits`` (see the module docstring)."""
+    """Chained MTP drafts over the model's ``mtp_hidden`` / ``mtp_logits`` (see the module docstring)."""
 
     def __init__(self, model: Any) -> None:
         self.model = model
@@ -79,7 +84,7 @@ class MTPDrafter:
                 # own previous output standing in for the main model's hidden there.
                 ctx = rows.chain(j - 1)
                 hidden = model.mtp_hidden(hidden, tokens[:, j - 1], ctx.positions, ctx)
-            logits = model.compute_logits(hidden, ctx)
+            logits = model.mtp_logits(hidden, ctx)
             draft, dist, conf = choose_drafts(logits, inputs.temperature, inputs.seeds, inputs.positions + 1 + j)
             tokens[:, j], confidence[:, j] = draft, conf
             if probs is not None:

@@ -9,6 +9,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.interfaces import Drafter, EngineInfo, StepStats
 from deepinfer_spec_decode.calibration import CalibratedDrafter, IsotonicCalibrator
 from deepinfer_spec_decode.config import SpecDecodeConfig
+from deepinfer_spec_decode.dspark import build_dspark, check_config
 from deepinfer_spec_decode.mtp import MTPDrafter
 from deepinfer_spec_decode.ngram import NgramDrafter
 from deepinfer_spec_decode.oracle import OracleDrafter, read_sequences
@@ -17,8 +18,8 @@ from deepinfer_spec_decode.stats import SpecStats
 
 
 class Plugin:
-    """Offers the ``mtp``, ``ngram`` and ``oracle`` drafters and the ``fixed`` and ``varlen`` plans, calibrates
-    every drafter's confidences online, and reports acceptance statistics."""
+    """Offers the ``mtp``, ``dspark``, ``ngram`` and ``oracle`` drafters and the ``fixed`` and ``varlen`` plans,
+    calibrates every drafter's confidences online, and reports acceptance statistics."""
 
     config_model = SpecDecodeConfig
 
@@ -30,7 +31,8 @@ class Plugin:
     @staticmethod
     def deepinfer_config_aliases() -> dict[str, str]:
         return {"DEEPINFER_USE_NEXTN_DECODE": "plugins.spec_decode.max_draft",
-                "DEEPINFER_ENABLE_MTP_VARLEN": "plugins.spec_decode.plan"}
+                "DEEPINFER_ENABLE_MTP_VARLEN": "plugins.spec_decode.plan",
+                "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE": "plugins.spec_decode.dspark_confidence_temperature"}
 
     def _calibrated(self, drafter: Drafter) -> Drafter:
         return drafter if self.config.calibration == "off" else CalibratedDrafter(drafter, self.calibrator)
@@ -48,9 +50,13 @@ class Plugin:
         # The engine checked the model (MTP weights loaded, cache bound) when it resolved the drafter.
         return self._calibrated(MTPDrafter(model))
 
+    def _dspark(self, *, model: Any, info: EngineInfo) -> Drafter:
+        # Asks the model to capture the target layers; the engine sees that and keeps them (runner.hidden_layers).
+        return self._calibrated(build_dspark(model, info, self.config))
+
     @hookimpl
     def deepinfer_drafters(self) -> dict[str, Any]:
-        return {"mtp": self._mtp, "ngram": self._ngram, "oracle": self._oracle}
+        return {"mtp": self._mtp, "dspark": self._dspark, "ngram": self._ngram, "oracle": self._oracle}
 
     @hookimpl
     def deepinfer_verification_plans(self) -> dict[str, Any]:
@@ -62,6 +68,8 @@ class Plugin:
             raise ConfigError(
                 f"cache.max_backtrack ({info.layout.max_backtrack}) must be >= plugins.spec_decode.max_draft + 1 "
                 f"({self.config.max_draft + 1}): rejected drafts are rolled back")
+        if self.config.drafter == "dspark":
+            check_config(self.config, info)
 
     @hookimpl
     def deepinfer_step_end(self, stats: StepStats) -> None:

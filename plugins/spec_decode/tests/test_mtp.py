@@ -6,16 +6,16 @@ start-up resolves or refuses it by the checkpoint."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
 import torch
 import transformers
-from deepinfer_spec_decode.mtp import MTPDrafter, choose_drafts
-from deepinfer_spec_decode.oracle import OracleDrafter
+from abort_drills import run_with_staged_aborts
+from deepinfer_spec_decode.mtp import choose_drafts
 from safetensors import safe_open
 from safetensors.torch import save_file
+from spec_setup import check_drafts_every_step, known_mtp_drafts
 from test_deepseek_v3 import _build as build_deepseek
 from test_deepseek_v3_mtp import _mtp_checkpoint
 from test_sampling import _chi_square_p
@@ -80,37 +80,11 @@ def test_mtp_drafts_are_transformers_mtp_chained_on_the_committed_tokens(with_mt
     engine = llm.engine
     for prompt in _prompts([21, 9], seed=5):
         engine.add(engine.make_request(prompt, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)))
-    checked = 0
-    while engine.has_unfinished():
-        engine.step()
-        for req in engine.scheduler.running:
-            if req.num_computed_tokens != req.num_tokens - 1:
-                assert not req.draft_tokens  # mid-prefill: nothing to draft yet
-                continue
-            want = min(k, req.params.max_tokens - req.num_output_tokens - 1)
-            drafts, probs = _reference_drafts(main, mtp, req.all_token_ids, want)
-            assert req.draft_tokens == drafts
-            assert req.draft_raw_confidence == pytest.approx(probs, abs=1e-4)
-            checked += 1
+    checked = check_drafts_every_step(engine, k, lambda ids, n: _reference_drafts(main, mtp, ids, n))
     assert checked >= 6
     stats = llm.get_stats()
     assert stats["spec_decode"]["verify_steps"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-
-
-def _known_drafts(monkeypatch, sequences: list[list[int]]) -> None:
-    """Let the MTP drafter run (it writes its cache rows) but propose the known greedy continuation,
-    with planted corruptions: drafts get accepted, so committed rows include accepted drafts."""
-    inner = MTPDrafter.propose
-    oracle = OracleDrafter(sequences, VOCAB, corruption=0.3, draft_probs=False)
-
-    def propose(self, inputs):
-        proposal = inner(self, inputs)
-        if inputs.last_tokens.numel() == 0:
-            return proposal
-        return dataclasses.replace(proposal, tokens=oracle.propose(inputs).tokens)
-
-    monkeypatch.setattr(MTPDrafter, "propose", propose)
 
 
 def _mtp_rows(model, caches, table: list[int], count: int) -> torch.Tensor:
@@ -128,7 +102,7 @@ def test_mtp_cache_rows_are_a_fresh_pass_over_the_committed_tokens(with_mtp, tmp
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     ref = LLM(folder, block_size=BLOCK, kv_cache_bytes=1 << 22)
     reference = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    _known_drafts(monkeypatch, [p + r for p, r in zip(prompts, reference, strict=True)])
+    known_mtp_drafts(monkeypatch, [p + r for p, r in zip(prompts, reference, strict=True)], VOCAB)
     model = ref.engine.model
     fresh = KVPool(model.mtp_cache_specs(), ref.engine.pool.num_blocks, BLOCK, torch.float32, torch.device("cpu"))
     model.bind_mtp_cache(fresh.layers)
@@ -195,18 +169,7 @@ def test_mtp_survives_preemption_and_aborts_without_leaking_blocks(with_mtp):
     assert out == reference
     stats = llm.get_stats()
     assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    engine = llm.engine
-    ids = [engine.make_request(p, params) for p in prompts]
-    for req in ids:
-        engine.add(req)
-    for step in range(8):
-        engine.step()
-        if step in (2, 5):
-            for req in ids[step - 2::3]:
-                engine.abort(req.request_id)
-    while engine.has_unfinished():
-        engine.step()
-    assert sum(r.finish_reason == "abort" for r in ids) >= 3
+    run_with_staged_aborts(llm, [llm.engine.make_request(p, params) for p in prompts], stride=3)
     stats = llm.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 

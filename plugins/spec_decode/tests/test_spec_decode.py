@@ -3,11 +3,12 @@ plan, the output distribution of sampling unchanged (chi-square), bounded output
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
+from abort_drills import assert_preempted_then_aborts_free_every_block
+from spec_setup import repeating_prompts, spec_plugins, write_oracle_file
 from test_deepseek_v3 import CONFIGS as DEEPSEEK_CONFIGS
 from test_deepseek_v3 import _build as build_deepseek
 from tiny_models import TINY, save_tiny
@@ -18,29 +19,10 @@ from deepinfer.errors import ConfigError
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _spec(drafter: str, plan: str, **extra) -> dict:
-    return {"spec_decode": {"enabled": True, "drafter": drafter, "plan": plan, "max_draft": 4, **extra}}
-
-
-def _prompts(n: int, seed: int, vocab: int = 256) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    prompts = []
-    for i in range(n):
-        body = torch.randint(0, vocab, (int(torch.randint(3, 40, (), generator=gen)),), generator=gen).tolist()
-        prompts.append(body + body[: 4 + i] if i % 2 else body)  # half of them repeat themselves: ngram hits
-    return prompts
-
-
 def _generate(folder: Path, prompts, params, plugins=None, **kw):
     llm = LLM(folder, block_size=16, plugins=plugins or {}, **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
-
-
-def _oracle_file(folder: Path, prompts, outputs) -> str:
-    path = folder / "oracle.jsonl"
-    path.write_text("\n".join(json.dumps({"token_ids": p + o}) for p, o in zip(prompts, outputs, strict=True)))
-    return str(path)
 
 
 @pytest.fixture(scope="module", params=["llama", "deepseek-v3"])
@@ -55,11 +37,12 @@ def tiny_dir(request, tmp_path_factory):
 @pytest.mark.parametrize("plan", ["fixed", "varlen"])
 @pytest.mark.parametrize("drafter", ["ngram", "oracle"])
 def test_greedy_tokens_are_identical_with_speculation(tiny_dir, drafter, plan, tmp_path):
-    prompts = _prompts(8, 1)
+    prompts = repeating_prompts(8, 1)
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=i % 3 == 0) for i in range(8)]
     reference, _ = _generate(tiny_dir, prompts, params)
-    oracle = _oracle_file(tmp_path, prompts, reference)
-    out, llm = _generate(tiny_dir, prompts, params, _spec(drafter, plan, oracle_file=oracle, oracle_corruption=0.3))
+    oracle = write_oracle_file(tmp_path, prompts, reference)
+    spec = spec_plugins(drafter, plan, oracle_file=oracle, oracle_corruption=0.3)
+    out, llm = _generate(tiny_dir, prompts, params, spec)
     assert out == reference
     stats = llm.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
@@ -72,51 +55,40 @@ def test_greedy_tokens_are_identical_with_speculation(tiny_dir, drafter, plan, t
 @pytest.mark.parametrize("name", sorted(set(TINY) - {"llama"}))
 def test_greedy_tokens_are_identical_with_speculation_on_every_tiny_config(name, tmp_path):
     folder = save_tiny(name, tmp_path / "m")[1]
-    prompts = _prompts(6, 4)
+    prompts = repeating_prompts(6, 4)
     params = SamplingParams(temperature=0, max_tokens=12)
     reference, _ = _generate(folder, prompts, params)
-    oracle = _oracle_file(tmp_path, prompts, reference)
-    out, _ = _generate(folder, prompts, params, _spec("oracle", "varlen", oracle_file=oracle))
+    oracle = write_oracle_file(tmp_path, prompts, reference)
+    out, _ = _generate(folder, prompts, params, spec_plugins("oracle", "varlen", oracle_file=oracle))
     assert out == reference
 
 
 def test_greedy_identity_survives_preemption_and_aborts(tmp_path):
     folder = save_tiny("llama", tmp_path / "m")[1]
-    prompts = _prompts(10, 2)
+    prompts = repeating_prompts(10, 2)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for _ in range(10)]
     reference, _ = _generate(folder, prompts, params, max_model_len=128)
-    oracle = _oracle_file(tmp_path, prompts, reference)
-    out, llm = _generate(folder, prompts, params, _spec("oracle", "fixed", oracle_file=oracle),
+    oracle = write_oracle_file(tmp_path, prompts, reference)
+    out, llm = _generate(folder, prompts, params, spec_plugins("oracle", "fixed", oracle_file=oracle),
                          kv_cache_bytes=13 * 2 * 16 * 2 * 16 * 4 * 2, max_model_len=128)
     assert out == reference
-    stats = llm.get_stats()
-    assert stats["preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    engine = llm.engine  # abort requests mid-flight: every block comes back
-    for i, p in enumerate(prompts):
-        engine.add(engine.make_request(p, params[i]))
-    for step in range(6):
-        engine.step()
-        if step == 3:
-            for rid in ("10", "13", "15"):
-                assert engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    assert llm.get_stats()["kv_blocks_free"] == llm.get_stats()["kv_blocks_total"]
+    assert_preempted_then_aborts_free_every_block(llm, prompts, params)
 
 
 def test_outputs_never_exceed_max_tokens_and_stop_inside_accepted_drafts(tmp_path):
     folder = save_tiny("llama", tmp_path / "m")[1]
-    prompts = _prompts(6, 3)
+    prompts = repeating_prompts(6, 3)
     free = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)] * 6
     reference, _ = _generate(folder, prompts, free)
-    oracle = _oracle_file(tmp_path, prompts, reference)
+    oracle = write_oracle_file(tmp_path, prompts, reference)
     stops = [SamplingParams(temperature=0, max_tokens=m, stop_token_ids=[r[7]])
              for m, r in zip([1, 2, 5, 9, 13, 20], reference, strict=True)]
     expected = []
     for r, p in zip(reference, stops, strict=True):
         cut = r[:p.max_tokens]
         expected.append(cut[:cut.index(r[7]) + 1] if r[7] in cut else cut)
-    out, _ = _generate(folder, prompts, stops, _spec("oracle", "fixed", oracle_file=oracle, oracle_corruption=0.0))
+    spec = spec_plugins("oracle", "fixed", oracle_file=oracle, oracle_corruption=0.0)
+    out, _ = _generate(folder, prompts, stops, spec)
     assert out == expected
 
 
@@ -129,7 +101,7 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, draft_probs):
     prompt = [3, 7, 1, 4]
     params = SamplingParams(temperature=1.3, top_k=8, max_tokens=3, ignore_eos=True)
     n = 2500
-    plugins = _spec("oracle", "fixed", oracle_corruption=0.5, oracle_draft_probs=draft_probs, max_draft=2)
+    plugins = spec_plugins("oracle", "fixed", oracle_corruption=0.5, oracle_draft_probs=draft_probs, max_draft=2)
     llm = LLM(folder, block_size=16, plugins=plugins, max_num_seqs=256)
     outs = llm.generate([prompt] * n, [SamplingParams(**{**params.__dict__, "seed": i, "seq_seed": i})
                                        for i in range(n)], use_tqdm=False)
@@ -166,8 +138,6 @@ def test_bad_settings_fail_at_start_up_naming_the_field(tmp_path):
         LLM(folder, plugins={"spec_decode": {"enabled": True, "plan": "nope"}})
     with pytest.raises(ConfigError, match="max_backtrack"):
         LLM(folder, plugins={"spec_decode": {"enabled": True}}, cache={"max_backtrack": 2})
-    with pytest.raises(ConfigError, match="synchronous executor"):
-        LLM(folder, plugins={"spec_decode": {"enabled": True}, "scheduling": {"enabled": True}})
 
 
 def test_reference_knobs_map_onto_the_plugin(tmp_path, monkeypatch):
@@ -197,5 +167,6 @@ def test_smollm2_ngram_greedy_tokens_are_identical_and_drafts_get_accepted(smoll
         out = [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)]
         assert out == reference, plan
         spec = llm.get_stats()["spec_decode"]
-        assert spec["mean_acceptance_length"] > 1.5 and spec["acceptance_per_position"][0] > 0.5, (plan, spec)
+        if plan == "fixed":  # varlen drafts only where its measured step costs say it pays: timing-dependent
+            assert spec["mean_acceptance_length"] > 1.5 and spec["acceptance_per_position"][0] > 0.5, spec
         llm.shutdown()

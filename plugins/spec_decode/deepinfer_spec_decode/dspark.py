@@ -1,0 +1,283 @@
+"""``dspark``: the DSpark/DFlash block drafter (reference/deepinfer.md §4) for any model that can
+``capture_hidden`` (the Llama family, Gemma 3, DeepSeek-V3).
+
+**Features.** The drafter has the main model capture the residual stream entering each layer of
+``dspark_target_layer_ids``; the runner keeps those features of every committed row, concatenated
+(``CommittedRows.hidden``, ``[R, H · L]``). For each drafting request of ``n`` tokens the drafter
+reads its last committed row (position ``n − 2``, the row whose next token is the request's last,
+"golden", token) and turns it into one context row: ``main_norm(main_proj(features))``.
+
+**One pass for the block.** The block is the golden token followed by ``k − 1`` copies of
+``dspark_noise_token_id``, embedded with the main model's embedding. In each of the drafter's blocks
+(pre-norm attention, then a SwiGLU MLP) every block row attends, without a causal mask, to the context
+row and all ``k`` block rows, with RoPE at their offsets (context −1, block 0 … k − 1, i.e. positions
+``n − 2 … n + k − 2``); then ``norm`` and the main model's shared LM head give float32 logits for all
+``k`` rows at once. Row ``i`` predicts draft ``i + 1``.
+
+**Markov correction and confidence** (sequential over the k positions, ``draft_block``): the logits
+of row ``i`` get ``markov_head.head(markov_head.embed(previous))`` added, where ``previous`` is the
+golden token for ``i = 0`` and draft ``i − 1`` after; the draft is chosen from the corrected logits as
+``mtp`` chooses (argmax for greedy requests, the request's temperature and counter RNG otherwise, with
+the distribution reported so verification stays lossless). The raw confidence of draft ``i`` is
+``sigmoid(clamp(confidence_head.proj([h_i, e_i]) / T_i, ±60))``, with ``h_i`` the block row before the
+final norm, ``e_i`` the Markov embedding of its previous token and ``T_i`` the position's
+``dspark_confidence_temperature``; the plugin calibrates it and the ``varlen`` plan ranks by it.
+
+**Weights** (``dspark_weights``, one safetensors file, names without a prefix; ``H`` the main model's
+hidden size, ``L`` the number of target layers, ``I`` the intermediate size, ``r`` the Markov rank,
+``V`` the vocabulary): ``main_proj.weight [H, H·L]``, ``main_norm.weight [H]``, per block ``b``:
+``layers.{b}.attn_norm.weight [H]``, ``layers.{b}.qkv.weight [3H, H]`` (q, k, v stacked),
+``layers.{b}.o.weight [H, H]``, ``layers.{b}.mlp_norm.weight [H]``, ``layers.{b}.gate_up.weight [2I, H]``
+(gate, up stacked), ``layers.{b}.down.weight [H, I]``; ``norm.weight [H]``,
+``markov_head.embed.weight [V, r]``, ``markov_head.head.weight [V, r]``, ``confidence_head.proj.weight
+[1, H + r]``, ``confidence_head.proj.bias [1]``. Without a file the weights are random from the engine
+seed (acceptance then is near zero). ``save_weights`` writes this layout.
+
+Where this differs from the reference: the context is the last committed row only (the reference keeps
+a sliding window of projected target keys in a ring cache per drafter layer), and the drafter's blocks
+are dense (no MoE, no hyper-connections).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from deepinfer.errors import ConfigError
+from deepinfer.interfaces import DraftInputs, DraftProposal, EngineInfo
+from deepinfer.model.layers.norm import RMSNorm
+from deepinfer.model.loader import init_dummy
+from deepinfer_spec_decode.config import SpecDecodeConfig
+from deepinfer_spec_decode.mtp import choose_drafts
+
+EPS = 1e-6
+ROPE_THETA = 10000.0
+LOGIT_CLAMP = 60.0  # the confidence head's sigmoid argument is clamped at ±60 (reference §4)
+
+
+def default_target_layers(num_layers: int) -> list[int]:
+    """Layer 1, the middle layer and the last layer (their inputs), for a model of ``num_layers``."""
+    return sorted({min(1, num_layers), max(0, 1 + (num_layers - 2) // 2), max(0, num_layers - 1)})
+
+
+def rope(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (halves layout) of ``x [B, heads, S, head_dim]`` at ``offsets [S]``."""
+    half = x.shape[-1] // 2
+    inv = ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = offsets.to(torch.float32).unsqueeze(-1) * inv
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+class DSparkBlock(nn.Module):
+    """Pre-norm attention of the block rows over ``[context, block]`` (no causal mask), then a SwiGLU MLP."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int, **kw: Any) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm = RMSNorm(hidden, EPS, **kw)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, **kw)
+        self.o = nn.Linear(hidden, hidden, bias=False, **kw)
+        self.mlp_norm = RMSNorm(hidden, EPS, **kw)
+        self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False, **kw)
+        self.down = nn.Linear(intermediate, hidden, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """``x [B, k, H]`` block rows, ``context [B, 1, H]`` → ``[B, k, H]``."""
+        batch, k, hidden = x.shape
+        rows = self.attn_norm(torch.cat([context, x], dim=1))
+        q, key, value = (t.reshape(batch, k + 1, self.heads, -1).transpose(1, 2)
+                         for t in self.qkv(rows).chunk(3, dim=-1))
+        offsets = torch.arange(-1, k, device=x.device)
+        q, key = rope(q[:, :, 1:], offsets[1:]), rope(key, offsets)
+        attn = F.scaled_dot_product_attention(q, key, value)
+        x = x + self.o(attn.transpose(1, 2).reshape(batch, k, hidden))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class MarkovHead(nn.Module):
+    """First-order Markov correction: ``head(embed(previous token))`` added to a draft's logits."""
+
+    def __init__(self, vocab: int, rank: int, **kw: Any) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, rank, **kw)
+        self.head = nn.Linear(rank, vocab, bias=False, **kw)
+
+
+class ConfidenceHead(nn.Module):
+    """``proj([hidden before the final norm, Markov embedding]) → 1`` logit per draft."""
+
+    def __init__(self, width: int, **kw: Any) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, 1, **kw)
+
+
+class DSparkNetwork(nn.Module):
+    """The drafter's weights (layout in the module docstring) and its one-pass block forward."""
+
+    def __init__(self, hidden: int, num_targets: int, vocab: int, *, num_layers: int, heads: int,
+                 intermediate: int, markov_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.main_proj = nn.Linear(hidden * num_targets, hidden, bias=False, **kw)
+        self.main_norm = RMSNorm(hidden, EPS, **kw)
+        self.layers = nn.ModuleList(DSparkBlock(hidden, heads, intermediate, **kw) for _ in range(num_layers))
+        self.norm = RMSNorm(hidden, EPS, **kw)
+        self.markov_head = MarkovHead(vocab, markov_rank, **kw)
+        self.confidence_head = ConfidenceHead(hidden + markov_rank, **kw)
+
+    def block(self, features: torch.Tensor, embedded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``features [B, H·L]`` of each request's last committed row and the ``embedded [B, k, H]`` block
+        → (block rows before the final norm, after it), both ``[B, k, H]``."""
+        context = self.main_norm(self.main_proj(features)).unsqueeze(1)
+        x = embedded
+        for layer in self.layers:
+            x = layer(x, context)
+        return x, self.norm(x)
+
+
+def draft_block(logits: torch.Tensor, hidden: torch.Tensor, last_tokens: torch.Tensor, markov: MarkovHead,
+                confidence_head: ConfidenceHead, confidence_temperature: torch.Tensor, temperature: torch.Tensor,
+                seeds: torch.Tensor, positions: torch.Tensor, report_probs: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Drafts from a block's ``logits [B, k, V]`` (float32) with the first-order Markov correction, in order.
+
+    ``hidden [B, k, H]`` the block rows before the final norm, ``last_tokens [B]`` the golden tokens,
+    ``confidence_temperature [k]`` the sigmoid temperatures, ``temperature``/``seeds [B]`` the
+    requests' sampling settings and ``positions [B]`` their last tokens' positions (draft ``i`` lands
+    at ``position + 1 + i``). Returns ``tokens [B, k]`` int64, the distributions they were drawn from
+    ``[B, k, V]`` (None unless ``report_probs``) and the raw confidences ``[B, k]`` float32 in (0, 1)."""
+    batch, k, vocab = logits.shape
+    tokens = torch.empty(batch, k, dtype=torch.int64, device=logits.device)
+    confidence = torch.empty(batch, k, dtype=torch.float32, device=logits.device)
+    probs = torch.empty(batch, k, vocab, dtype=torch.float32, device=logits.device) if report_probs else None
+    previous = last_tokens
+    for i in range(k):
+        embedding = markov.embed(previous)
+        corrected = logits[:, i] + markov.head(embedding).float()
+        draft, dist, _ = choose_drafts(corrected, temperature, seeds, positions + 1 + i)
+        z = confidence_head.proj(torch.cat([hidden[:, i], embedding], dim=-1)).float().squeeze(-1)
+        confidence[:, i] = torch.sigmoid((z / confidence_temperature[i]).clamp(-LOGIT_CLAMP, LOGIT_CLAMP))
+        tokens[:, i] = draft
+        if probs is not None:
+            probs[:, i] = dist
+        previous = draft
+    return tokens, probs, confidence
+
+
+class DSparkDrafter:
+    """The block drafter over the model's captured features (see the module docstring)."""
+
+    def __init__(self, model: Any, network: DSparkNetwork, noise_token_id: int,
+                 confidence_temperature: Sequence[float]) -> None:
+        self.model = model
+        self.network = network
+        self.noise_token_id = noise_token_id
+        device = model.embed_tokens.weight.device
+        self.confidence_temperature = torch.tensor(confidence_temperature, dtype=torch.float32, device=device)
+
+    @torch.inference_mode()
+    def propose(self, inputs: DraftInputs) -> DraftProposal:
+        rows, k = inputs.rows, inputs.k
+        batch, dev = inputs.last_tokens.shape[0], inputs.last_tokens.device
+        if batch == 0:
+            empty = torch.empty(0, k, device=dev)
+            return DraftProposal(empty.long(), None, empty)
+        if rows is None:
+            raise RuntimeError("the dspark drafter needs the step's committed rows (DraftInputs.rows); the engine "
+                               "provides them when the model captures the drafter's target layers")
+        features = rows.hidden.index_select(0, rows.last_rows)
+        block_ids = torch.full((batch, k), self.noise_token_id, dtype=torch.int64, device=dev)
+        block_ids[:, 0] = inputs.last_tokens
+        before_norm, normed = self.network.block(features, self.model.embed_tokens(block_ids))
+        logits = self.model.compute_logits(normed.reshape(batch * k, -1), rows.ctx).reshape(batch, k, -1)
+        report = bool((inputs.temperature > 0).any())  # one read: whether distributions are reported at all
+        tokens, probs, confidence = draft_block(
+            logits, before_norm, inputs.last_tokens, self.network.markov_head, self.network.confidence_head,
+            self.confidence_temperature, inputs.temperature, inputs.seeds, inputs.positions, report)
+        return DraftProposal(tokens, probs, confidence)
+
+
+def target_layers(config: SpecDecodeConfig, num_layers: int) -> list[int]:
+    """The configured target layers, or the default ones for a model of ``num_layers``."""
+    ids = config.dspark_target_layer_ids
+    return list(ids) if ids is not None else default_target_layers(num_layers)
+
+
+def check_config(config: SpecDecodeConfig, info: EngineInfo) -> None:
+    """Start-up checks of the ``dspark`` fields against the model (``ConfigError`` naming the field)."""
+    layers = target_layers(config, info.num_layers)
+    if not layers or any(not 0 <= i <= info.num_layers for i in layers) or len(set(layers)) != len(layers):
+        raise ConfigError(f"plugins.spec_decode.dspark_target_layer_ids must be distinct layer ids in "
+                          f"[0, {info.num_layers}] (the model has {info.num_layers} layers), got {layers}")
+    noise = config.dspark_noise_token_id
+    if noise is not None and noise >= info.vocab_size:
+        raise ConfigError(f"plugins.spec_decode.dspark_noise_token_id ({noise}) must be below the vocabulary size "
+                          f"({info.vocab_size})")
+
+
+def build_network(model: Any, config: SpecDecodeConfig, num_targets: int) -> DSparkNetwork:
+    """An unfilled network sized for ``model`` (its hidden size, vocabulary, dtype and device)."""
+    weight = model.embed_tokens.weight
+    hidden = weight.shape[1]
+    heads = config.dspark_num_heads
+    if hidden % heads or (hidden // heads) % 2:
+        raise ConfigError(f"plugins.spec_decode.dspark_num_heads ({heads}) must divide the hidden size ({hidden}) "
+                          "into heads of an even size")
+    return DSparkNetwork(hidden, num_targets, model.vocab_size, num_layers=config.dspark_num_layers, heads=heads,
+                         intermediate=config.dspark_intermediate_size or 2 * hidden,
+                         markov_rank=config.dspark_markov_rank, dtype=weight.dtype, device=weight.device)
+
+
+def load_weights(network: DSparkNetwork, path: str | Path) -> None:
+    """Fill ``network`` from a safetensors file in the documented layout (every tensor, exact shapes)."""
+    try:
+        state = load_file(str(path), device=str(network.main_proj.weight.device))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"plugins.spec_decode.dspark_weights: cannot read {str(path)!r}: {exc}") from None
+    expected = network.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = sorted(n for n in set(expected) & set(state) if state[n].shape != expected[n].shape)
+    if missing or unexpected or wrong:
+        detail = "; ".join(f"{what}: {names[:3]}" for what, names in
+                           (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if names)
+        raise ConfigError(f"plugins.spec_decode.dspark_weights: {str(path)!r} does not fit the drafter "
+                          f"configured for this model ({detail})")
+    network.load_state_dict(state)
+
+
+def save_weights(network: DSparkNetwork, path: str | Path) -> None:
+    """Write ``network``'s weights in the documented layout."""
+    save_file({name: t.detach().contiguous().cpu() for name, t in network.state_dict().items()}, str(path))
+
+
+def build_dspark(model: Any, info: EngineInfo, config: SpecDecodeConfig) -> DSparkDrafter:
+    """The ``dspark`` drafter for ``model``: weights from ``dspark_weights`` or random from the engine seed;
+    the model is told to capture the target layers (the engine then keeps them for the drafter)."""
+    if not callable(getattr(model, "capture_hidden", None)):
+        raise ConfigError(f"plugins.spec_decode.drafter='dspark' needs a model that can capture layer features; "
+                          f"{info.architecture} cannot; choose 'ngram'")
+    layers = target_layers(config, info.num_layers)
+    network = build_network(model, config, len(layers))
+    if config.dspark_weights:
+        load_weights(network, config.dspark_weights)
+    else:
+        init_dummy(network, info.seed)
+    network.eval()
+    try:
+        model.capture_hidden(layers)
+    except ValueError as exc:
+        raise ConfigError(f"plugins.spec_decode.drafter='dspark': {exc}; choose 'ngram'") from None
+    temps = config.dspark_confidence_temperature
+    noise = config.dspark_noise_token_id
+    return DSparkDrafter(model, network, model.vocab_size - 1 if noise is None else noise,
+                         temps if isinstance(temps, list) else [temps] * info.max_draft)
