@@ -51,7 +51,8 @@ def forced_logits(llm: LLM, prompt: list[int], forced: list[int]) -> torch.Tenso
 
     def keep(hidden: torch.Tensor, ctx: Any) -> torch.Tensor:
         logits = compute(hidden, ctx)
-        rows.append(logits[-1].float().cpu())
+        if logits.shape[0]:  # a prefill chunk that samples nothing computes no rows
+            rows.append(logits[-1].float().cpu())
         return logits
 
     def force(inputs: Any, fill: Any = None) -> Any:
