@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_models import assert_cached_logits_match, randomize
+from tiny_models import assert_cached_logits_match, assert_greedy_matches_generate, randomize
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
 from deepinfer.interfaces import LayerCacheInfo
 
 DECODE_STEPS = 16
@@ -107,13 +107,7 @@ def test_chunked_prefill_logits_match(tiny):
 def test_greedy_ids_match_generate_in_a_mixed_batch(tiny):
     model, folder = tiny
     llm = LLM(folder, kv_cache_bytes=1 << 23, block_size=16, max_num_batched_tokens=48)
-    prompts = _prompts([3, 31, 64, 12, 47, 9], seed=2)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)  # both stop at EOS
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    assert_greedy_matches_generate(llm, model, _prompts([3, 31, 64, 12, 47, 9], seed=2))
 
 
 def test_legacy_config_keys_give_the_same_model(tmp_path):

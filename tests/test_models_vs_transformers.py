@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import TINY, assert_cached_logits_match, save_tiny
+from tiny_models import TINY, assert_cached_logits_match, assert_greedy_matches_generate, save_tiny
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
 
 DECODE_STEPS = 16
 
@@ -31,10 +31,4 @@ def test_prefill_and_cached_decode_logits_match(tiny):
 def test_greedy_ids_match_generate_in_a_mixed_batch(tiny):
     model, folder = tiny
     llm = LLM(folder, kv_cache_bytes=1 << 23, block_size=16, max_num_batched_tokens=48)
-    prompts = _prompts(256, [3, 31, 64, 12, 47, 9], seed=2)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)  # both stop at EOS
-    for prompt, out in zip(prompts, outs, strict=True):
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    assert_greedy_matches_generate(llm, model, _prompts(256, [3, 31, 64, 12, 47, 9], seed=2))

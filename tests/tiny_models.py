@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from deepinfer import SamplingParams
+
 # Every architecture the core supports, as (config class, model class, config kwargs).
 TINY = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -94,3 +96,14 @@ def assert_cached_logits_match(llm, model: torch.nn.Module, prompts: list[list[i
             ref = model(full).logits[0, len(prompt) - 1:]
         err = (ours - ref).abs().max().item()
         assert err <= 1e-4 * ref.abs().max().item(), f"max |Δ| {err}"
+
+
+def assert_greedy_matches_generate(llm, model: torch.nn.Module, prompts: list[list[int]], max_tokens: int = 24) -> None:
+    """Greedy ids of ``prompts`` generated together by ``llm`` equal transformers' ``generate`` on each
+    prompt alone (both stop at EOS)."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                 attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()

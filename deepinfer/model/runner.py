@@ -155,10 +155,10 @@ class ModelRunner:
         # Bounded replay: restore floors, and the YoCo truncation of chunks of a truncated prefill.
         floors = [s.request.visibility_floor for s in sched.scheduled]
         truncations = [s.request.truncation if s.start < s.request.truncation_end else None for s in sched.scheduled]
-        floored = any(floors) or any(t is not None for t in truncations)
+        has_floor, has_truncation = any(floors), any(t is not None for t in truncations)
         bucket = None
         # Graphs carry neither replay floors nor captured layer features (dspark's hidden_layers): eager then.
-        if self.graphs is not None and not spans and not floored and not self.hidden_layers:
+        if self.graphs is not None and not spans and not (has_floor or has_truncation) and not self.hidden_layers:
             bucket = self.graphs.bucket_for(len(ids), max_query_len)
         graph = None
         if bucket is not None:
@@ -186,10 +186,10 @@ class ModelRunner:
             ctx.state_slots_host = [self.state_slot(r) for r in rids]
             ctx.state_slots = tensor(ctx.state_slots_host)
             ctx.write_floor_host = [self.write_floor(r) for r in rids]
-        if any(floors):
+        if has_floor:
             ctx.visibility_floor_host = floors
             ctx.visibility_floor = tensor(floors)
-        if any(t is not None for t in truncations):
+        if has_truncation:
             ctx.truncation_floor_host = [t.visibility_floor if t else 0 for t in truncations]
             ctx.truncation_compact_host = [t is not None and t.mode == "compact" for t in truncations]
         sampling = None
