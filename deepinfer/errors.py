@@ -17,5 +17,10 @@ class ModelNotFoundError(DeepInferError, ValueError):
     """A model path or alias that does not resolve to a model folder."""
 
 
+class ChatOptionError(DeepInferError, ValueError):
+    """A chat option (``chat_template_kwargs``) the tokenizer's chat encoding does not accept: an
+    unknown key where the encoding has a fixed set, a reserved name, or a bad value."""
+
+
 class PluginError(DeepInferError):
     """A plugin failed to import, to configure itself, or raised inside a hook."""

@@ -8,7 +8,7 @@ offer these objects are declared in ``deepinfer.hookspecs``; API.md §2 fixes th
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -175,10 +175,10 @@ class DraftInputs:
     ``last_tokens [B]`` the last committed token per request; ``history [B, H]`` the committed
     tokens (prompt included), right-aligned, −1 padded; ``positions [B]`` the position of
     ``last_tokens``; ``seeds [B]`` the requests' seeds and ``temperature [B]`` their temperatures
-    (0 = greedy), for drafters that sample; ``k`` the most drafts wanted per request;
-    ``hidden`` the captured hidden states by layer id (``[B, hidden]`` rows of the last tokens);
-    ``rows`` the main model's committed rows of the step, for drafters that run layers of their own
-    over them (``mtp``; None for the others). ``B`` may be 0 when only ``rows`` has work (a prefill
+    (0 = greedy), for drafters that sample; ``k`` the most drafts wanted per request; ``rows`` the
+    main model's committed rows of the step, with their hidden states (the final ones, or the layers
+    the drafter had the model ``capture_hidden``), for drafters that run layers of their own over
+    them (``mtp``, ``dspark``; None for the others). ``B`` may be 0 when only ``rows`` has work (a prefill
     chunk that sampled nothing still fills an MTP cache).
     """
 
@@ -188,7 +188,6 @@ class DraftInputs:
     seeds: torch.Tensor
     temperature: torch.Tensor
     k: int
-    hidden: Mapping[int, torch.Tensor] = field(default_factory=dict)
     rows: CommittedRows | None = None
 
 
@@ -418,7 +417,10 @@ class ForwardContext:
     ``max_query_len`` bounds the query tokens of every request in the step (0: not stated). A step
     replayed from a CUDA graph (``model/graphs.py``) states the graph's bound, and its host lists and
     ``num_decodes`` are the capture's, not the step's: a ``graph_safe`` backend that serves requests of
-    up to ``max_query_len`` query tokens must then read only the device tensors.
+    up to ``max_query_len`` query tokens must then read only the device tensors. Its ``T`` rows are then
+    the graph's bucket, and only the first ``num_real_tokens`` (a 0-d int64 device tensor) belong to the
+    step: the rest are padding, which statistics such as the MoE layers' router counts must skip
+    (``deepseek_v3.count_routed_tokens``). None: every row is real.
 
     Bounded replay (``ReplayPlan``, ARCHITECTURE §6); None when no request of the step needs it:
     ``visibility_floor [B]`` (host copy ``visibility_floor_host``): in sliding-window attention (a layer
@@ -449,6 +451,7 @@ class ForwardContext:
     visibility_floor_host: list[int] | None = None
     truncation_floor_host: list[int] | None = None
     truncation_compact_host: list[bool] | None = None
+    num_real_tokens: torch.Tensor | None = None
 
 
 class AttentionBackend(Backend, Protocol):

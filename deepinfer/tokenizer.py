@@ -16,6 +16,8 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from deepinfer.errors import ChatOptionError
+
 
 def _raise(message: str) -> None:
     raise TemplateError(message)
@@ -78,9 +80,13 @@ class Tokenizer:
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
         """The chat template applied to ``messages`` with the generation prompt on; ``options`` are extra
-        template variables (``chat_template_kwargs``, e.g. ``enable_thinking`` for templates that read it)."""
+        template variables (``chat_template_kwargs``, e.g. ``enable_thinking`` for templates that read it);
+        ``messages`` and ``add_generation_prompt`` are the renderer's own (``ChatOptionError``)."""
         if not self.chat_template:
             raise ValueError(f"tokenizer in {str(self.folder)!r} has no chat template; use generate() instead")
+        reserved = sorted(set(options) & {"messages", "add_generation_prompt"})
+        if reserved:
+            raise ChatOptionError(f"chat_template_kwargs: {reserved} are set by the chat renderer itself")
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

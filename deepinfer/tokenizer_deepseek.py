@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from deepinfer.errors import ConfigError
+from deepinfer.errors import ChatOptionError, ConfigError
 from deepinfer.tokenizer import Tokenizer
 
 NAME = "deepseek-v4"  # the model.tokenizer value that selects this tokenizer
@@ -77,15 +77,16 @@ class DeepseekV4Tokenizer(Tokenizer):
 
         The recipe's own request conversion does the work, so tool calls, tool results and content
         parts follow DeepSeek's API; the ``developer`` role is read as ``system``, as OpenAI defines it.
-        Unknown options and messages the recipe rejects raise ``ValueError``.
+        Unknown options and a non-bool ``thinking`` raise ``ChatOptionError``; messages the recipe rejects
+        raise ``ValueError``.
         """
         unknown = sorted(set(options) - {"thinking", *_FORWARDED_OPTIONS})
         if unknown:
-            raise ValueError(f"chat_template_kwargs: {unknown} not understood by the DeepSeek-V4 chat encoding; "
+            raise ChatOptionError(f"chat_template_kwargs: {unknown} not understood by the DeepSeek-V4 chat encoding; "
                              f"allowed: thinking, {', '.join(_FORWARDED_OPTIONS)}")
         thinking = options.get("thinking", False)
         if not isinstance(thinking, bool):
-            raise ValueError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}")
+            raise ChatOptionError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}")
         recipe = self._recipe()
         body: dict[str, Any] = {
             "model": _RECIPE_MODEL,

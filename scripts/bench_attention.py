@@ -14,9 +14,13 @@ queued behind a short busy-wait kernel so host launch latency is excluded.
 
 ``--kv-dtype fp8`` reads an FP8 cache instead (``deepinfer/kv/fp8.py``: e4m3 rows with one UE8M0 scale byte
 per 32 elements, dequantized in the kernel); ``kv_bytes`` then counts the data and scale bytes, and
-``layer_us`` includes quantizing the step's rows on write.
+``layer_us`` includes quantizing the step's rows on write. ``--kv-dtype bf16 fp8`` times both caches on the
+same point (the FP8 cache is the bf16 one quantized) and adds a line with ``fp8_speedup`` = bf16 kernel time
+over FP8 kernel time. ``--configs`` also times the kernel at each listed tile configuration
+``BLOCK_N,NUM_WARPS,NUM_STAGES`` (``config_us``, and ``best_config``), to pick a launch default.
 
-    python scripts/bench_attention.py --batch 1 64 --context 8192 32768 --kv-dtype fp8   # compare with bf16
+    python scripts/bench_attention.py --shapes gqa-llama8b mla-v2lite --batch 1 16 64 256 --context 8192 32768 \
+        --kv-dtype bf16 fp8 --configs 32,4,2 64,4,2 64,8,2 --warmup 3 --repeats 15     # ~2 min on an H200
 
 ``--prefill`` times prefill attention instead (GQA shapes): one prompt of ``--prompt-len`` tokens answered
 whole, for each of ``--windows`` (0 = full causal attention): ``kernel_us`` the Triton prefill kernel,
@@ -98,55 +102,87 @@ def decode_context(batch: int, context: int, num_blocks: int, gen: torch.Generat
         block_size=BLOCK_SIZE, backends={})
 
 
-def quantized(rows: torch.Tensor, splits: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rows [..., W]`` as an FP8 cache tensor and its scales, groups of 32 restarting at each of the
-    ``splits`` (widths summing to ``W``; MLA: latent, then rope key)."""
-    parts = [fp8.quantize(part) for part in rows.split(splits, dim=-1)]
-    data = torch.cat([d.view(torch.uint8) for d, _ in parts], dim=-1).view(fp8.FP8_DTYPE)
-    return data, torch.cat([sc for _, sc in parts], dim=-1)
+def quantized(rows: torch.Tensor, splits: list[int], chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows [blocks, ..., W]`` as an FP8 cache tensor and its scales, groups of 32 restarting at each of the
+    ``splits`` (widths summing to ``W``; MLA: latent, then rope key), ``chunk`` blocks at a time so the
+    float32 intermediates of a 30 GiB cache fit beside it."""
+    data = torch.empty(rows.shape, dtype=torch.uint8, device=rows.device)
+    scales = torch.empty(*rows.shape[:-1], sum(fp8.num_groups(w) for w in splits), dtype=torch.uint8,
+                         device=rows.device)
+    for b in range(0, rows.shape[0], chunk):
+        parts = [fp8.quantize(part) for part in rows[b:b + chunk].split(splits, dim=-1)]
+        data[b:b + chunk] = torch.cat([d.view(torch.uint8) for d, _ in parts], dim=-1)
+        scales[b:b + chunk] = torch.cat([sc for _, sc in parts], dim=-1)
+    return data.view(fp8.FP8_DTYPE), scales
 
 
-def bench_gqa(shape: tuple, batch: int, context: int, args: argparse.Namespace, gen: torch.Generator) -> dict:
+def parse_config(text: str) -> tuple[int, int, int]:
+    """``--configs`` entry ``BLOCK_N,NUM_WARPS,NUM_STAGES`` → its three integers."""
+    block_n, num_warps, num_stages = (int(x) for x in text.split(","))
+    return block_n, num_warps, num_stages
+
+
+def timings(kernel: Callable[..., object], layer: Callable[[], object], args: argparse.Namespace) -> dict:
+    """``kernel_us`` (launch defaults), ``layer_us`` and, with ``--configs``, ``config_us`` (per
+    ``BLOCK_N,NUM_WARPS,NUM_STAGES``) and the fastest of them, ``best_config``. ``kernel(block_n, num_warps,
+    num_stages)`` runs the kernel, ``None`` meaning the launch default."""
+    result = {"kernel_us": time_us(lambda: kernel(None, None, None), args.warmup, args.repeats),
+              "layer_us": time_us(layer, args.warmup, args.repeats)}
+    if args.configs:
+        result["config_us"] = {c: round(time_us(lambda c=c: kernel(*parse_config(c)), args.warmup, args.repeats), 2)
+                               for c in args.configs}
+        result["best_config"] = min(result["config_us"], key=result["config_us"].get)
+    return result
+
+
+def bench_gqa(shape: tuple, batch: int, context: int, args: argparse.Namespace,
+              gen: torch.Generator) -> dict[str, dict]:
+    """Per ``--kv-dtype``, the timings of one GQA decode step (the FP8 cache is the bf16 one quantized)."""
     _, q_heads, kv_heads, dim = shape
     num_blocks = batch * -(-context // BLOCK_SIZE) + 1
     dtype = torch.bfloat16
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device="cuda")
-    v_cache = torch.randn_like(k_cache)
-    scales: dict[str, torch.Tensor] = {}
-    if args.kv_dtype == "fp8":
-        (k_cache, scales["k_scales"]), (v_cache, scales["v_scales"]) = quantized(k_cache, [dim]), \
-            quantized(v_cache, [dim])
-    kv_cache = (k_cache, v_cache, *scales.values())
+    bf16_cache = torch.randn(2, num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device="cuda")
     ctx = decode_context(batch, context, num_blocks, gen)
     q = torch.randn(batch, q_heads, dim, dtype=dtype, device="cuda")
     k = torch.randn(batch, kv_heads, dim, dtype=dtype, device="cuda")
     v = torch.randn_like(k)
     scale = dim ** -0.5
-    backend = TritonAttentionBackend()
-    result = {
-        "splits": choose_num_splits(batch * kv_heads, ctx.block_tables.shape[1] * BLOCK_SIZE, q.device),
-        "kernel_us": time_us(lambda: paged_gqa_attention(q, k_cache, v_cache, ctx.block_tables, ctx.positions, None,
-                                                         scale=scale, **scales), args.warmup, args.repeats),
-        "layer_us": time_us(lambda: backend.paged_attention(q, k, v, kv_cache, ctx, scale=scale),
-                            args.warmup, args.repeats),
-        "kv_bytes": 2 * batch * context * kv_heads * (k_cache[0, 0, 0].nbytes + (fp8.num_groups(dim) if scales else 0)),
-    }
-    if args.reference:
-        reference = TorchAttentionBackend()
-        result["reference_us"] = time_or_oom(
-            lambda: reference.paged_attention(q, k, v, kv_cache, ctx, scale=scale), args.repeats)
-    return result
+    backend, reference = TritonAttentionBackend(), TorchAttentionBackend()
+    splits = choose_num_splits(batch * kv_heads, ctx.block_tables.shape[1] * BLOCK_SIZE, q.device)
+    results = {}
+    for kv_dtype in args.kv_dtype:
+        scales: dict[str, torch.Tensor] = {}
+        k_cache, v_cache = bf16_cache[0], bf16_cache[1]
+        if kv_dtype == "fp8":
+            (k_cache, scales["k_scales"]), (v_cache, scales["v_scales"]) = quantized(k_cache, [dim]), \
+                quantized(v_cache, [dim])
+        kv_cache = (k_cache, v_cache, *scales.values())
+
+        def kernel(block_n: int | None, num_warps: int | None, num_stages: int | None,
+                   k_cache: torch.Tensor = k_cache, v_cache: torch.Tensor = v_cache,
+                   scales: dict = scales) -> torch.Tensor:
+            return paged_gqa_attention(q, k_cache, v_cache, ctx.block_tables, ctx.positions, None, scale=scale,
+                                       block_n=block_n, num_warps=num_warps, num_stages=num_stages, **scales)
+
+        result = {"splits": splits, **timings(
+            kernel, lambda kv_cache=kv_cache: backend.paged_attention(q, k, v, kv_cache, ctx, scale=scale), args)}
+        result["kv_bytes"] = 2 * batch * context * kv_heads * (k_cache[0, 0, 0].nbytes
+                                                              + (fp8.num_groups(dim) if scales else 0))
+        if args.reference:
+            result["reference_us"] = time_or_oom(
+                lambda kv_cache=kv_cache: reference.paged_attention(q, k, v, kv_cache, ctx, scale=scale), args.repeats)
+        results[kv_dtype] = result
+    return results
 
 
-def bench_mla(shape: tuple, batch: int, context: int, args: argparse.Namespace, gen: torch.Generator) -> dict:
+def bench_mla(shape: tuple, batch: int, context: int, args: argparse.Namespace,
+              gen: torch.Generator) -> dict[str, dict]:
+    """Per ``--kv-dtype``, the timings of one absorbed-MLA decode step (the FP8 cache is the bf16 one
+    quantized)."""
     _, heads, latent_dim, rope_dim, nope, v_dim = shape
     num_blocks = batch * -(-context // BLOCK_SIZE) + 1
     dtype = torch.bfloat16
-    cache = torch.randn(num_blocks, BLOCK_SIZE, latent_dim + rope_dim, dtype=dtype, device="cuda")
-    scales = None
-    if args.kv_dtype == "fp8":
-        cache, scales = quantized(cache, [latent_dim, rope_dim])
-    layer_cache = (cache,) if scales is None else (cache, scales)
+    bf16_cache = torch.randn(num_blocks, BLOCK_SIZE, latent_dim + rope_dim, dtype=dtype, device="cuda")
     ctx = decode_context(batch, context, num_blocks, gen)
     q_nope = torch.randn(batch, heads, nope, dtype=dtype, device="cuda")
     q_pe = torch.randn(batch, heads, rope_dim, dtype=dtype, device="cuda")
@@ -155,22 +191,32 @@ def bench_mla(shape: tuple, batch: int, context: int, args: argparse.Namespace, 
     kv_b = torch.randn(heads * (nope + v_dim), latent_dim, dtype=dtype, device="cuda") * latent_dim ** -0.5
     q_lat = torch.randn(batch, heads, latent_dim, dtype=dtype, device="cuda")
     scale = (nope + rope_dim) ** -0.5
-    backend = TritonMLABackend()
+    backend, reference = TritonMLABackend(), TorchMLABackend()
     head_blocks = -(-heads // default_block_h(heads))
-    result = {
-        "splits": choose_num_splits(batch * head_blocks, ctx.block_tables.shape[1] * BLOCK_SIZE, q_nope.device),
-        "kernel_us": time_us(lambda: paged_mla_attention(q_lat, q_pe, cache, ctx.block_tables, ctx.positions, None,
-                                                         scale=scale, scales=scales), args.warmup, args.repeats),
-        "layer_us": time_us(lambda: backend.mla_attention(q_nope, q_pe, latent, k_pe, layer_cache, ctx,
-                                                          kv_b_weight=kv_b, scale=scale), args.warmup, args.repeats),
-        "kv_bytes": batch * context * (cache[0, 0].nbytes + (0 if scales is None else scales.shape[-1])),
-    }
-    if args.reference:
-        reference = TorchMLABackend()
-        result["reference_us"] = time_or_oom(
-            lambda: reference.mla_attention(q_nope, q_pe, latent, k_pe, layer_cache, ctx, kv_b_weight=kv_b,
-                                            scale=scale), args.repeats)
-    return result
+    splits = choose_num_splits(batch * head_blocks, ctx.block_tables.shape[1] * BLOCK_SIZE, q_nope.device)
+    results = {}
+    for kv_dtype in args.kv_dtype:
+        cache, scales = bf16_cache, None
+        if kv_dtype == "fp8":
+            cache, scales = quantized(bf16_cache, [latent_dim, rope_dim])
+        layer_cache = (cache,) if scales is None else (cache, scales)
+
+        def kernel(block_n: int | None, num_warps: int | None, num_stages: int | None, cache: torch.Tensor = cache,
+                   scales: torch.Tensor | None = scales) -> torch.Tensor:
+            return paged_mla_attention(q_lat, q_pe, cache, ctx.block_tables, ctx.positions, None, scale=scale,
+                                       block_n=block_n, num_warps=num_warps, num_stages=num_stages, scales=scales)
+
+        def layer(layer_cache: tuple = layer_cache) -> torch.Tensor:
+            return backend.mla_attention(q_nope, q_pe, latent, k_pe, layer_cache, ctx, kv_b_weight=kv_b, scale=scale)
+
+        result = {"splits": splits, **timings(kernel, layer, args)}
+        result["kv_bytes"] = batch * context * (cache[0, 0].nbytes + (0 if scales is None else scales.shape[-1]))
+        if args.reference:
+            result["reference_us"] = time_or_oom(
+                lambda layer_cache=layer_cache: reference.mla_attention(q_nope, q_pe, latent, k_pe, layer_cache, ctx,
+                                                                        kv_b_weight=kv_b, scale=scale), args.repeats)
+        results[kv_dtype] = result
+    return results
 
 
 def prefill_context(prompt: int, num_blocks: int, gen: torch.Generator) -> ForwardContext:
@@ -245,8 +291,11 @@ def main() -> None:
     parser.add_argument("--reference", action="store_true", help="also time the core's torch backend")
     parser.add_argument("--max-cache-gib", type=float, default=48.0,
                         help="skip points whose cache would exceed this many GiB")
-    parser.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16",
-                        help="decode: the cache's storage (fp8: e4m3 + UE8M0 scales per 32, kv/fp8.py)")
+    parser.add_argument("--kv-dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
+                        help="decode: the cache's storage (fp8: e4m3 + UE8M0 scales per 32, kv/fp8.py); "
+                             "both: timed on the same points, with their ratio")
+    parser.add_argument("--configs", nargs="+", default=[], metavar="BLOCK_N,NUM_WARPS,NUM_STAGES",
+                        help="decode: also time the kernel at these tile configurations")
     parser.add_argument("--prefill", action="store_true", help="time prefill attention instead of decode")
     parser.add_argument("--prompt-len", nargs="+", type=int, default=[4096, 16384, 32768])
     parser.add_argument("--windows", nargs="+", type=int, default=[0, 4096], help="sliding windows (0 = full)")
@@ -264,22 +313,25 @@ def main() -> None:
         shape = SHAPES[name]
         for context in args.context:
             for batch in args.batch:
-                row = {"shape": name, "batch": batch, "context": context, "kv_dtype": args.kv_dtype, "device": device}
+                row = {"shape": name, "batch": batch, "context": context, "device": device}
                 per_token = 2 * shape[2] * shape[3] if shape[0] == "gqa" else shape[2] + shape[3]
                 if batch * context * per_token * 2 > args.max_cache_gib * 2**30:
                     print(json.dumps({**row, "skipped": f"cache over {args.max_cache_gib} GiB"}), flush=True)
                     continue
                 try:
-                    result = (bench_gqa if shape[0] == "gqa" else bench_mla)(shape, batch, context, args, gen)
+                    results = (bench_gqa if shape[0] == "gqa" else bench_mla)(shape, batch, context, args, gen)
                 except torch.cuda.OutOfMemoryError as exc:
                     print(json.dumps({**row, "skipped": f"out of memory: {exc}"[:200]}), flush=True)
                     torch.cuda.empty_cache()
                     continue
-                result["gb_per_s"] = result["kv_bytes"] / (result["kernel_us"] * 1e-6) / 1e9
-                print(json.dumps({**row, **{k: round(v, 2) if isinstance(v, float) else v
-                                            for k, v in result.items()}}), flush=True)
+                for kv_dtype, result in results.items():
+                    result["gb_per_s"] = result["kv_bytes"] / (result["kernel_us"] * 1e-6) / 1e9
+                    print(json.dumps({**row, "kv_dtype": kv_dtype, **{k: round(v, 2) if isinstance(v, float) else v
+                                                                      for k, v in result.items()}}), flush=True)
+                if len(results) == 2:
+                    print(json.dumps({**row, "fp8_speedup": round(results["bf16"]["kernel_us"]
+                                                                  / results["fp8"]["kernel_us"], 3)}), flush=True)
                 torch.cuda.empty_cache()
-
 
 if __name__ == "__main__":
     main()

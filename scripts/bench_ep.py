@@ -7,7 +7,9 @@ DeepSeek model (``--shape v2lite``: DeepSeek-V2-Lite's shape with 64 routed expe
 ``--shape small``: 8 layers of width 1024 with 64 experts; ``--shape tiny``: CPU-sized). For each
 ``--batches`` value B, N·B requests of ``--input-len`` tokens each generate ``--output-len`` tokens
 (greedy, EOS ignored, B running per rank); reported: output tok/s per rank (per GPU), step time, and
-dispatch / combine seconds per MoE layer call (host wall time around the all-to-alls).
+dispatch / combine seconds per MoE layer call (host wall time around the all-to-alls); with
+``--repeats R`` each batch runs R times and the medians are reported (with every step time). On CPU
+every process (the ranks, and the caller itself for ``--ranks 1``) runs one torch thread.
 
 ``--part eplb``: a model whose router is biased by a Zipf law over its 64 experts (the
 ``e_score_correction_bias`` of a saved random checkpoint), run with each placement policy: measured
@@ -21,6 +23,9 @@ Examples::
 
     # CPU, 2 gloo ranks (one torch thread each)
     python scripts/bench_ep.py --device cpu --ranks 2 --shape tiny --batches 4,16 --output ep_cpu.json
+    # CPU decode step time, median of 3 (docs/benchmarks.md, issue 9)
+    python scripts/bench_ep.py --device cpu --ranks 4 --shape small --part decode --batches 1,8 \
+        --input-len 16 --output-len 32 --repeats 3 --output ep_cpu_4.json
     # every GPU of the machine, NCCL (keep NVLink multicast off)
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         python scripts/bench_ep.py --device cuda --ranks 8 --shape v2lite --batches 16,64,256 --output ep_h200.json
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -133,8 +139,11 @@ def part_decode(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     with LLM(folder, expert_parallel_size=args.ranks, **kw) as llm:
         timed_generate(llm, prompts_for(args.ranks, 8, vocab, 0), 4)  # warm-up
         for b in batches:
-            result = timed_generate(llm, prompts_for(b * args.ranks, args.input_len, vocab, b), args.output_len)
-            rows.append({"batch_per_rank": b, **result})
+            runs = [timed_generate(llm, prompts_for(b * args.ranks, args.input_len, vocab, b), args.output_len)
+                    for _ in range(args.repeats)]
+            median = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+            rows.append({"batch_per_rank": b, "repeats": args.repeats, **median,
+                         "step_seconds_each": [run["step_seconds"] for run in runs]})
             print(json.dumps(rows[-1]), file=sys.stderr)
     return rows
 
@@ -212,6 +221,7 @@ def main() -> None:
     parser.add_argument("--batches", default="16,64,256", help="running requests per rank, comma-separated")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=1, help="decode: runs per batch (medians reported)")
     parser.add_argument("--zipf", type=float, default=1.2, help="Zipf exponent of the skewed router")
     parser.add_argument("--window", type=int, default=32, help="EPLB statistics window (steps)")
     parser.add_argument("--part", action="append", choices=["decode", "eplb", "simulate"],
@@ -223,6 +233,8 @@ def main() -> None:
         for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                             ("NVSHMEM_DISABLE_NVLS", "1")):
             os.environ.setdefault(name, value)
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # as each rank process does (a single process then runs like one rank)
     result: dict[str, Any] = {"device": args.device, "ranks": args.ranks, "torch": torch.__version__}
     if args.device == "cuda":
         result["gpu"] = torch.cuda.get_device_name(0)

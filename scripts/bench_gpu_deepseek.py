@@ -1,7 +1,8 @@
-"""Decode speed of an 8-layer DeepSeek-V2-Lite-shaped dummy V3 model on one GPU (issue 3).
+"""Decode speed of an 8-layer DeepSeek-V2-Lite-shaped dummy V3 model on one GPU (issues 3 and 10), or of
+the V4-shaped dummy model of ``scripts/deepseek_v4_shaped.json`` (``--shape v4``).
 
-    python scripts/bench_gpu_deepseek.py [--batch 1 16 64 256] [--plugins attention moe] [--eager]
-        [--output bench.json] [--profile-out prof.txt] [--no-transformers]
+    python scripts/bench_gpu_deepseek.py [--shape v2lite|v4] [--batch 1 16 64 256] [--plugins attention moe]
+        [--eager] [--kv-dtype auto|fp8] [--output bench.json] [--profile-out prof.txt] [--no-transformers]
 
 Model: ``DeepseekV3ForCausalLM``, hidden 2048, 16 heads, no q_lora, kv_lora 512, rope 64, nope 128,
 v 128, 64 routed experts top-6 + 2 shared, moe width 1408, dense width 10944, first layer dense,
@@ -18,7 +19,10 @@ different random model; its router is not forced balanced: transformers has no s
 Memory-bandwidth limit: bytes read per decode step (all attention and dense weights, the LM head, the
 shared experts, the router, and the expected number of distinct routed experts that B tokens touch
 under uniform top-6 routing, 64 * (1 - (1 - 6/64)^B), plus the latent KV of the mean context) over
-the copy bandwidth measured here (``dst.copy_(src)`` of 2 GiB, bytes read + written).
+the copy bandwidth measured here (``dst.copy_(src)`` of 2 GiB, bytes read + written). For ``--shape v4``
+the weight bytes are counted from the built model's parameters the same way (routed experts scaled by
+the expected distinct fraction, the embedding by B rows, MTP layers excluded), and the KV bytes are the
+sliding-window ring plus the compressed entries and indexer keys of the mean context.
 
 Profile: ``torch.profiler`` over 8 decode steps at B = 16 (after prefill and 2 warm-up decode steps),
 top ops by device time, plus device-busy time over wall time.
@@ -47,7 +51,43 @@ CONFIG = {
     "bos_token_id": 0, "eos_token_id": 1, "num_nextn_predict_layers": 0, "torch_dtype": "bfloat16",
     "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
 }
+V4_CONFIG = json.loads((Path(__file__).parent / "deepseek_v4_shaped.json").read_text())
 PROMPT_LEN, NEW = 128, 64
+
+
+def distinct_experts(config: dict, batch: int) -> float:
+    """Expected distinct routed experts per layer that ``batch`` uniform top-k tokens touch."""
+    e, k = config["n_routed_experts"], config["num_experts_per_tok"]
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def model_step_bytes(model: torch.nn.Module, config: dict, batch: int, ctx: float) -> dict[str, float]:
+    """Bytes one decode step of ``batch`` requests at mean context ``ctx`` reads, counted from the built
+    model's parameters (routed experts ``w13``/``w2`` scaled by the distinct fraction, the input
+    embedding by ``batch`` rows unless it is also the LM head, MTP layers excluded) plus the V4 KV."""
+    distinct = distinct_experts(config, batch)
+    fraction = distinct / config["n_routed_experts"]
+    tied = getattr(model, "lm_head", None) is None
+    weights = 0.0
+    for name, param in model.named_parameters():
+        if name.startswith("mtp_layers."):
+            continue
+        size = param.numel() * param.element_size()
+        if name.endswith((".w13", ".w2")):
+            size *= fraction
+        elif name == "embed_tokens.weight" and not tied:
+            size = batch * param.shape[1] * param.element_size()
+        weights += size
+    kv_per_request = 0.0
+    window = config["sliding_window"]
+    for ratio in config["compress_ratios"][: config["num_hidden_layers"]]:
+        kv_per_request += min(ctx, window) * config["head_dim"] * 2
+        if ratio:
+            kv_per_request += ctx / ratio * config["head_dim"] * 2
+        if ratio == 4:  # CSA layers also keep indexer keys
+            kv_per_request += ctx / ratio * config["index_head_dim"] * 2
+    kv = batch * kv_per_request
+    return {"weight_bytes": weights, "kv_bytes": kv, "distinct_experts": distinct, "total_bytes": weights + kv}
 
 
 def step_bytes(batch: int, ctx: float) -> dict[str, float]:
@@ -56,8 +96,8 @@ def step_bytes(batch: int, ctx: float) -> dict[str, float]:
     qk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
     attn = (h * heads * qk + h * (c["kv_lora_rank"] + c["qk_rope_head_dim"])
             + c["kv_lora_rank"] * heads * (c["qk_nope_head_dim"] + c["v_head_dim"]) + heads * c["v_head_dim"] * h)
-    e, k, inter = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
-    distinct = e * (1 - (1 - k / e) ** batch)
+    e, inter = c["n_routed_experts"], c["moe_intermediate_size"]
+    distinct = distinct_experts(c, batch)
     dense_layers = c["first_k_dense_replace"]
     moe_layers = c["num_hidden_layers"] - dense_layers
     params = (c["num_hidden_layers"] * attn + dense_layers * 3 * h * c["intermediate_size"]
@@ -87,30 +127,34 @@ def copy_bandwidth() -> float:
     return 2 * n * 2 / statistics.median(times)
 
 
-def prompts(batch: int, seed: int) -> list[list[int]]:
+def prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(2, CONFIG["vocab_size"], (batch, PROMPT_LEN), generator=gen).tolist()
+    return torch.randint(2, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
 
 
-def bench_deepinfer(folder: Path, batches: list[int], repeats: int, profile_out: Path | None,
-                    plugins: list[str], cuda_graphs: bool, profile_batch: int | None = None) -> dict:
+def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int, profile_out: Path | None,
+                    plugins: list[str], cuda_graphs: bool, profile_batch: int | None = None,
+                    kv_dtype: str = "auto", max_prefill_tokens: int = 32768) -> dict:
     from deepinfer import LLM, SamplingParams
 
+    vocab = config["vocab_size"]
     t = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda",
-              kernels={"force_balanced_routing": True, "cuda_graphs": cuda_graphs}, kv_cache_bytes=4 << 30,
-              max_num_seqs=max(batches), max_num_batched_tokens=max(4096, max(batches) * PROMPT_LEN),
+              kernels={"force_balanced_routing": True, "cuda_graphs": cuda_graphs},
+              cache={"kv_cache_bytes": 4 << 30, "kv_dtype": kv_dtype}, max_num_seqs=max(batches),
+              max_num_batched_tokens=min(max_prefill_tokens, max(4096, max(batches) * PROMPT_LEN)),
               plugins={name: {"enabled": True} for name in plugins})
     build_s = time.perf_counter() - t
     graphs = llm.engine.runner.graphs
+    ops = getattr(llm.engine.model, "backend_ops", None) or frozenset(llm.engine.runner.backends)
     print(f"deepinfer built in {build_s:.1f} s; backends "
-          f"{ {op: b.name for op, b in llm.engine.runner.backends.items() if op in llm.engine.model.backend_ops} }; "
+          f"{ {op: b.name for op, b in llm.engine.runner.backends.items() if op in ops} }; "
           f"CUDA graph buckets {graphs.buckets if graphs else None}", flush=True)
     seed = [1000]
 
     def timed(batch: int, max_tokens: int) -> float:
         seed[0] += 1
-        ps = prompts(batch, seed[0])
+        ps = prompts(batch, seed[0], vocab)
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
         outs = llm.generate(ps, params, use_tqdm=False)
@@ -120,7 +164,10 @@ def bench_deepinfer(folder: Path, batches: list[int], repeats: int, profile_out:
 
     timed(max(batches), 4)  # warm-up
     timed(1, 4)
-    result = {"build_s": build_s, "runs": {}}
+    result = {"build_s": build_s, "runs": {}, "step_bytes": {}}
+    if config is V4_CONFIG:
+        for batch in batches:
+            result["step_bytes"][batch] = model_step_bytes(llm.engine.model, config, batch, PROMPT_LEN + NEW / 2)
     for batch in batches:
         t1s, t65s = [], []
         before = llm.get_stats()
@@ -143,7 +190,7 @@ def bench_deepinfer(folder: Path, batches: list[int], repeats: int, profile_out:
               f"device idle {100 * result['runs'][batch]['device_idle_fraction']:.1f}% between steps", flush=True)
     if profile_out is not None:
         try:
-            result["profile"] = profile_decode(llm, profile_batch or max(batches), profile_out)
+            result["profile"] = profile_decode(llm, profile_batch or max(batches), profile_out, vocab)
         except Exception as exc:
             result["profile"] = {"error": repr(exc)}
             print(f"profile failed: {exc!r}", flush=True)
@@ -151,14 +198,14 @@ def bench_deepinfer(folder: Path, batches: list[int], repeats: int, profile_out:
     return result
 
 
-def profile_decode(llm, batch: int, out: Path) -> dict:
+def profile_decode(llm, batch: int, out: Path, vocab: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for p in prompts(batch, 77):
+    for p in prompts(batch, 77, vocab):
         engine.add(engine.make_request(p, params))
     for _ in range(3):  # prefill (one step: 16 x 128 tokens <= 4096) + 2 decode warm-up steps
         engine.step()
@@ -196,18 +243,41 @@ def profile_decode(llm, batch: int, out: Path) -> dict:
     return summary
 
 
-def bench_transformers(batches: list[int], repeats: int) -> dict:
+def hf_v4_config(cfg: dict) -> dict:
+    """transformers' ``DeepseekV4Config`` arguments for the upstream-style V4 config (same shapes; the
+    compress rope is given one set of YaRN parameters, which does not change the speed)."""
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+    ratios = cfg["compress_ratios"][: cfg["num_hidden_layers"]]
+    heavy = max(ratios)
+    skip = ("architectures", "model_type", "compress_ratios", "num_hash_layers", "qk_rope_head_dim", "rope_theta",
+            "compress_rope_theta", "rope_scaling")
+    out = {k: v for k, v in cfg.items() if k not in skip}
+    out.update(layer_types=[kinds.get(r, "heavily_compressed_attention") for r in ratios],
+               mlp_layer_types=["hash_moe"] * cfg["num_hash_layers"] + ["moe"] * (len(ratios) - cfg["num_hash_layers"]),
+               compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": heavy},
+               partial_rotary_factor=cfg["qk_rope_head_dim"] / cfg["head_dim"], num_nextn_predict_layers=0,
+               rope_parameters={"rope_type": "yarn", "rope_theta": cfg["rope_theta"],
+                                **{k: v for k, v in cfg["rope_scaling"].items() if k != "type"}})
+    return out
+
+
+def bench_transformers(config_dict: dict, batches: list[int], repeats: int) -> dict:
     import transformers
 
-    cfg = {k: v for k, v in CONFIG.items() if k not in ("architectures", "model_type", "torch_dtype")}
-    config = transformers.DeepseekV3Config(**cfg)
+    if config_dict is V4_CONFIG:
+        config = transformers.DeepseekV4Config(**hf_v4_config(config_dict))
+        model_class = transformers.DeepseekV4ForCausalLM
+    else:
+        cfg = {k: v for k, v in config_dict.items() if k not in ("architectures", "model_type", "torch_dtype")}
+        config = transformers.DeepseekV3Config(**cfg)
+        model_class = transformers.DeepseekV3ForCausalLM
     torch.manual_seed(0)
     t = time.perf_counter()
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = transformers.DeepseekV3ForCausalLM(config).eval()
+            model = model_class(config).eval()
     finally:
         torch.set_default_dtype(old)
     model.to(torch.bfloat16)
@@ -219,7 +289,7 @@ def bench_transformers(batches: list[int], repeats: int) -> dict:
     print(f"transformers {info}", flush=True)
 
     def timed(batch: int, new: int, seed: int) -> float:
-        ids = torch.tensor(prompts(batch, seed), device="cuda")
+        ids = torch.tensor(prompts(batch, seed, config_dict["vocab_size"]), device="cuda")
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         with torch.no_grad():
@@ -250,6 +320,11 @@ def bench_transformers(batches: list[int], repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=["v2lite", "v4"], default="v2lite",
+                        help="v2lite: the 8-layer V2-Lite-shaped V3 model; v4: scripts/deepseek_v4_shaped.json")
+    parser.add_argument("--kv-dtype", default="auto", help="cache.kv_dtype (auto or fp8)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=32768,
+                        help="cap on scheduler.max_num_batched_tokens (prefill chunk)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", type=Path)
@@ -260,26 +335,29 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="kernels.cuda_graphs=false")
     parser.add_argument("--profile-batch", type=int, help="batch of the profiled steps (default: the largest)")
     args = parser.parse_args()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": CONFIG,
-              "date": time.strftime("%Y-%m-%d"), "plugins": args.plugins, "cuda_graphs": not args.eager}
+    config = V4_CONFIG if args.shape == "v4" else CONFIG
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": config,
+              "date": time.strftime("%Y-%m-%d"), "plugins": args.plugins, "cuda_graphs": not args.eager,
+              "kv_dtype": args.kv_dtype}
     bw = copy_bandwidth()
     result["copy_bandwidth_bytes_s"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        (folder / "config.json").write_text(json.dumps(CONFIG))
-        result["deepinfer"] = bench_deepinfer(folder, args.batch, args.repeats, args.profile_out, args.plugins,
-                                              not args.eager, args.profile_batch)
+        (folder / "config.json").write_text(json.dumps(config))
+        result["deepinfer"] = bench_deepinfer(folder, config, args.batch, args.repeats, args.profile_out,
+                                              args.plugins, not args.eager, args.profile_batch, args.kv_dtype,
+                                              args.max_prefill_tokens)
     torch.cuda.empty_cache()
     if not args.no_transformers:
         try:
-            result["transformers"] = bench_transformers(args.batch, args.repeats)
+            result["transformers"] = bench_transformers(config, args.batch, args.repeats)
         except Exception as exc:
             result["transformers"] = {"error": repr(exc)}
             print(f"transformers failed: {exc!r}", flush=True)
     limits = {}
     for batch in args.batch:
-        b = step_bytes(batch, PROMPT_LEN + NEW / 2)
+        b = result["deepinfer"]["step_bytes"].get(batch) or step_bytes(batch, PROMPT_LEN + NEW / 2)
         limits[batch] = {**b, "limit_tok_s": batch * bw / b["total_bytes"],
                          "fraction": result["deepinfer"]["runs"][batch]["decode_tok_s_median"]
                          / (batch * bw / b["total_bytes"])}

@@ -16,7 +16,8 @@ uniformly at random), float32 on CPU, bfloat16 on CUDA:
 
 Workload per prompt length L: one fresh random prompt per run (prefix caching off), prefilled in chunks
 of ``--chunk`` tokens, one token generated; times (wall, and the process's CPU time, steadier on a
-shared CPU when run with ``--threads 1``) are medians over ``--repeats`` runs after a short warm-up.
+shared CPU when run with ``--threads 1``) are medians over ``--repeats`` runs after a short warm-up; on
+CUDA also the peak memory allocated while measuring each length (weights and KV pool included).
 Modes: ``off``, ``compact`` (consumer layers compute the last ``keep_tokens`` rows only) and ``mask``
 (every row computed, windows masked: a correctness mode, expected no faster than off).
 
@@ -26,12 +27,26 @@ complete entry; hyper-connections included; the LM head of one row left out): ``
 compute every layer on all L rows; ``compact`` computes the consumer layers' queries, windows, output
 projections, MoE and hyper-connections on the last ``keep_tokens`` rows, their compressors on all L.
 The reference torch attention this engine runs on CPU attends each chunk densely (then masks), so the
-measured time saves more attention work than the ideal count says.
+measured time saves more attention work than the ideal count says. On CUDA, ``triton_v4`` hands prefill
+chunks to that same reference too.
+
+Memory of ``--device cuda`` (H200, 141 GB; bf16, 2,048-token chunks, 32k prompt): weights 30.2 GB
+(15.1B parameters); KV for 32,776 positions 33 MB (124 KiB per 128-token block: compressed entries
+and indexer keys only) plus 2.5 MB of state — the pool is fixed at ``KV_BYTES_CUDA`` (1 GiB) rather than
+90% of the device; prefill activations under 4 GB: per chunk O(2,048 × hidden × hc_mult) streams and
+O(2,048 × heads × head_dim) queries (≤ 0.3 GB each), and the reference attention and indexer in blocks
+of query rows with at most ``PREFILL_SCORE_ELEMENTS`` (2^27, 512 MiB) float32 scores per tensor, ≤ 3
+alive. Before those blocks, the last chunk's CSA logits alone were [64 heads, 2,048, 127 + 2,048 +
+8,192 keys] float32 = 5.4 GB per copy, three alive (16 GB), over the 10% of the device the default KV
+budget leaves free. Expected runtime of ``--lengths 4096 16384 32768`` with all three modes: a few
+minutes (engine start and dummy weights dominate; the reference's fp32 attention of one 32k ``off``
+prefill is ~130 TFLOP).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -58,6 +73,9 @@ CPU_CONFIG: dict[str, Any] = {
 # The V4-shaped dummy model (shared with tests/test_gpu_deepseek_v4.py), with room for the longest prompts.
 CUDA_CONFIG: dict[str, Any] = {**json.loads((Path(__file__).parent / "deepseek_v4_shaped.json").read_text()),
                                "max_position_embeddings": 40960, "yoco_num_producer_layers": 4}
+# The CUDA engine's KV pool: V4 caches ~1 KB per token, so 1 GiB holds a million positions and the rest
+# of the device stays free for prefill activations (the default takes 90% of it).
+KV_BYTES_CUDA = 1 << 30
 
 
 def layer_flops(d: V4Dims, kind: str, positions: torch.Tensor) -> tuple[float, float]:
@@ -136,21 +154,30 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / "config.json").write_text(json.dumps(config))
         max_len = max(args.lengths) + 8
+        cache: dict[str, Any] = {"prefix_caching": False}
+        if args.device == "cuda":
+            cache["kv_cache_bytes"] = KV_BYTES_CUDA
         for mode in args.modes:
             llm = LLM(folder, load_format="dummy", device=args.device, max_model_len=max_len, max_num_seqs=1,
-                      max_num_batched_tokens=args.chunk, kernels={"force_balanced_routing": True},
-                      cache={"prefix_caching": False},
+                      max_num_batched_tokens=args.chunk, kernels={"force_balanced_routing": True}, cache=cache,
                       plugins={"attention": {"enabled": True,
                                              "replay": {"mode": mode, "keep_tokens": args.keep_tokens}}})
             for length in args.lengths:
+                if args.device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
                 seconds, cpu = time_prefill(llm, length, config["vocab_size"], args.repeats, seed=length)
                 flops = prefill_flops(dims, length, args.keep_tokens if mode == "compact" else None)
-                rows.append({"mode": mode, "length": length, "seconds": seconds, "cpu_seconds": cpu,
-                             "tflops": flops / 1e12})
-                print(f"{mode:8s} L={length:6d}  {seconds:8.3f} s wall  {cpu:8.3f} s CPU  {flops / 1e12:9.4f} TFLOP",
-                      flush=True)
+                row = {"mode": mode, "length": length, "seconds": seconds, "cpu_seconds": cpu, "tflops": flops / 1e12}
+                peak = ""
+                if args.device == "cuda":  # weights and KV pool included
+                    row["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                    peak = f"  peak {row['peak_gb']:6.1f} GB"
+                rows.append(row)
+                print(f"{mode:8s} L={length:6d}  {seconds:8.3f} s wall  {cpu:8.3f} s CPU  {flops / 1e12:9.4f} TFLOP"
+                      f"{peak}", flush=True)
             llm.shutdown()
             del llm
+            gc.collect()  # one engine at a time: each holds the weights and its KV cache
             if args.device == "cuda":
                 torch.cuda.empty_cache()
     print(f"\nkeep_tokens={args.keep_tokens}, chunk={args.chunk}, device={args.device}; saved vs off:")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from async_drills import break_early, collect, consume_forever
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.entrypoints.async_llm import AsyncLLM
@@ -33,10 +34,6 @@ def assert_no_leak(llm: AsyncLLM) -> None:
     stats = llm.get_stats()
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-
-
-async def collect(llm: AsyncLLM, prompt: Any, params: SamplingParams, **kw: Any) -> list[Any]:
-    return [out async for out in llm.generate(prompt, params, **kw)]
 
 
 def test_streams_cumulative_outputs(async_llm: AsyncLLM) -> None:
@@ -131,22 +128,10 @@ def test_cancelled_and_abandoned_callers_free_their_blocks(async_llm: AsyncLLM) 
     long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
-    async def consume_forever(prompt: str) -> None:
-        async for _ in async_llm.generate(prompt, long):
-            pass
-
-    async def break_early(prompt: str) -> int:
-        n = 0
-        async for _ in async_llm.generate(prompt, long):
-            n += 1
-            if n == 3:
-                break
-        return n
-
     async def run() -> None:
-        tasks = [asyncio.ensure_future(consume_forever(f"cancel me {i}")) for i in range(4)]
+        tasks = [asyncio.ensure_future(consume_forever(async_llm, f"cancel me {i}", long)) for i in range(4)]
         survivors = [asyncio.ensure_future(collect(async_llm, p, short)) for p in PROMPTS[:4]]
-        broke = await asyncio.gather(*(break_early(f"break {i}") for i in range(4)))
+        broke = await asyncio.gather(*(break_early(async_llm, f"break {i}", long) for i in range(4)))
         assert broke == [3, 3, 3, 3]
         await asyncio.sleep(0.05)
         for t in tasks:

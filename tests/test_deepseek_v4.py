@@ -18,6 +18,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.blocks import hash_block
 from deepinfer.kv.pools import bytes_per_block, state_bytes
+from deepinfer.model import deepseek_v4
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -259,6 +260,26 @@ def request_ctx(backends: dict, start: int, end: int, table: list[int], slot: in
         block_tables=torch.tensor([table]), num_decodes=int(n == 1), query_start_loc_host=[0, n],
         seq_lens_host=[end], block_size=BLOCK, backends=backends,
         state_slots=torch.tensor([slot]), state_slots_host=[slot], write_floor_host=[0])
+
+
+def test_batched_decode_compressors_equal_the_per_request_path(tiny, monkeypatch):
+    """One-token-per-request steps update the compressors on device tensors (``_update_decode``, what a
+    CUDA graph captures); the per-request path gives bitwise the same logprobs, windows closing and not."""
+    _, folder = tiny
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=3)
+
+    def run() -> list:
+        outs = make_llm(folder, max_num_batched_tokens=64).generate(MIXED, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+    calls = []
+    update = deepseek_v4.Compressor._update_decode
+    monkeypatch.setattr(deepseek_v4.Compressor, "_update_decode",
+                        lambda self, *a: calls.append(1) or update(self, *a))
+    batched = run()
+    assert calls
+    monkeypatch.setattr(deepseek_v4, "decode_only", lambda ctx: False)
+    assert run() == batched
 
 
 def test_rolling_back_drafts_gives_bitwise_the_same_logits(tmp_path):

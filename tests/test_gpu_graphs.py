@@ -3,6 +3,8 @@
 - Graph replay gives the same tokens and logprobs as eager execution for every bucket, on a tiny
   Llama (Triton paged attention) and a tiny DeepSeek-V3 (Triton MLA and MoE), in fp32 so the
   comparison is tight; also under speculative decoding and the overlapped executor.
+- DeepSeek-V4 (per-request state slots) decode steps replay graphs too, equal to eager.
+- The router statistics of replayed steps count the step's tokens, not the bucket's padding rows.
 - Sampling and verification on the device draw from the target distribution (chi-square against the
   exact distribution computed on CPU).
 """
@@ -90,6 +92,42 @@ def test_graph_replay_equals_eager_for_every_bucket(folder: Path) -> None:
     assert {tokens for tokens, _ in used} == set(llm.engine.runner.graphs.buckets)
     stats = llm.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.shutdown()
+
+
+def test_deepseek_v4_decode_steps_replay_graphs_equal_eager(tmp_path: Path) -> None:
+    """DeepSeek-V4 (per-request state slots): decode steps replay graphs of every bucket — compressor
+    windows closing inside the graph, padding on state slot 0 — with the eager run's tokens and
+    logprobs, also under the overlapped executor; every block comes back."""
+    from test_deepseek_v4 import V4_BASE
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**V4_BASE, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}))
+    eager_llm = _llm(tmp_path, graphs=False, load_format="dummy")
+    eager = {n: _run(eager_llm, _prompts(n)) for n in BATCHES}
+    eager_llm.shutdown()
+    for plugins in ({}, {"scheduling": {"enabled": True}}):
+        llm = _llm(tmp_path, graphs=True, load_format="dummy", plugins=plugins)
+        used = _graph_buckets_used(llm)
+        for n in BATCHES:
+            _compare(eager[n], _run(llm, _prompts(n)))
+        assert {tokens for tokens, _ in used} == set(llm.engine.runner.graphs.buckets)
+        stats = llm.get_stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+        llm.shutdown()
+
+
+def test_router_stats_of_replayed_steps_count_only_real_tokens(tmp_path: Path) -> None:
+    folder = save_tiny_v3(tmp_path)
+    top_k = json.loads((folder / "config.json").read_text())["num_experts_per_tok"]
+    llm = _llm(folder, graphs=True)
+    used = _graph_buckets_used(llm)
+    steps: list[tuple[int, torch.Tensor]] = []
+    llm.engine.core.on_step_end = lambda s: steps.append((s.num_prefill_tokens + s.num_decode_tokens, s.router_loads))
+    _run(llm, _prompts(5))  # 5 decode rows replay the 8-token bucket: 3 padding rows
+    assert (8, 1) in used and steps
+    for tokens, loads in steps:
+        assert torch.equal(loads.sum(dim=1).cpu(), torch.full((loads.shape[0],), tokens * top_k))
     llm.shutdown()
 
 

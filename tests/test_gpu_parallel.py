@@ -57,3 +57,38 @@ def test_ep_over_gpus_gives_the_single_gpu_tokens(tiny_v3, eplb):
         assert stats["parallel"]["world_size"] == ranks
         if eplb:
             assert stats["eplb"]["rebalances"] >= 2
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_spec_decode_and_async_streaming_over_two_gpus_give_the_single_gpu_tokens(tiny_v3, tmp_path):
+    """``tests/test_parallel_serving.py`` over NCCL: ``oracle`` drafts (accepted and rejected) under the
+    ``varlen`` plan, whose step-cost curve both ranks profile together, and ``AsyncLLM`` streams."""
+    import asyncio
+
+    from spec_setup import repeating_prompts, spec_plugins, write_oracle_file
+
+    from deepinfer.entrypoints.async_llm import AsyncLLM
+
+    prompts = repeating_prompts(6, seed=3, low=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = {"kv_cache_bytes": 1 << 24, "block_size": 16, "device": "cuda", "dtype": "float32"}
+    ref = [o.outputs[0].token_ids for o in LLM(tiny_v3, **kw).generate(prompts, params, use_tqdm=False)]
+    spec = spec_plugins("oracle", "varlen", oracle_file=write_oracle_file(tmp_path, prompts, ref),
+                        oracle_corruption=0.3)
+    with LLM(tiny_v3, expert_parallel_size=2, max_num_seqs=8, plugins=spec, **kw) as llm:
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
+        stats = llm.get_stats()
+        assert stats["spec_decode"]["verify_steps"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+    async def stream_all(llm: AsyncLLM) -> list[list[int]]:
+        async def one(prompt: list[int]) -> list[int]:
+            outs = [out async for out in llm.generate(prompt, params)]
+            assert len(outs) > 1 and outs[-1].finished
+            return outs[-1].outputs[0].token_ids
+        return list(await asyncio.gather(*(one(p) for p in prompts)))
+
+    with AsyncLLM(tiny_v3, expert_parallel_size=2, **kw) as llm:
+        assert asyncio.run(stream_all(llm)) == ref
+        stats = llm.get_stats()
+        assert stats["num_running"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]

@@ -1,15 +1,22 @@
-"""CUDA-graph bookkeeping that runs on CPU: the bucket list and how a step is padded to its bucket
-(the capture and replay themselves are checked on the GPU, ``tests/test_gpu_graphs.py``)."""
+"""CUDA-graph bookkeeping that runs on CPU: the bucket list, how a step is padded to its bucket, and
+that an emulated replay's padding rows stay out of the router statistics (the capture and replay
+themselves are checked on the GPU, ``tests/test_gpu_graphs.py``)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
+import pytest
+import torch
+from test_deepseek_v3 import _build, _prompts
 
+from deepinfer import LLM
 from deepinfer.config import build_config
 from deepinfer.engine.cost import CurveCache, StepCost
-from deepinfer.model.graphs import graph_buckets, pack_step
+from deepinfer.interfaces import ForwardContext
+from deepinfer.model.graphs import DecodeGraphs, graph_buckets, pack_step
 
 
 def test_buckets_are_1_2_4_then_every_interval_tokens():
@@ -23,18 +30,56 @@ def test_a_step_is_padded_with_one_token_requests_then_empty_ones():
     # Two requests: a decode row at position 9 and a 3-token verification at positions 4..6.
     ids, positions, slots = [11, 21, 22, 23], [9, 4, 5, 6], [41, 52, 53, 54]
     packed, width = pack_step(8, ids, positions, slots, seq_lens=[10, 7], starts=[0, 1, 4],
-                              tables=[[2, 3], [5]])
+                              tables=[[2, 3], [5]], state_slots=[6, 3])
     assert width == 2
     t = 8
     assert packed[:t].tolist() == [11, 21, 22, 23, 0, 0, 0, 0]
     assert packed[t:2 * t].tolist() == [9, 4, 5, 6, 0, 0, 0, 0]
     assert packed[2 * t:3 * t].tolist() == [41, 52, 53, 54, 0, 0, 0, 0]   # padding writes scratch slot 0
     assert packed[3 * t:4 * t].tolist() == [10, 7, 1, 1, 1, 1, 0, 0]       # 4 padding requests, 2 empty
-    assert packed[4 * t:5 * t + 1].tolist() == [0, 1, 4, 5, 6, 7, 8, 8, 8]
-    assert packed[5 * t + 1:].reshape(2, 2).tolist() == [[2, 3], [5, 0]]
+    assert packed[4 * t] == 4                                              # real tokens
+    assert packed[4 * t + 1:5 * t + 2].tolist() == [0, 1, 4, 5, 6, 7, 8, 8, 8]
+    assert packed[5 * t + 2:6 * t + 2].tolist() == [6, 3, 0, 0, 0, 0, 0, 0]  # padding: reserved state slot 0
+    assert packed[6 * t + 2:].reshape(2, 2).tolist() == [[2, 3], [5, 0]]
     # Every query token belongs to exactly one request, and the starts never decrease.
-    qsl = packed[4 * t:5 * t + 1]
+    qsl = packed[4 * t + 1:5 * t + 2]
     assert np.all(np.diff(qsl) >= 0) and qsl[-1] == t
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_router_stats_skip_the_padding_rows_of_a_replayed_bucket(tmp_path):
+    """5 real tokens replayed in the 8-token bucket (3 padding rows) count exactly as the same 5 tokens
+    run eagerly: rows sum to 5 × top_k. The step is 5 first tokens (position 0) so that the reference
+    MLA backend, which reads the capture's host lists under an emulated replay, computes them right."""
+    block = 16
+    _build("v3-noqlora", tmp_path)  # every layer MoE, top-3
+    top_k = json.loads((tmp_path / "config.json").read_text())["num_experts_per_tok"]
+    llm = LLM(tmp_path, kv_cache_bytes=1 << 22, block_size=block)
+    model, backends = llm.engine.model, llm.engine.runner.backends
+    graphs = DecodeGraphs(model, backends, block, torch.device("cpu"), max_tokens=8, max_query_lens=(1,),
+                          max_blocks=2, emulate=True)
+    graphs.capture()
+    ids, tables = _prompts([5], seed=11)[0], [[b] for b in range(1, 6)]
+    slots, n = [t[0] * block for t in tables], len(ids)
+    bucket = graphs.bucket_for(n, 1)
+    assert bucket == (8, 1)
+    model.take_router_stats()
+    with torch.inference_mode():
+        graphs.replay(bucket)  # before any step is loaded (start-up profiling): all padding
+        assert model.take_router_stats().sum() == 0
+        graphs.load(graphs.stage(bucket, ids, [0] * n, slots, [1] * n, list(range(n + 1)), tables))
+        replayed, _ = graphs.replay(bucket)
+        replayed_stats = model.take_router_stats()
+        ctx = ForwardContext(
+            positions=torch.zeros(n, dtype=torch.int64), slot_mapping=torch.tensor(slots),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32), seq_lens=torch.ones(n, dtype=torch.int64),
+            block_tables=torch.tensor(tables), num_decodes=n, query_start_loc_host=list(range(n + 1)),
+            seq_lens_host=[1] * n, block_size=block, backends=backends)
+        eager = model.forward(torch.tensor(ids), ctx)
+        eager_stats = model.take_router_stats()
+    torch.testing.assert_close(replayed[:n], eager)
+    assert torch.equal(replayed_stats.sum(dim=1), torch.full((len(model.moe_layer_ids),), n * top_k))
+    assert torch.equal(replayed_stats, eager_stats)
 
 
 def test_enforce_eager_and_the_bucket_interval_map_onto_kernels():

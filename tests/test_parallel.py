@@ -1,8 +1,9 @@
 """Expert parallelism and DP attention over CPU rank processes (gloo): ``LLM(model,
-expert_parallel_size=N)`` gives the single-process greedy tokens, with and without expert
-rebalancing mid-run; ranks hold exactly the weights their placement says; requests are spread by the
-router and come back in input order; a bad request fails alone; ranks are torn down by
-``shutdown()``, garbage collection and interpreter exit."""
+expert_parallel_size=N)`` gives the single-process greedy tokens (logprobs within 1e-5, bitwise
+under ``kernels.batch_invariant``), with and without expert rebalancing mid-run; ranks hold exactly
+the weights their placement says; requests are spread by the router and come back in input order; a
+bad request fails alone; ranks are torn down by ``shutdown()``, garbage collection and interpreter
+exit."""
 
 from __future__ import annotations
 
@@ -102,6 +103,31 @@ def test_ep2_gives_the_single_process_tokens_in_input_order(single, ep2):
     assert stats["prompt_tokens"] == sum(map(len, PROMPTS))
     assert stats["parallel"]["dispatch_seconds_per_layer"] > 0
     assert "eplb" not in stats  # the plugin is not enabled
+
+
+def _logprobs(llm, params: SamplingParams) -> list[tuple[list[int], list[dict[int, float]]]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_ep2_logprobs_are_the_single_processs_and_bitwise_under_batch_invariance(single, ep2, tiny_v3):
+    """The sampled rows' top logprobs of 2 ranks are within 1e-5 of one process's; with
+    ``kernels.batch_invariant`` (fixed-chunk matmuls and attention splits, top-k summed in slot order)
+    they are bitwise equal, although each rank sees other batches than the single process."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+    ref, got = _logprobs(single[0], params), _logprobs(ep2, params)
+    for (ids_r, lp_r), (ids_g, lp_g) in zip(ref, got, strict=True):
+        assert ids_g == ids_r
+        for row_r, row_g in zip(lp_r, lp_g, strict=True):
+            assert row_g.keys() == row_r.keys()
+            assert max(abs(row_g[t] - row_r[t]) for t in row_r) < 1e-5
+    invariant = {"kv_cache_bytes": KV, "block_size": BLOCK, "kernels": {"batch_invariant": True}}
+    one = LLM(tiny_v3, **invariant)
+    two = LLM(tiny_v3, expert_parallel_size=2, **invariant)
+    try:
+        assert _logprobs(two, params) == _logprobs(one, params)
+    finally:
+        two.shutdown()
+        one.shutdown()
 
 
 def test_a_bad_request_fails_alone(single, ep2):

@@ -300,6 +300,9 @@ BAD_CHAT: list[tuple[str, Any, str | None]] = [
                                      "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ("logprobs as int", {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3}, "logprobs"),
+    ("a renderer's own template variable", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                            "chat_template_kwargs": {"add_generation_prompt": False}},
+     "chat_template_kwargs"),
     ("over-long chat", {"model": NAME, "messages": [{"role": "user", "content": "word " * 700}]}, "messages"),
 ]
 

@@ -102,3 +102,27 @@ def test_a_message_the_recipe_rejects_is_a_400(served) -> None:
     assert status == 400 and body["error"]["param"] == "messages"
     status, _ = srv.post("/v1/chat/completions", {"model": NAME, "messages": CONVERSATIONS[0], "max_tokens": 2})
     assert status == 200
+
+
+def test_chat_template_kwargs_reach_the_encoding_as_in_llm_chat(served, client, offline) -> None:
+    _, prompts = served
+    messages = CONVERSATIONS[0]
+    want = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+                        chat_template_kwargs={"thinking": True})[0]
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0.0,
+                                         extra_body={"chat_template_kwargs": {"thinking": True}})
+    assert prompts[-1] == want.prompt_token_ids and prompts[-1][-1] == THINK
+    assert got.choices[0].message.content == want.outputs[0].text
+    client.chat.completions.create(model=NAME, messages=messages, max_tokens=1,
+                                   extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert prompts[-1] == offline.tokenizer.encode_chat(messages)[1] != want.prompt_token_ids
+
+
+@pytest.mark.parametrize("kwargs", [{"bogus": 1}, {"thinking": "yes"}, ["thinking"]])
+def test_a_bad_chat_template_kwarg_is_a_400_naming_the_field(served, kwargs) -> None:
+    srv, _ = served
+    status, body = srv.post("/v1/chat/completions", {"model": NAME, "messages": CONVERSATIONS[0], "max_tokens": 2,
+                                                     "chat_template_kwargs": kwargs})
+    assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
+    if isinstance(kwargs, dict):
+        assert next(iter(kwargs)) in body["error"]["message"]

@@ -4,6 +4,7 @@ routed experts, top-2 over 2 groups, one shared expert; no tokenizer)."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -18,10 +19,11 @@ TINY_V3 = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "mo
            "num_nextn_predict_layers": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
-def save_tiny_v3(folder: Path, seed: int = 0) -> Path:
-    """Random weights (``tiny_models.randomize``) and a random ``e_score_correction_bias``."""
+def save_tiny_v3(folder: Path, seed: int = 0, **config: Any) -> Path:
+    """Random weights (``tiny_models.randomize``) and a random ``e_score_correction_bias``; ``config``
+    overrides fields of ``TINY_V3`` (e.g. ``vocab_size``)."""
     torch.manual_seed(seed)
-    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**TINY_V3)).eval()
+    model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**TINY_V3, **config})).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     randomize(model, gen)
     with torch.no_grad():

@@ -32,10 +32,10 @@ from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_k
 from deepinfer.kv.state import has_state, num_state_slots_for
 from deepinfer.model.assets import resolve_model_path
 from deepinfer.model.graphs import DecodeGraphs
-from deepinfer.model.loader import init_dummy, load_checkpoint, read_hf_config
+from deepinfer.model.loader import LoadReport, init_dummy, load_checkpoint, read_hf_config
 from deepinfer.model.registry import resolve_architecture
 from deepinfer.model.runner import ModelRunner
-from deepinfer.parallel.sizes import current_rank, parallel_sizes
+from deepinfer.parallel.sizes import current_rank, parallel_sizes, rank_experts
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.rng import derive_seed
@@ -106,8 +106,12 @@ class LLMEngine:
         architectures = {name: offer.value for name, offer in offers.items()}
         model_cls = resolve_architecture(self.hf_config, architectures, str(self.model_path))
         # Engine switches a model may honour travel as documented hf_config keys (the model protocol
-        # takes only hf_config): kernels.force_balanced_routing → "deepinfer_force_balanced_routing".
-        model_config = dict(self.hf_config, deepinfer_force_balanced_routing=cfg.kernels.force_balanced_routing)
+        # takes only hf_config): kernels.force_balanced_routing → "deepinfer_force_balanced_routing";
+        # inside an expert-parallel rank, the routed experts it holds → "deepinfer_expert_shard"
+        # (``parallel.placement.ExpertShard``: the model allocates, and the loader reads, only those).
+        self.rank_experts = rank_experts(cfg, self.host)
+        model_config = dict(self.hf_config, deepinfer_force_balanced_routing=cfg.kernels.force_balanced_routing,
+                            deepinfer_expert_shard=self.rank_experts.shard if self.rank_experts else None)
         with torch.device(self.device):
             self.model = model_cls(model_config, dtype=self.dtype, device=self.device,
                                    max_positions=self.max_model_len)
@@ -139,12 +143,13 @@ class LLMEngine:
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_dtype, self.dtype)
         check_kv_dtype(specs, self.kv_dtype, self.dtype, cfg.cache.kv_dtype)
 
+        self.load_report: LoadReport | None = None  # what the checkpoint load read (None: dummy weights)
         if cfg.model.load_format == "dummy":
             if self.uses_mtp:
                 self.model.build_mtp_layers()  # dummy MTP layers for the mtp drafter
             init_dummy(self.model, cfg.sampling.seed)
         else:
-            load_checkpoint(self.model, self.model_path, self.dtype)
+            self.load_report = load_checkpoint(self.model, self.model_path, self.dtype)
         gemm = backends["linear"]
         with torch.no_grad():
             for weight in self.model.gemm_weights():
@@ -303,7 +308,7 @@ class LLMEngine:
         graphs, at start-up from one replay per graph bucket (cached on disk when
         ``scheduler.step_cost_cache_dir`` is set)."""
         graphs = self.runner.graphs
-        if graphs is None:
+        if graphs is None or query_len not in graphs.max_query_lens:  # verification steps run eagerly
             return StepCost(measure, largest)
 
         def replay(query_tokens: int) -> float:
@@ -337,8 +342,6 @@ class LLMEngine:
         ops = getattr(self.model, "backend_ops", None) or frozenset(backends)
         blockers = [f"{op} backend {backends[op].name!r} is not graph_safe" for op in sorted(ops)
                     if op in backends and not backends[op].capabilities.graph_safe]
-        if self.num_state_slots:
-            blockers.append(f"{self.info.architecture} plans its per-request state attention on the host")
         if world_size > 1:
             blockers.append("expert parallelism exchanges split sizes on the host")
         if blockers:
@@ -347,11 +350,15 @@ class LLMEngine:
             return None
         sched = self.config.scheduler
         max_draft = self.spec_settings.max_draft if self.spec_settings else 0
+        # A model with per-request state updates it on the device only in steps of one query token per
+        # request (DeepSeek-V4's compressors); verification steps of such a model run eagerly.
+        stateful = bool(self.num_state_slots)
         graphs = DecodeGraphs(self.model, backends, self.config.cache.block_size, self.device,
-                              max_tokens=min(sched.max_num_seqs * (1 + max_draft), sched.max_num_batched_tokens),
-                              max_query_lens=(1, 1 + max_draft),
+                              max_tokens=min(sched.max_num_seqs * (1 if stateful else 1 + max_draft),
+                                             sched.max_num_batched_tokens),
+                              max_query_lens=(1,) if stateful else (1, 1 + max_draft),
                               max_blocks=self.kv.blocks_needed(self.max_model_len),
-                              interval=k.cuda_graph_interval)
+                              interval=k.cuda_graph_interval, stateful=stateful)
         graphs.capture()
         return graphs
 
@@ -464,6 +471,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.core.has_work()
 
+    @property
+    def stream(self) -> bool:
+        """Whether ``step()`` also returns the output of every unfinished request that got tokens
+        (``AsyncLLM`` turns it on); off, only finished outputs come back."""
+        return self.core.stream
+
+    @stream.setter
+    def stream(self, value: bool) -> None:
+        self.core.stream = value
+
     def step(self) -> list[RequestOutput]:
         outputs = self.executor.step()
         if not self.core.has_work():
@@ -482,6 +499,8 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": kv.pool.num_usable,
             "kv_blocks_free": kv.num_free_blocks,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
             "step_time_split": dict(self.stats.phase_seconds),
             "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs else 0,
             "device_busy_s": self.stats.device_busy_s,

@@ -1,10 +1,12 @@
 """``AsyncLLM``: the engine behind an asyncio front, for servers (API.md §4).
 
-One background thread owns the ``LLMEngine`` (which is not thread-safe) and runs ``engine.step()``
-while there is work; every caller's request joins the same continuous batch. Callers hand new
-requests, aborts and stats calls to that thread through a queue; the thread hands each step's outputs
-back to the caller's event loop (``EngineCore.stream`` is on, so every request that got a token this
-step gets an output). Prompts and params are validated in the caller (``engine.make_request``) before
+One background thread owns the engine (which is not thread-safe) and runs ``engine.step()`` while
+there is work; every caller's request joins the same continuous batch. The engine is the one ``LLM``
+would build from the same arguments (``entrypoints.llm.Engine``): one process, or with
+``expert_parallel_size=N`` a ``ParallelEngine`` driving N rank processes. Callers hand new requests,
+aborts and stats calls to that thread through a queue; the thread hands each step's outputs back to
+the caller's event loop (the engine's ``stream`` is on, so every request that got a token this step
+gets an output). Prompts and params are validated in the caller (``engine.make_request``) before
 anything is queued, so a bad request raises in that caller alone. A caller that stops iterating (a
 disconnect, a cancelled task, ``break``) aborts its request, which frees its KV blocks.
 """
@@ -22,9 +24,10 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
+from deepinfer.entrypoints.llm import Engine, create_engine
+from deepinfer.errors import ConfigError
 from deepinfer.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -61,10 +64,16 @@ class AsyncLLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, *, config: Any = None,
                  **overrides: Any) -> None:
         from deepinfer.config import overrides_to_tree
+        from deepinfer.parallel.launch import torchrun_launch
 
-        self.engine = LLMEngine(None if model is None else str(model), config=config,
-                                overrides=overrides_to_tree(overrides))
-        self.engine.core.stream = True
+        launch = torchrun_launch()
+        if launch is not None and launch.world > 1:
+            # Under torchrun every process must issue the same engine commands; one server cannot.
+            raise ConfigError(f"AsyncLLM runs in one process, but torchrun started {launch.world}; serve with "
+                              "expert_parallel_size=N from a plain process (it starts the N ranks itself)")
+        self.engine: Engine = create_engine(None if model is None else str(model), config,
+                                            overrides_to_tree(overrides))
+        self.engine.stream = True
         # Called on the engine thread with every finished output (aborts included), e.g. for metrics.
         self.finish_listeners: list[Callable[[RequestOutput], None]] = []
         self._lock = threading.Lock()  # guards make_request (the engine's request counter) and _ids
@@ -129,17 +138,17 @@ class AsyncLLM:
         return True
 
     def get_stats(self, timeout: float | None = 60.0) -> dict[str, Any]:
-        """``engine.get_stats()`` plus ``num_running`` / ``num_waiting``, read on the engine thread
+        """``engine.get_stats()`` (``num_running`` / ``num_waiting`` included), read on the engine thread
         between steps (blocks the calling thread for at most one step)."""
         if not self._thread.is_alive():
-            return self._stats()
-        return self._call(self._stats).result(timeout)
+            return self.engine.get_stats()
+        return self._call(self.engine.get_stats).result(timeout)
 
     async def get_stats_async(self) -> dict[str, Any]:
         """``get_stats()`` without blocking the event loop."""
         if not self._thread.is_alive():
-            return self._stats()
-        return await asyncio.wrap_future(self._call(self._stats))
+            return self.engine.get_stats()
+        return await asyncio.wrap_future(self._call(self.engine.get_stats))
 
     def shutdown(self) -> None:
         """Stop the engine thread: live requests are aborted and their streams raise ``RuntimeError``."""
@@ -196,12 +205,6 @@ class AsyncLLM:
                 self._inbox.put(("abort", req.request_id))
 
     # ------------------------------------------------------------------------------------ engine thread
-
-    def _stats(self) -> dict[str, Any]:
-        stats = self.engine.get_stats()
-        stats["num_running"] = len(self.engine.scheduler.running)
-        stats["num_waiting"] = len(self.engine.scheduler.waiting)
-        return stats
 
     def _loop(self) -> None:
         engine = self.engine

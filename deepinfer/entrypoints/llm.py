@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 from tqdm.auto import tqdm
 
@@ -15,6 +16,51 @@ from deepinfer.sampling.params import SamplingParams
 
 Prompt = str | list[int]
 Message = Mapping[str, Any]
+
+
+class Engine(Protocol):
+    """What ``LLM`` and ``AsyncLLM`` drive: an ``LLMEngine`` (one process) or a ``ParallelEngine``
+    (ranks). ``stream`` on makes ``step()`` also return the output of every unfinished request that got
+    tokens; ``get_stats()`` has the keys of API.md §4."""
+
+    tokenizer: Any
+    model_path: Path
+    max_model_len: int
+    stream: bool
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, *,
+                     text: str | None = None) -> Request: ...
+
+    def add(self, request: Request) -> None: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def get_stats(self) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
+
+
+def create_engine(model: str | None, config: Any, overrides: Mapping[str, Any]) -> Engine:
+    """The engine a config asks for: one process, N rank processes driven from here
+    (``expert_parallel_size=N``), or this process as one ``torchrun`` rank."""
+    from deepinfer.parallel.launch import requested_world_size, torchrun_launch
+
+    world, launch = requested_world_size(model, config, overrides), torchrun_launch()
+    if launch is not None and max(world, launch.world) > 1:
+        from deepinfer.parallel.torchrun import TorchrunEngine
+
+        # torchrun started the ranks: this process is one of them (SPMD, API.md §4).
+        return TorchrunEngine(model, launch=launch, config=config, overrides=overrides)
+    if world > 1:
+        from deepinfer.parallel.driver import ParallelEngine
+
+        # N rank processes (DP attention + EP MoE), driven from here (API.md §4).
+        return ParallelEngine(model, config=config, overrides=overrides)
+    return LLMEngine(model, config=config, overrides=overrides)
 
 
 def _as_prompt_list(prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]) -> list[Prompt]:
@@ -37,17 +83,9 @@ class LLM:
     def __init__(self, model: str | os.PathLike[str] | None = None, *, config: Any = None,
                  **overrides: Any) -> None:
         from deepinfer.config import overrides_to_tree
-        from deepinfer.parallel.launch import requested_world_size
 
-        path = None if model is None else str(model)
-        tree = overrides_to_tree(overrides)
-        if requested_world_size(path, config, tree) > 1:
-            from deepinfer.parallel.driver import ParallelEngine
-
-            # N rank processes (DP attention + EP MoE), driven from here (API.md §4).
-            self.engine: LLMEngine | ParallelEngine = ParallelEngine(path, config=config, overrides=tree)
-        else:
-            self.engine = LLMEngine(path, config=config, overrides=tree)
+        self.engine: Engine = create_engine(None if model is None else str(model), config,
+                                            overrides_to_tree(overrides))
 
     @property
     def tokenizer(self) -> Any:

@@ -44,9 +44,19 @@ or on the layer's first forward); its result is what the ``experts`` op reads.
 
 Router statistics: ``model.router_stats`` is an int64 ``[num MoE layers, n_routed_experts]`` buffer on
 the model's device; every MoE forward of the main layers adds its tokens per chosen expert with
-``index_add_`` (no host sync). ``take_router_stats()`` returns the counts so far and zeroes the
-buffer; the engine core calls it once per step for ``StepStats.router_loads`` when a
+``index_add_`` (``count_routed_tokens``: no host sync; a CUDA graph's padding rows, past
+``ForwardContext.num_real_tokens``, are not counted). ``take_router_stats()`` returns the counts so far
+and zeroes the buffer; the engine core calls it once per step for ``StepStats.router_loads`` when a
 ``deepinfer_step_end`` observer is registered. ``moe_layer_ids`` maps rows to decoder layer indices.
+The MTP layers' MoE is deliberately not counted: its experts are separate weights that expert
+parallelism does not place (``parallel.moe.ep_capable_layers`` leaves them out, every rank keeps them
+whole), so their loads mean nothing to the expert-placement balancer that reads these counts.
+
+Expert shards: inside an expert-parallel rank the engine passes ``deepinfer_expert_shard`` (a
+``parallel.placement.ExpertShard``); the main layers' MoE modules then allocate only the rows of the
+experts the shard names (``expert_ids``, the same for every layer; the MTP layers keep every expert),
+and the loader reads only those experts' tensors, renamed to their rows (``model/loader.py``;
+``shards_weight`` tells it which tensors the shard covers).
 
 MTP (multi-token prediction, ``num_nextn_predict_layers``): checkpoints that carry
 ``model.layers.{N}.*`` for ``N`` in ``[num_hidden_layers, num_hidden_layers + num_nextn_predict_layers)``
@@ -97,6 +107,7 @@ from deepinfer.sampling.rng import splitmix64
 logger = logging.getLogger(__name__)
 
 FORCE_BALANCED_ROUTING_KEY = "deepinfer_force_balanced_routing"
+EXPERT_SHARD_KEY = "deepinfer_expert_shard"  # an ExpertShard (or None) set by the engine inside a rank
 _LATENT_NORM_EPS = 1e-6  # transformers builds q_a_layernorm / kv_a_layernorm with the default eps
 
 
@@ -130,6 +141,11 @@ class _Dims:
         self.topk_method = "noaux_tc" if self.v3 else (hf_config.get("topk_method") or "greedy")
         self.interleave = bool(config_value(hf_config, "rope_interleave", default=True)) if self.v3 else True
         self.balanced = bool(hf_config.get(FORCE_BALANCED_ROUTING_KEY, False))
+        shard = hf_config.get(EXPERT_SHARD_KEY)
+        # The logical expert of each row of the main layers' expert stacks: all of them, or an
+        # expert-parallel rank's shard (the MTP layers keep every expert: drafting runs them locally).
+        self.sharded = shard is not None and self.n_routed > 0
+        self.expert_ids = shard.experts(self.n_routed) if self.sharded else list(range(self.n_routed))
         self.rope_params = rope_parameters(hf_config)
         self.num_mtp = config_value(hf_config, "num_nextn_predict_layers", "num_mtp_layers", default=0)
         quant = hf_config.get("quantization_config") or {}
@@ -254,6 +270,26 @@ class DenseMLP(nn.Module):
         return gemm.linear(F.silu(gate) * up, self.down_weight)
 
 
+def in_main_layer(name: str, num_layers: int) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a main decoder layer (``[model.]layers.L.…`` with
+    L < ``num_layers``; not an MTP layer): the tensors an expert shard covers (``shards_weight``)."""
+    parts = name.removeprefix("model.").split(".", 2)
+    return len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < num_layers
+
+
+def count_routed_tokens(stats: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext) -> None:
+    """Add the experts each row chose (``ids [T, k]``) to ``stats [n_routed]`` (int64), in place and
+    without a host sync. Under a CUDA graph's replay only the first ``ctx.num_real_tokens`` rows count:
+    the rest pad the step to its bucket (``model/graphs.py``)."""
+    flat = ids.reshape(-1)
+    if ctx.num_real_tokens is None:
+        weights = torch.ones_like(flat)
+    else:
+        real = torch.arange(ids.shape[0], device=ids.device) < ctx.num_real_tokens
+        weights = real.to(torch.int64).unsqueeze(1).expand_as(ids).reshape(-1)
+    stats.index_add_(0, flat, weights)
+
+
 class DeepseekMoE(nn.Module):
     def __init__(self, d: _Dims, layer: int, **kw: Any) -> None:
         super().__init__()
@@ -264,8 +300,12 @@ class DeepseekMoE(nn.Module):
         if d.v3:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, dtype=torch.float32, device=dev),
                                                         requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(experts, 2 * inter, d.hidden, **kw))
-        self.w2 = nn.Parameter(torch.empty(experts, d.hidden, inter, **kw))
+        # Expert-parallel capable (``parallel/moe.py``): ``num_experts`` logical experts, and the logical
+        # expert of each row of ``w13``/``w2`` (every expert in order, or this rank's shard).
+        self.num_experts = experts
+        self.expert_ids = d.expert_ids if layer < d.layers else list(range(experts))
+        self.w13 = nn.Parameter(torch.empty(len(self.expert_ids), 2 * inter, d.hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(len(self.expert_ids), d.hidden, inter, **kw))
         self.shared_experts = DenseMLP(d.hidden, inter * d.n_shared, **kw) if d.n_shared else None
         # Row of the model's ``router_stats`` ``[n_routed]`` this layer counts into (None: not counted).
         self.stats: torch.Tensor | None = None
@@ -330,8 +370,7 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         ids, weights = self.route(x, positions, ctx.backends["linear"])
         if self.stats is not None:
-            flat = ids.reshape(-1)
-            self.stats.index_add_(0, flat, torch.ones_like(flat))
+            count_routed_tokens(self.stats, ids, ctx)
         if self.expert_parallel is not None:
             out = self.expert_parallel(x, ids, weights, ctx)
         else:
@@ -404,6 +443,8 @@ class DeepseekV3ForCausalLM(StackedDecoderLM):
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, **kw))
         self._rotary, self._kw = rotary, kw
         self.mtp_layers = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
+        # The loader's cue (``model/loader.py``): on an expert-parallel rank, read only these experts.
+        self.expert_ids = d.expert_ids if d.sharded else None
         moe = [layer.mlp for layer in self.layers if layer.is_moe]
         self.moe_layer_ids = [i for i, layer in enumerate(self.layers) if layer.is_moe]
         self.register_buffer("router_stats", torch.zeros(len(moe), d.n_routed, dtype=torch.int64, device=device),
@@ -419,6 +460,10 @@ class DeepseekV3ForCausalLM(StackedDecoderLM):
             if isinstance(module, DeepseekMoE):
                 module._prepared_for = None
                 module.expert_weights(backend)
+
+    def shards_weight(self, name: str) -> bool:
+        """Whether the expert shard covers checkpoint tensor ``name``'s routed experts (``model/loader.py``)."""
+        return in_main_layer(name, self.d.layers)
 
     def take_router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert ``[num MoE layers, n_routed]`` (int64, on the model's device)

@@ -45,7 +45,8 @@ clamped above, up on both sides) plus the shared experts (same clamp; one MLP of
 ``moe`` layers take top-k of ``score + e_score_correction_bias``, ``hash_moe`` layers the frozen
 table ``tid2eid[token]``; weights are the chosen scores over their sum (+1e-20) times
 ``routed_scaling_factor``. ``kernels.force_balanced_routing`` replaces the learned top-k (not the
-hash tables) with a uniform draw, as for V3. ``router_stats``/``take_router_stats`` as in V3.
+hash tables) with a uniform draw, as for V3. ``router_stats``/``take_router_stats``, expert parallelism
+(``expert_parallel``, with the ``swiglu_limit``) and expert shards (``deepinfer_expert_shard``) as in V3.
 
 YoCo (``yoco_num_producer_layers`` = N > 0, API.md §7): the attention-norm output of layer N is the
 shared hidden; layers ≥ N compute their compressed entries, indexer keys and compressor state from
@@ -93,7 +94,12 @@ from deepinfer.errors import ConfigError
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.state import CompressedPart, HybridLayerSpec, RingPart
 from deepinfer.model.base import StackedDecoderLM, config_value
-from deepinfer.model.deepseek_v3 import FORCE_BALANCED_ROUTING_KEY
+from deepinfer.model.deepseek_v3 import (
+    EXPERT_SHARD_KEY,
+    FORCE_BALANCED_ROUTING_KEY,
+    count_routed_tokens,
+    in_main_layer,
+)
 from deepinfer.model.layers.reference_deepseek_v4 import entry_rows, ring_rows
 from deepinfer.model.layers.rope import inverse_frequencies
 from deepinfer.model.transfer import to_device
@@ -144,6 +150,11 @@ class V4Dims:
         self.scoring = config_value(cfg, "scoring_func", default="sqrtsoftplus")
         self.num_mtp = config_value(cfg, "num_nextn_predict_layers", default=0)
         self.balanced = bool(cfg.get(FORCE_BALANCED_ROUTING_KEY, False))
+        shard = cfg.get(EXPERT_SHARD_KEY)
+        # The logical expert of each row of the main layers' expert stacks: all of them, or an
+        # expert-parallel rank's shard (the MTP layers keep every expert: drafting runs them locally).
+        self.sharded = shard is not None and self.n_routed > 0
+        self.expert_ids = shard.experts(self.n_routed) if self.sharded else list(range(self.n_routed))
         rates = dict(cfg.get("compress_rates") or {CSA: 4, HCA: 128})
         if cfg.get("compress_rate_csa"):
             rates[CSA] = cfg["compress_rate_csa"]
@@ -351,6 +362,15 @@ def _segments(ctx: ForwardContext) -> list[_Segment]:
                      ctx.state_slots_host[i], floors[i], i) for i in range(len(lens))]
 
 
+def decode_only(ctx: ForwardContext) -> bool:
+    """Whether every request of the step brings one query token and none of them rebuilds state below
+    its write floor (host ints only; true for a CUDA graph bucket of one-token requests)."""
+    if ctx.max_query_len != 1 and ctx.num_decodes != ctx.block_tables.shape[0]:
+        return False
+    floors = ctx.write_floor_host
+    return floors is None or all(f < n for f, n in zip(floors, ctx.seq_lens_host, strict=True))
+
+
 @dataclass(frozen=True)
 class _ConsumerView:
     """What the YoCo consumer layers compute under prefill truncation (reference/deepinfer.md §6): the
@@ -415,6 +435,9 @@ class Compressor(nn.Module):
         (unless below the request's write floor) and keep the projections in the ring."""
         assert self.paged is not None and self.ring is not None, "compressor cache not bound"
         proj = ctx.backends["linear"].linear(x, self.kv_gate_weight)  # [T, 2 · series]: kv, then gate
+        if decode_only(ctx):
+            self._update_decode(proj, ctx, rotary)
+            return
         size, r, dev = self.ring.shape[1], self.ratio, x.device
         per_block = self.paged.shape[1]
         flat = self.paged.view(-1, self.width)
@@ -433,6 +456,45 @@ class Compressor(nn.Module):
             keep = min(s.hi - s.lo, size)
             self.ring[s.slot].index_copy_(0, ring_rows(s.end - keep, s.end, size, dev), proj[s.hi - keep:s.hi])
 
+    def _update_decode(self, proj: torch.Tensor, ctx: ForwardContext, rotary: V4Rotary) -> None:
+        """``update`` for a step of one query token per request, on device tensors only (no host list,
+        so a CUDA graph can capture it): every row goes into its request's ring, every request pools
+        the window its token falls in from the ring, and the entry is written where that token closes
+        the window (elsewhere the entry's row gets its own value back)."""
+        assert self.paged is not None and self.ring is not None
+        r, width, size = self.ratio, self.width, self.ring.shape[1]
+        ring = self.ring.view(-1, self.ring.shape[-1])
+        pos, slots = ctx.positions, ctx.state_slots
+        assert slots is not None, "a stateful decode step needs ctx.state_slots"
+        ring.index_copy_(0, slots * size + pos % size, proj)
+        window = pos // r
+        span = self.ring_span()
+        first = (window + 1) * r - span  # negative for entry 0 with overlap: those rows are masked below
+        reads = slots.unsqueeze(1) * size + (first.unsqueeze(1) + torch.arange(span, device=pos.device)) % size
+        kv, gate = ring.index_select(0, reads.flatten()).view(-1, span // r, r, 2 * self.series).split(self.series, -1)
+        gate = gate + self.position_bias
+        if self.overlap:  # Ca of the previous window, Cb of this one; entry 0 has no previous window
+            no_prev = (window == 0).view(-1, 1, 1)
+            prev_kv = kv[:, 0, :, :width].masked_fill(no_prev, 0)
+            prev_gate = gate[:, 0, :, :width].masked_fill(no_prev, float("-inf"))
+            kv = torch.cat([prev_kv, kv[:, 1, :, width:]], dim=1)
+            gate = torch.cat([prev_gate, gate[:, 1, :, width:]], dim=1)
+        else:
+            kv, gate = kv[:, 0], gate[:, 0]
+        entries = self._finish(kv, gate, window * r, rotary)
+        per_block = self.paged.shape[1]
+        blocks = ctx.block_tables.gather(1, (window // per_block).unsqueeze(1)).squeeze(1)
+        targets = blocks * per_block + window % per_block
+        flat = self.paged.view(-1, width)
+        closes = ((pos + 1) % r == 0).unsqueeze(1)
+        flat.index_copy_(0, targets, torch.where(closes, entries.to(flat.dtype), flat.index_select(0, targets)))
+
+    def _finish(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
+        """Entries from their windows' ``kv`` and biased ``gate`` ``[entries, slots, width]``: softmax over
+        the slots per channel, the weighted sum, the norm, then rope at ``positions`` (window starts)."""
+        probs = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        return rotary.rotate(self.norm((kv * probs).sum(dim=1)), positions)
+
     def _pool(self, rows: torch.Tensor, w0: int, w1: int, first_window: int, rotary: V4Rotary) -> torch.Tensor:
         """Entries ``[w0, w1)`` from the projections of windows ``[first_window, w1)``."""
         r, width = self.ratio, self.width
@@ -448,10 +510,7 @@ class Compressor(nn.Module):
                 prev_kv, prev_gate, cur_kv, cur_gate = prev_kv[:-1], prev_gate[:-1], cur_kv[1:], cur_gate[1:]
             kv = torch.cat([prev_kv, cur_kv], dim=1)
             gate = torch.cat([prev_gate, cur_gate], dim=1)
-        probs = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        pooled = self.norm((kv * probs).sum(dim=1))
-        positions = torch.arange(w0, w1, device=rows.device) * r
-        return rotary.rotate(pooled, positions)
+        return self._finish(kv, gate, torch.arange(w0, w1, device=rows.device) * r, rotary)
 
 
 class Indexer(nn.Module):
@@ -565,8 +624,14 @@ class V4MoE(nn.Module):
             self.register_buffer("tid2eid", table, persistent=False)
         else:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(e, **f32), requires_grad=False)
-        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, d.hidden, **kw))
-        self.w2 = nn.Parameter(torch.empty(e, d.hidden, inter, **kw))
+        # Expert-parallel capable (``parallel/moe.py``), as V3's ``DeepseekMoE``: ``num_experts`` logical
+        # experts, ``expert_ids`` the logical expert of each row of ``w13``/``w2``, and ``expert_parallel``
+        # (set on a rank) replacing the ``experts`` op.
+        self.num_experts = e
+        self.expert_ids = d.expert_ids if layer < d.layers else list(range(e))
+        self.w13 = nn.Parameter(torch.empty(len(self.expert_ids), 2 * inter, d.hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(len(self.expert_ids), d.hidden, inter, **kw))
+        self.expert_parallel: Any = None
         shared = inter * d.n_shared
         self.shared_gate_up = nn.Parameter(torch.empty(2 * shared, d.hidden, **kw)) if shared else None
         self.shared_down = nn.Parameter(torch.empty(d.hidden, shared, **kw)) if shared else None
@@ -598,10 +663,12 @@ class V4MoE(nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         ids, weights = self.route(x, input_ids, positions)
         if self.stats is not None:
-            flat = ids.reshape(-1)
-            self.stats.index_add_(0, flat, torch.ones_like(flat))
+            count_routed_tokens(self.stats, ids, ctx)
         limit = self.d.swiglu_limit
-        out = ctx.backends["experts"].experts(x, ids, weights, (self.w13, self.w2), swiglu_limit=limit)
+        if self.expert_parallel is not None:
+            out = self.expert_parallel(x, ids, weights, ctx, swiglu_limit=limit)
+        else:
+            out = ctx.backends["experts"].experts(x, ids, weights, (self.w13, self.w2), swiglu_limit=limit)
         if self.shared_gate_up is not None:
             gemm = ctx.backends["linear"]
             gate, up = gemm.linear(x, self.shared_gate_up).chunk(2, dim=-1)
@@ -720,6 +787,7 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
     hash MoE; per-request state in state slots, compressed entries paged (see the module docstring)."""
 
     architecture = "DeepseekV4ForCausalLM"
+    backend_ops = frozenset({"linear", "sink_attention", "indexer_topk", "experts"})
 
     def __init__(self, hf_config: dict[str, Any], *, dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> None:
@@ -735,6 +803,8 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
         self.norm = V4RMSNorm(d.hidden, d.eps, device)
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, dtype=dtype, device=device))
         self.mtp_layers = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
+        # The loader's cue (``model/loader.py``): on an expert-parallel rank, read only these experts.
+        self.expert_ids = d.expert_ids if d.sharded else None
         self.moe_layer_ids = list(range(d.layers))
         self.register_buffer("router_stats", torch.zeros(d.layers, d.n_routed, dtype=torch.int64, device=device),
                              persistent=False)
@@ -759,6 +829,10 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
     def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.bind(cache)
+
+    def shards_weight(self, name: str) -> bool:
+        """Whether the expert shard covers checkpoint tensor ``name``'s routed experts (``model/loader.py``)."""
+        return in_main_layer(name, self.d.layers)
 
     def take_router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert ``[layers, n_routed]`` since the last call; zeroes the buffer."""

@@ -6,13 +6,16 @@ A step is *decode-shaped* when every request in it brings at most ``max_query_le
 ``interval`` tokens up to the largest, as the reference system does). Sampling and verification run
 eagerly after the replay: they are a handful of device kernels with no host sync.
 
-Static inputs (token ids, positions, cache slots, sequence lengths, query starts and block tables) are
-filled on the device from one packed pinned host buffer, in the runner's ``execute`` (the device's
-thread, in step order), never while a previous replay may still read them. Padding: the ``Tb − T``
-extra tokens are one-token requests at position 0 that write the reserved scratch block 0; requests
-past those have no query tokens. Backends used under graphs must be ``graph_safe``: with
-``ctx.max_query_len`` at most their bound they must not read the context's host lists, whose values
-are the capture's, not the step's (``interfaces.ForwardContext``).
+Static inputs (token ids, positions, cache slots, sequence lengths, the number of real tokens, query
+starts and block tables) are filled on the device from one packed pinned host buffer, in the runner's
+``execute`` (the device's thread, in step order), never while a previous replay may still read them.
+Padding: the ``Tb − T`` extra tokens are one-token requests at position 0 that write the reserved
+scratch block 0; requests past those have no query tokens. ``ForwardContext.num_real_tokens`` holds
+``T`` on the device, so that statistics (the MoE layers' ``router_stats``) skip the padding rows
+without a host sync; it is 0 until the first step is loaded, so the capture's warm-up forward and the
+start-up replays that profile the step cost count nothing. Backends used under graphs must be
+``graph_safe``: with ``ctx.max_query_len`` at most their bound they must not read the context's host
+lists, whose values are the capture's, not the step's (``interfaces.ForwardContext``).
 """
 
 from __future__ import annotations
@@ -41,25 +44,31 @@ def graph_buckets(largest: int, interval: int = 8) -> list[int]:
 
 
 def pack_step(tokens: int, ids: list[int], positions: list[int], slots: list[int], seq_lens: list[int],
-              starts: list[int], tables: list[list[int]]) -> tuple[np.ndarray, int]:
+              starts: list[int], tables: list[list[int]], state_slots: list[int] | None = None
+              ) -> tuple[np.ndarray, int]:
     """A step's inputs padded to a bucket of ``tokens`` query tokens, as one int64 vector: ids,
-    positions, slots and seq_lens (``tokens`` entries each), the query starts (``tokens + 1``), then the
-    ``[B, width]`` block tables. Returns it and ``width``. The padding tokens are one-token requests at
-    position 0 writing slot 0 (the reserved scratch block); requests after them have no query tokens."""
+    positions, slots and seq_lens (``tokens`` entries each), the number of real tokens (one entry), the
+    query starts (``tokens + 1``), the requests' state slots (``tokens``; models with per-request state),
+    then the ``[B, width]`` block tables. Returns it and ``width``. The padding tokens are one-token
+    requests at position 0 writing slot 0 (the reserved scratch block) and state slot 0 (reserved too);
+    requests after them have no query tokens."""
     n, b = len(ids), len(seq_lens)
     width = max(len(t) for t in tables)
     pad = tokens - n
-    packed = np.zeros(5 * tokens + 1 + b * width, dtype=np.int64)
+    packed = np.zeros(6 * tokens + 2 + b * width, dtype=np.int64)
     packed[:n] = ids
     packed[tokens:tokens + n] = positions
     packed[2 * tokens:2 * tokens + n] = slots
     packed[3 * tokens:3 * tokens + b] = seq_lens
     packed[3 * tokens + b:3 * tokens + b + pad] = 1
-    qsl = packed[4 * tokens:5 * tokens + 1]
+    packed[4 * tokens] = n
+    qsl = packed[4 * tokens + 1:5 * tokens + 2]
     qsl[:b + 1] = starts
     qsl[b + 1:b + 1 + pad] = np.arange(n + 1, tokens + 1)
     qsl[b + 1 + pad:] = tokens
-    tables_out = packed[5 * tokens + 1:].reshape(b, width)
+    if state_slots is not None:
+        packed[5 * tokens + 2:5 * tokens + 2 + b] = state_slots
+    tables_out = packed[6 * tokens + 2:].reshape(b, width)
     for i, table in enumerate(tables):
         tables_out[i, :len(table)] = table
     return packed, width
@@ -68,8 +77,8 @@ def pack_step(tokens: int, ids: list[int], positions: list[int], slots: list[int
 @dataclass
 class GraphStep:
     """A decode-shaped step staged for replay: ``staged`` is the packed int64 inputs already on the
-    device (ids, positions, slots, seq_lens padded to the bucket, then query starts, then the
-    ``[B, width]`` block tables)."""
+    device (``pack_step``: ids, positions, slots, seq_lens padded to the bucket, the number of real
+    tokens, query starts, state slots, then the ``[B, width]`` block tables)."""
 
     bucket: tuple[int, int]
     num_tokens: int
@@ -82,19 +91,20 @@ class _Graph:
     """One captured bucket: its static inputs, outputs and the graph."""
 
     def __init__(self, tokens: int, max_query_len: int, block_tables: torch.Tensor, block_size: int,
-                 backends: Mapping[str, object]) -> None:
+                 backends: Mapping[str, object], stateful: bool) -> None:
         device = block_tables.device
         self.tokens = tokens
-        self.flat = torch.zeros(4 * tokens, dtype=torch.int64, device=device)  # ids | positions | slots | seq_lens
-        self.query_start_loc = torch.arange(tokens + 1, dtype=torch.int32, device=device)
-        self.flat[3 * tokens:] = 1  # the capture's batch: one-token requests at position 0 (scratch block 0)
-        self.input_ids = self.flat[:tokens]
         t = tokens
+        # ids | positions | slots | seq_lens | real tokens (0: nothing counted until a step is loaded)
+        self.flat = torch.zeros(4 * t + 1, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(t + 1, dtype=torch.int32, device=device)
+        self.flat[3 * t:4 * t] = 1  # the capture's batch: one-token requests at position 0 (scratch block 0)
+        self.input_ids = self.flat[:t]
         self.ctx = ForwardContext(
             positions=self.flat[t:2 * t],
             slot_mapping=self.flat[2 * t:3 * t],
             query_start_loc=self.query_start_loc,
-            seq_lens=self.flat[3 * t:],
+            seq_lens=self.flat[3 * t:4 * t],
             block_tables=block_tables[:tokens],
             num_decodes=t if max_query_len == 1 else 0,
             query_start_loc_host=list(range(t + 1)),
@@ -102,7 +112,13 @@ class _Graph:
             block_size=block_size,
             backends=backends,
             max_query_len=max_query_len,
+            num_real_tokens=self.flat[4 * t],
         )
+        # Requests' state slots (models with per-request state); the capture's are the reserved slot 0.
+        self.state_slots = torch.zeros(t, dtype=torch.int64, device=device)
+        if stateful:
+            self.ctx.state_slots = self.state_slots
+            self.ctx.state_slots_host, self.ctx.write_floor_host = [0] * t, [0] * t
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
@@ -113,10 +129,12 @@ class DecodeGraphs:
 
     def __init__(self, model: CausalLM, backends: Mapping[str, object], block_size: int, device: torch.device,
                  max_tokens: int, max_query_lens: tuple[int, ...], max_blocks: int, interval: int = 8,
-                 emulate: bool = False) -> None:
+                 emulate: bool = False, stateful: bool = False) -> None:
         """``emulate``: never capture; ``replay`` runs the forward eagerly on the static buffers. It runs
-        the same padding and the backends' graph contract anywhere (CPU tests)."""
+        the same padding and the backends' graph contract anywhere (CPU tests). ``stateful``: the model
+        keeps per-request state slots (``kv/state.py``), which the static context then carries."""
         self.emulate = emulate
+        self.stateful = stateful
         self.model = model
         self.backends = backends
         self.block_size = block_size
@@ -137,7 +155,7 @@ class DecodeGraphs:
         pool = None if self.emulate else torch.cuda.graph_pool_handle()
         for qlen in self.max_query_lens:
             for tokens in reversed(self.buckets):
-                graph = _Graph(tokens, qlen, self.block_tables, self.block_size, self.backends)
+                graph = _Graph(tokens, qlen, self.block_tables, self.block_size, self.backends, self.stateful)
                 self.graphs[(tokens, qlen)] = graph
                 if self.emulate:
                     continue
@@ -165,9 +183,10 @@ class DecodeGraphs:
         return tokens, qlen
 
     def stage(self, bucket: tuple[int, int], ids: list[int], positions: list[int], slots: list[int],
-              seq_lens: list[int], starts: list[int], tables: list[list[int]]) -> GraphStep:
+              seq_lens: list[int], starts: list[int], tables: list[list[int]],
+              state_slots: list[int] | None = None) -> GraphStep:
         """Pack a step's inputs for ``bucket`` into one pinned buffer and start its copy to the device."""
-        packed, width = pack_step(bucket[0], ids, positions, slots, seq_lens, starts, tables)
+        packed, width = pack_step(bucket[0], ids, positions, slots, seq_lens, starts, tables, state_slots)
         host = torch.from_numpy(packed)
         if self.device.type == "cuda":
             host = host.pin_memory()
@@ -182,10 +201,11 @@ class DecodeGraphs:
         """Copy a staged step into its graph's static inputs (on the device, in stream order)."""
         graph = self.graphs[step.bucket]
         t, b, w = graph.tokens, step.num_requests, step.width
-        graph.flat.copy_(step.staged[:4 * t])
-        graph.query_start_loc.copy_(step.staged[4 * t:5 * t + 1])
+        graph.flat.copy_(step.staged[:4 * t + 1])
+        graph.query_start_loc.copy_(step.staged[4 * t + 1:5 * t + 2])
+        graph.state_slots.copy_(step.staged[5 * t + 2:6 * t + 2])
         if b * w:
-            self.block_tables[:b, :w].copy_(step.staged[5 * t + 1:].view(b, w))
+            self.block_tables[:b, :w].copy_(step.staged[6 * t + 2:].view(b, w))
 
     def replay(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the captured graph; returns its static ``hidden [Tb, H]`` and ``logits [Tb, V]``."""

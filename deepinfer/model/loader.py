@@ -1,12 +1,29 @@
 """Weight loading: HF folders of safetensors (single, sharded with an index, or several files) and
-dummy random weights for benchmarks."""
+dummy random weights for benchmarks.
+
+Expert shards: a model whose MoE modules hold only some routed experts (on an expert-parallel rank,
+``parallel.placement.ExpertShard``) says so with ``model.expert_ids``, the logical expert of each row
+of its sharded expert stacks (the same for every such layer), and ``model.shards_weight(name)``, whether
+a checkpoint tensor lies in a sharded layer (e.g. not in an MTP layer, which keeps every expert). The
+loader then reads only the held experts' tensors of those layers: a per-expert tensor
+(``….experts.{e}.…``, any model) is read only when ``e`` is held, and handed to the model renamed to
+the row that holds it (``….experts.{row}.…``, once per row, so replicas get their weights), and the
+rows of a fused stack (``….experts.gate_up_proj`` / ``down_proj`` ``[E, …]``) are read in row order.
+The model then fills row ``row`` exactly as it would fill expert ``row`` of a full stack.
+Dummy weights of such stacks are seeded per (parameter, logical expert), so a shard holds the rows the
+full model would.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+import re
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -37,40 +54,98 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(folder: Path, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+_PER_EXPERT = re.compile(r"(^|\.)experts\.(\d+)\.")
+_FUSED_EXPERTS = re.compile(r"(^|\.)experts\.(gate_up_proj|down_proj)$")
+
+
+@dataclass
+class LoadReport:
+    """What a load read from the checkpoint: tensors and their bytes (as stored)."""
+
+    tensors: int = 0
+    bytes: int = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+
+
+def iter_safetensors(folder: Path, dtype: torch.dtype | None = None, *, expert_ids: Sequence[int] | None = None,
+                     shards: Callable[[str], bool] | None = None,
+                     report: LoadReport | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the folder as ``(name, tensor)``, in the checkpoint's own dtype, or cast to
-    ``dtype`` when given (integer tensors are never cast)."""
+    ``dtype`` when given (integer tensors are never cast). With ``expert_ids`` (the logical expert of
+    each local row, see the module docstring) only those routed experts are read, renamed to their
+    rows, of the tensors ``shards(name)`` accepts (all when None). ``report`` counts what was read."""
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensor = f.get_tensor(name)
-                cast = dtype is not None and tensor.is_floating_point()
-                yield name, tensor.to(dtype) if cast else tensor
+                sharded = expert_ids is not None and (shards is None or shards(name))
+                for out_name, tensor in _read(f, name, expert_ids if sharded else None, report):
+                    cast = dtype is not None and tensor.is_floating_point()
+                    yield out_name, tensor.to(dtype) if cast else tensor
 
 
-def load_checkpoint(model: nn.Module, folder: Path, dtype: torch.dtype) -> None:
-    """Fill ``model`` from the folder's safetensors; every parameter must be covered.
+def _read(f: Any, name: str, expert_ids: Sequence[int] | None,
+          report: LoadReport | None) -> list[tuple[str, torch.Tensor]]:
+    """The tensors ``name`` gives a model holding ``expert_ids`` (None: all experts): the tensor itself,
+    or for a routed expert one renamed copy per row holding it (none, and nothing read, when no row
+    does), or a fused stack's held rows. ``report`` counts the reads."""
+    match = None if expert_ids is None else _PER_EXPERT.search(name)
+    if match is not None:
+        expert = int(match.group(2))
+        rows = [row for row, e in enumerate(expert_ids) if e == expert]
+        if not rows:
+            return []
+        tensor = f.get_tensor(name)
+        out = [(f"{name[:match.start(2)]}{row}{name[match.end(2):]}", tensor) for row in rows]
+    elif expert_ids is not None and _FUSED_EXPERTS.search(name) is not None:
+        stack = f.get_slice(name)
+        tensor = torch.cat([stack[e:e + 1] for e in expert_ids])
+        out = [(name, tensor)]
+    else:
+        tensor = f.get_tensor(name)
+        out = [(name, tensor)]
+    if report is not None:
+        report.add(tensor)
+    return out
+
+
+def load_checkpoint(model: nn.Module, folder: Path, dtype: torch.dtype) -> LoadReport:
+    """Fill ``model`` from the folder's safetensors; every parameter must be covered. Returns what was
+    read (only the held experts' tensors when the model has ``expert_ids``, see the module docstring).
 
     Tensors reach ``load_weights`` uncast (the checkpoint's dtype): each model copies them into its
     parameters with ``copy_``, which casts into the parameter's own dtype, so parameters a model keeps
     in float32 whatever ``dtype`` is (DeepSeek's router weight and correction bias) keep the
     checkpoint's full precision. ``dtype`` is the model dtype, kept for the signature's sake."""
     del dtype
-    loaded = model.load_weights(iter_safetensors(folder))
+    report = LoadReport()
+    loaded = model.load_weights(iter_safetensors(folder, expert_ids=getattr(model, "expert_ids", None),
+                                                 shards=getattr(model, "shards_weight", None), report=report))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {str(folder)!r} is missing {len(missing)} weights: {shown}")
+    return report
 
 
 def init_dummy(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Random weights on the parameters' own device, seeded by ``seed``: normal(0, std) matrices,
-    zero biases, ones for norm scales (the other 1-D parameters)."""
+    zero biases, ones for norm scales (the other 1-D parameters). The stacked expert weights
+    (``w13``/``w2`` of modules with ``expert_ids``) get each row from its own generator, seeded by
+    (``seed``, parameter, logical expert), so an expert shard holds what the full model holds."""
     device = next(model.parameters()).device
+    stacks = {f"{prefix}.{attr}": module.expert_ids for prefix, module in model.named_modules()
+              if hasattr(module, "expert_ids") for attr in ("w13", "w2")}
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if name.endswith("bias"):
+            if name in stacks:
+                for row, expert in enumerate(stacks[name]):
+                    key = zlib.crc32(f"{seed}:{name}:{expert}".encode())
+                    param[row].normal_(0.0, std, generator=torch.Generator(device=device).manual_seed(key))
+            elif name.endswith("bias"):
                 param.zero_()
             elif param.dim() == 1:
                 param.fill_(1.0)

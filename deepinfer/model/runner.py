@@ -156,14 +156,22 @@ class ModelRunner:
         floors = [s.request.visibility_floor for s in sched.scheduled]
         truncations = [s.request.truncation if s.start < s.request.truncation_end else None for s in sched.scheduled]
         has_floor, has_truncation = any(floors), any(t is not None for t in truncations)
+        state_slots = write_floors = None
+        if self.state_slot is not None and self.write_floor is not None:
+            rids = [s.request.request_id for s in sched.scheduled]
+            state_slots, write_floors = [self.state_slot(r) for r in rids], [self.write_floor(r) for r in rids]
+        replaying = write_floors is not None and any(f > s.start for f, s in zip(write_floors, sched.scheduled,
+                                                                                   strict=True))
         bucket = None
-        # Graphs carry neither replay floors nor captured layer features (dspark's hidden_layers): eager then.
-        if self.graphs is not None and not spans and not (has_floor or has_truncation) and not self.hidden_layers:
+        # Graphs carry neither replay floors, state rebuilt below a write floor, nor captured layer
+        # features (dspark's hidden_layers): eager then.
+        if (self.graphs is not None and not spans and not (has_floor or has_truncation or replaying)
+                and not self.hidden_layers):
             bucket = self.graphs.bucket_for(len(ids), max_query_len)
         graph = None
         if bucket is not None:
             assert self.graphs is not None
-            graph = self.graphs.stage(bucket, ids, positions, slots, seq_lens, starts, tables)
+            graph = self.graphs.stage(bucket, ids, positions, slots, seq_lens, starts, tables, state_slots)
             input_ids, ctx = self.graphs.context(bucket)
         else:
             width = max(len(t) for t in tables)
@@ -181,11 +189,9 @@ class ModelRunner:
                 backends=self.backends,
                 max_query_len=max_query_len,
             )
-        if self.state_slot is not None and self.write_floor is not None:
-            rids = [s.request.request_id for s in sched.scheduled]
-            ctx.state_slots_host = [self.state_slot(r) for r in rids]
-            ctx.state_slots = tensor(ctx.state_slots_host)
-            ctx.write_floor_host = [self.write_floor(r) for r in rids]
+            if state_slots is not None:
+                ctx.state_slots_host, ctx.state_slots = state_slots, tensor(state_slots)
+                ctx.write_floor_host = write_floors
         if has_floor:
             ctx.visibility_floor_host = floors
             ctx.visibility_floor = tensor(floors)

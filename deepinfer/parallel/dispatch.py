@@ -55,7 +55,8 @@ class AllToAllBackend:
     name = "torch_all_to_all"
     priority = 0
     ops = frozenset({"dispatch", "combine"})
-    capabilities = BackendCapabilities(dtypes=_ALL_DTYPES, graph_safe=False)
+    # Rows only move, and the combine sums each token's choices in a fixed order: batch-invariant.
+    capabilities = BackendCapabilities(dtypes=_ALL_DTYPES, graph_safe=False, batch_invariant=True)
 
     def __init__(self) -> None:
         self.timer = CommTimer()
@@ -96,7 +97,7 @@ class AllToAllBackend:
         dist.all_to_all_single(back, y.contiguous(), h.send_counts, h.recv_counts, group=h.group)
         per_choice = torch.empty_like(back)
         per_choice[h.order] = back
-        per_choice = per_choice.view(h.num_tokens, h.top_k, -1).float()
+        per_choice = per_choice.view(h.num_tokens, h.top_k, y.shape[1]).float()  # not -1: T may be 0
         weights = topk_weights.float()
         out = per_choice[:, 0] * weights[:, 0:1]
         for j in range(1, h.top_k):  # a fixed summation order, whatever the ranks did

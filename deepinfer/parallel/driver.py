@@ -7,9 +7,11 @@ command connection to each (``multiprocessing.connection``, authenticated with a
 validates and numbers requests exactly like a single engine (``LLMEngine.make_request`` runs on this
 object), routes each one to a rank with the configured ``RequestRouter``, and drives the ranks in
 lock-step: one ``step()`` sends every rank its new requests and aborts and collects every rank's
-finished outputs. Ranks are torn down by ``shutdown()``, at garbage collection and at interpreter
-exit (``weakref.finalize``); a rank that fails takes the whole group down with its traceback in the
-error, since the others can no longer complete their collectives.
+finished outputs and, with ``stream`` on (``AsyncLLM`` sets it), the tokens each unfinished request
+committed, from which the driver builds the cumulative outputs a single engine streams. Ranks are
+torn down by ``shutdown()``, at garbage collection and at interpreter exit (``weakref.finalize``); a
+rank that fails takes the whole group down with its traceback in the error, since the others can no
+longer complete their collectives.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import secrets
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +39,7 @@ from deepinfer.engine.request import Request
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import RankLoad, RequestRouter
 from deepinfer.model.assets import resolve_model_path
+from deepinfer.parallel.messages import StepReply, TokenDelta
 from deepinfer.parallel.sizes import parallel_sizes
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
 
@@ -44,8 +48,12 @@ logger = logging.getLogger(__name__)
 HOST = "127.0.0.1"
 POLL_S = 0.2
 SHUTDOWN_WAIT_S = 20.0
-# Ratios in plugin counters that cannot be summed across ranks; they are averaged instead.
-_RATIO_SUFFIXES = ("_fraction", "_rate", "_ratio")
+# Ratios and means in plugin counters that cannot be summed across ranks; they are averaged instead
+# (e.g. spec_decode's mean_acceptance_length, acceptance_per_position, confidence_calibration_error),
+# weighted by the count of a dict that has one (a rank that verified nothing adds nothing to the means).
+_RATIO_SUFFIXES = ("_fraction", "_rate", "_ratio", "_error")
+_MEAN_MARKERS = ("mean_", "_per_")
+_COUNT_KEYS = ("verify_steps",)
 
 
 class RankFailure(RuntimeError):
@@ -93,7 +101,11 @@ class _ModelFacts:
 
 
 class ParallelEngine:
-    """Routes requests over N rank processes that run DP attention and EP MoE in lock-step."""
+    """Routes requests over N rank processes that run DP attention and EP MoE in lock-step.
+
+    It offers what ``LLM`` and ``AsyncLLM`` use of an ``LLMEngine`` (``entrypoints.llm.Engine``); with
+    ``stream`` on, ``step()`` also returns an output for every unfinished request that got tokens.
+    """
 
     # The single engine's request validation and numbering, reused as is: it reads ``tokenizer``,
     # ``model_path``, ``model.vocab_size``, ``max_model_len``, ``eos_token_ids``, ``config`` and
@@ -120,10 +132,6 @@ class ParallelEngine:
         # Plugins are built here too: their config sections are validated before any rank starts, and
         # the router is a strategy like any other.
         self.host = PluginHost(self.config.plugins, installed)
-        if "spec_decode" in self.host.enabled:
-            # Drafting runs extra MoE forwards on some ranks only, which the lock-step cannot match yet.
-            raise ConfigError("plugins.spec_decode: speculative decoding does not run with several ranks yet; "
-                              "disable it or set parallel.expert_parallel_size=1")
         self.router: RequestRouter = self.host.select("deepinfer_request_routers", self.config.parallel.router,
                                                       "parallel.router")
         self.model_path = resolve_model_path(self.config.model.path)
@@ -134,6 +142,8 @@ class ParallelEngine:
         self._inbox: list[list[Request]] = [[] for _ in range(self.world)]
         self._aborts: list[list[str]] = [[] for _ in range(self.world)]
         self._owner: dict[str, int] = {}  # unfinished request id -> rank
+        self._requests: dict[str, Request] = {}  # unfinished request id -> its copy here, advanced by deltas
+        self.stream = False
         self._loads = [RankLoad(r, 0, 0) for r in range(self.world)]
         self._routed = [0] * self.world
         try:
@@ -242,6 +252,7 @@ class ParallelEngine:
         self._loads[rank] = RankLoad(rank, load.num_requests + 1, load.num_tokens + request.num_tokens)
         self._inbox[rank].append(request)
         self._owner[request.request_id] = rank
+        self._requests[request.request_id] = request
         self._routed[rank] += 1
 
     def abort(self, request_id: str) -> bool:
@@ -253,22 +264,39 @@ class ParallelEngine:
         return True
 
     def has_unfinished(self) -> bool:
+        """Whether a request routed here has not returned its finished output yet."""
         return bool(self._owner)
 
     def step(self) -> list[RequestOutput]:
-        """One lock-step of every rank; the finished outputs of all of them."""
+        """One lock-step of every rank; the finished outputs of all of them and, with ``stream`` on, the
+        cumulative output of every unfinished request that got tokens."""
         if not self._owner:
             return []
-        payloads = [(self._inbox[r], self._aborts[r]) for r in range(self.world)]
+        payloads = [(self._inbox[r], self._aborts[r], self.stream) for r in range(self.world)]
         self._inbox = [[] for _ in range(self.world)]
         self._aborts = [[] for _ in range(self.world)]
         outputs: list[RequestOutput] = []
-        for outs, load in self._all("step", payloads):
-            self._loads[load.rank] = load
-            for out in outs:
+        replies: list[StepReply] = self._all("step", payloads)
+        for reply in replies:
+            self._loads[reply.load.rank] = reply.load
+            for out in reply.finished:
                 self._owner.pop(out.request_id, None)
-            outputs.extend(outs)
+                self._requests.pop(out.request_id, None)
+            outputs.extend(reply.finished)
+            outputs.extend(self._advance(delta) for delta in reply.deltas)
         return outputs
+
+    def _advance(self, delta: TokenDelta) -> RequestOutput:
+        """Apply a rank's delta to the request's copy here and build its cumulative output."""
+        req = self._requests[delta.request_id]
+        req.all_token_ids.extend(delta.token_ids)
+        if req.logprobs is not None and delta.logprobs is not None:
+            req.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            req.prompt_logprobs = delta.prompt_logprobs
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = time.time()
+        return req.to_output(self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else "")
 
     # --------------------------------------------------------------------------------- expert placement
 
@@ -277,8 +305,9 @@ class ParallelEngine:
         self._all("rebalance")
 
     def expert_layout(self) -> list[dict[str, Any]]:
-        """Per rank: its placement rows and, per MoE layer and local slot, ``(logical expert, Σ w13,
-        Σ w2)`` of the weights it holds (float64 sums, to check weights against a reference)."""
+        """Per rank: its placement rows; per MoE layer and local slot, ``(logical expert, Σ w13, Σ w2)``
+        of the weights it holds (float64 sums, to check weights against a reference); the rows of its
+        expert tensors per layer; what its checkpoint load read (``worker.Rank.layout``)."""
         return self._all("layout")
 
     # ------------------------------------------------------------------------------------------ stats
@@ -314,16 +343,26 @@ class ParallelEngine:
 
 
 def _sum_dicts(dicts: list[dict[str, Any]]) -> dict[str, Any]:
-    """Key-wise: numbers summed (ratios averaged), dicts merged recursively, anything else from the first."""
+    """Key-wise: numbers summed (ratios and means averaged, lists of them element-wise, weighted by the
+    dicts' ``_COUNT_KEYS`` count when they have one), dicts merged recursively, anything else from the first."""
+    counts = next(([d.get(k, 0) for d in dicts] for k in _COUNT_KEYS if k in dicts[0]), None)
+    weights = counts if counts is not None and sum(counts) > 0 else [1] * len(dicts)
+
+    def mean(column: tuple[float, ...]) -> float:
+        return sum(w * v for w, v in zip(weights, column, strict=True)) / sum(weights)
+
     out: dict[str, Any] = {}
     for key, first in dicts[0].items():
         values = [d.get(key) for d in dicts]
-        if isinstance(first, bool) or not all(isinstance(v, int | float | dict) for v in values):
+        averaged = key.endswith(_RATIO_SUFFIXES) or any(m in key for m in _MEAN_MARKERS)
+        if averaged and all(isinstance(v, list) and len(v) == len(first) for v in values):
+            out[key] = [mean(column) for column in zip(*values, strict=True)]
+        elif isinstance(first, bool) or not all(isinstance(v, int | float | dict) for v in values):
             out[key] = first
         elif isinstance(first, dict):
             out[key] = _sum_dicts([v for v in values if isinstance(v, dict)])
-        elif key.endswith(_RATIO_SUFFIXES):
-            out[key] = sum(values) / len(values)
+        elif averaged:
+            out[key] = mean(tuple(values))
         else:
             out[key] = sum(values)
     return out

@@ -1,11 +1,15 @@
 """Expert-parallel MoE: one rank's share of a layer's experts, and the forward that routes tokens to
 every rank's share (dispatch → local experts → combine).
 
-An MoE module is *EP-capable* when it has stacked expert weights ``w13 [E, 2I, H]`` and
-``w2 [E, H, I]`` and an attribute ``expert_parallel`` (None by default) that its forward calls as
-``expert_parallel(x, topk_ids, topk_weights, ctx)`` instead of the ``experts`` op when set
-(``deepinfer/model/deepseek_v3.py``'s ``DeepseekMoE``). ``attach_expert_parallel`` replaces each such
-module's full weights with the slots its rank holds, so a rank keeps only its share in memory.
+An MoE module is *EP-capable* when it has stacked expert weights ``w13 [R, 2I, H]`` and
+``w2 [R, H, I]``, ``num_experts`` (logical experts), ``expert_ids`` (the logical expert of each of the
+R rows: every expert in order, or the rank's ``ExpertShard`` when the model was built with one) and an
+attribute ``expert_parallel`` (None by default) that its forward calls as
+``expert_parallel(x, topk_ids, topk_weights, ctx[, swiglu_limit=…])`` instead of the ``experts`` op
+when set (``DeepseekMoE`` in ``model/deepseek_v3.py``, ``V4MoE`` in ``model/deepseek_v4.py``).
+``attach_expert_parallel`` hands each such module's rows to an ``ExpertParallelMoE`` as the rank's
+slots: a model built with the rank's shard already holds exactly them (nothing is copied); a model
+holding every expert gives up the rows the rank does not hold.
 
 Local expert compute still goes through the selected ``experts`` backend (the rows received are
 computed as single-choice tokens of weight 1 over the local slots), so fast MoE kernels serve EP too.
@@ -55,9 +59,10 @@ class ExpertParallelMoE:
         return self.phys_to_logical[lo:lo + self.slots].tolist()
 
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                 ctx: ForwardContext) -> torch.Tensor:
+                 ctx: ForwardContext, swiglu_limit: float | None = None) -> torch.Tensor:
         """``x [T, H]``, logical ``topk_ids``/``topk_weights [T, k]`` → ``[T, H]`` (every rank calls this
-        for every MoE layer of every step, with T = 0 on an idle rank)."""
+        for every MoE layer of every step, with T = 0 on an idle rank); ``swiglu_limit`` goes to the
+        ``experts`` op (DeepSeek-V4's clamp)."""
         flat = topk_ids.reshape(-1)
         self.loads.index_add_(0, flat, torch.ones_like(flat))
         phys = route_to_replicas(topk_ids, self.l2p, self.counts, self.rank)
@@ -66,7 +71,8 @@ class ExpertParallelMoE:
                                                   group=self.group)
         self.received.append(x_recv.shape[0])
         ones = torch.ones(x_recv.shape[0], 1, dtype=torch.float32, device=x.device)
-        y = ctx.backends["experts"].experts(x_recv, slot_recv.unsqueeze(1), ones, (self.w13, self.w2))
+        y = ctx.backends["experts"].experts(x_recv, slot_recv.unsqueeze(1), ones, (self.w13, self.w2),
+                                            swiglu_limit=swiglu_limit)
         return ctx.backends["combine"].combine(y, handle, topk_weights)
 
 
@@ -81,20 +87,29 @@ def ep_capable_layers(model: nn.Module) -> list[nn.Module]:
 
 def attach_expert_parallel(model: nn.Module, *, rank: int, world: int, slots: int,
                            placement: torch.Tensor, group: dist.ProcessGroup | None) -> list[ExpertParallelMoE]:
-    """Give every EP-capable layer its local slots under ``placement [layers, ranks·slots]`` (copied
-    out of the full weights every rank loaded), then drop the full weights."""
+    """Give every EP-capable layer its local slots under ``placement [layers, ranks·slots]``, taken
+    from the rows the module holds (``expert_ids``; see the module docstring), then drop the module's
+    own reference to them (the ``ExpertParallelMoE`` owns the slots, and a shuffle replaces them)."""
     layers = ep_capable_layers(model)
     if len(layers) != placement.shape[0]:
         raise ValueError(f"placement has {placement.shape[0]} rows for {len(layers)} MoE layers")
     out = []
     lo = rank * slots
     for i, module in enumerate(layers):
-        mine = placement[i, lo:lo + slots].to(module.w13.device)
-        w13 = module.w13.data.index_select(0, mine).contiguous()
-        w2 = module.w2.data.index_select(0, mine).contiguous()
-        ep = ExpertParallelMoE(layer=i, rank=rank, world=world, slots=slots, num_logical=module.w13.shape[0],
+        mine = placement[i, lo:lo + slots].tolist()
+        held = list(module.expert_ids)
+        if held == mine:  # built with this rank's shard
+            w13, w2 = module.w13.data, module.w2.data
+        else:
+            missing = sorted(set(mine) - set(held))
+            if missing:
+                raise ValueError(f"MoE layer {i} holds no weights for logical experts {missing} of rank {rank}")
+            rows = torch.tensor([held.index(e) for e in mine], dtype=torch.int64, device=module.w13.device)
+            w13 = module.w13.data.index_select(0, rows).contiguous()
+            w2 = module.w2.data.index_select(0, rows).contiguous()
+        ep = ExpertParallelMoE(layer=i, rank=rank, world=world, slots=slots, num_logical=module.num_experts,
                                w13=w13, w2=w2, phys_to_logical=placement[i], group=group)
-        module.w13 = None  # the full stack is no longer needed: free it
+        module.w13 = None
         module.w2 = None
         module.expert_parallel = ep
         out.append(ep)

@@ -36,6 +36,27 @@ def initial_placement(num_layers: int, num_logical: int, num_physical: int) -> t
     return row.unsqueeze(0).repeat(num_layers, 1)
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """Which routed experts one rank loads: the local slots of ``initial_placement`` for rank ``rank`` of
+    ``world`` with ``num_redundant`` redundant experts (the same for every MoE layer). Models built with
+    one (the ``deepinfer_expert_shard`` key of their config, set by the engine inside a rank process)
+    allocate only these rows of their expert stacks, and the loader reads only these experts."""
+
+    rank: int
+    world: int
+    num_redundant: int
+
+    def slots(self, num_logical: int) -> int:
+        """Physical slots per rank."""
+        return num_physical_experts(num_logical, self.num_redundant, self.world) // self.world
+
+    def experts(self, num_logical: int) -> list[int]:
+        """The logical expert of each local slot, as ``initial_placement`` puts them."""
+        slots = self.slots(num_logical)
+        return [(self.rank * slots + s) % num_logical for s in range(slots)]
+
+
 def validate_placement(phys_to_logical: torch.Tensor, num_layers: int, num_logical: int, num_physical: int,
                        source: str) -> torch.Tensor:
     """Check a policy's answer and return it as int64 on the CPU; raise ``ValueError`` naming ``source``."""

@@ -1,4 +1,5 @@
-"""How many ranks a config asks for, and which rank this process is (None outside a rank process).
+"""How many ranks a config asks for, which rank this process is (None outside a rank process), and
+which experts it loads.
 
 ``expert_parallel_size=N`` alone sets ``data_parallel_size=N`` (API.md §4): N ranks, attention data
 parallel (each rank owns its requests) and the routed experts spread over the same N ranks.
@@ -7,9 +8,14 @@ parallel (each rank owns its requests) and the routed experts spread over the sa
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.errors import ConfigError
+from deepinfer.interfaces import PlacementPolicy
+from deepinfer.parallel.placement import ExpertShard
+
+DEFAULT_PLACEMENT_POLICY = "greedy_multistep"  # API.md §1: plugins.eplb.policy's default
 
 _current_rank: int | None = None
 
@@ -33,3 +39,28 @@ def set_current_rank(rank: int) -> None:
     """Mark this process as rank ``rank`` (called once by the rank entry point)."""
     global _current_rank
     _current_rank = rank
+
+
+@dataclass(frozen=True)
+class RankExperts:
+    """A rank's start-up expert facts: the experts it loads and ``plugins.eplb``'s placement policy
+    (None when the plugin is not enabled: the initial placement then stays), resolved once."""
+
+    shard: ExpertShard
+    policy: PlacementPolicy | None
+    policy_name: str
+
+
+def rank_experts(config: Any, host: Any) -> RankExperts | None:
+    """For an ``EngineConfig`` and its ``PluginHost``: this rank's ``RankExperts``; None outside a rank
+    process or without expert parallelism (every expert is loaded)."""
+    world, ep = parallel_sizes(config.parallel)
+    if ep <= 1 or _current_rank is None:
+        return None
+    policy, name = None, ""
+    section = config.plugins.get("eplb", {})
+    if section.get("enabled", False):
+        name = section.get("policy", DEFAULT_PLACEMENT_POLICY)
+        policy = host.select("deepinfer_placement_policies", name, "plugins.eplb.policy")
+    redundant = int(policy.num_redundant_experts) if policy is not None else 0
+    return RankExperts(ExpertShard(_current_rank, world, redundant), policy, name)

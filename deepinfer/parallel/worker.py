@@ -3,19 +3,27 @@
 re-imported). The driver's authentication key arrives on stdin.
 
 The rank joins the process group through the driver's ``TCPStore`` (gloo on CPU, NCCL on CUDA),
-builds its own ``LLMEngine`` from the config the driver sends, keeps its share of the routed experts
-(``moe.attach_expert_parallel``) and then answers commands in order:
+builds its own ``LLMEngine`` from the config the driver sends — which, inside a rank, builds the model
+with the rank's ``ExpertShard`` and loads only those routed experts (``model/loader.py``) — hands them
+to the expert-parallel layers (``moe.attach_expert_parallel``) and then answers commands in order:
 
-- ``step (requests, aborts)``: add the requests routed here, apply aborts, run one *lock-step* —
-  schedule; if this rank has nothing to run, a placeholder forward of zero tokens so that it still
-  joins every MoE layer's dispatch and combine (and computes the rows other ranks send it); process;
-  record router statistics and rebalance when due — and reply with the finished outputs and the
-  rank's load. A request that this rank cannot accept finishes alone with ``finish_reason="error"``.
+- ``step (requests, aborts, stream)``: add the requests routed here, apply aborts, run one
+  *lock-step* — schedule; if this rank has nothing to run, a placeholder forward of zero tokens so
+  that it still joins every MoE layer's dispatch and combine (and computes the rows other ranks send
+  it); process; record router statistics and rebalance when due — and reply (``StepReply``) with the
+  finished outputs, when ``stream`` is on the tokens each unfinished request committed this step
+  (``TokenDelta``: only what the driver has not seen), and the rank's load. A request that this rank
+  cannot accept finishes alone with ``finish_reason="error"``.
 - ``stats``, ``layout``, ``rebalance``: collectives that every rank answers at the same point.
 - ``shutdown``: leave the process group and exit. A lost driver connection exits too.
 
 An exception anywhere else is fatal for the whole group (the collectives can no longer match): it
 is sent to the driver with its traceback and the process exits.
+
+Speculative decoding runs on each rank for its own requests; its step-cost curve is profiled at
+start-up on every rank together (the profile's placeholder forwards join the MoE collectives, so no
+rank may profile alone when its plan first asks). MTP drafting runs the MTP layers locally: they keep
+every expert (``moe.ep_capable_layers``).
 """
 
 from __future__ import annotations
@@ -32,61 +40,63 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepinfer.engine.cost import StepCost
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.interfaces import ForwardContext, RankLoad, Topology
 from deepinfer.parallel.balancer import ExpertBalancer
+from deepinfer.parallel.messages import StepReply, TokenDelta
 from deepinfer.parallel.moe import attach_expert_parallel, ep_capable_layers
-from deepinfer.parallel.placement import initial_placement, num_physical_experts
-from deepinfer.parallel.sizes import parallel_sizes, set_current_rank
+from deepinfer.parallel.placement import initial_placement
+from deepinfer.parallel.sizes import set_current_rank
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PLACEMENT_POLICY = "greedy_multistep"  # API.md §1: plugins.eplb.policy's default
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 class Rank:
-    """One rank's engine, expert share and balancer."""
+    """One rank's engine, expert share and balancer.
 
-    def __init__(self, rank: int, world: int, config: dict[str, Any], group_store: dist.Store) -> None:
+    ``group_store``: the store the ranks meet through; None joins through ``env://`` (``torchrun``).
+    ``local_rank``: this rank's GPU on its host (default: ``rank`` modulo the GPU count);
+    ``num_nodes``: the hosts the ranks span, for hierarchical placement policies.
+    """
+
+    def __init__(self, rank: int, world: int, config: dict[str, Any], group_store: dist.Store | None, *,
+                 local_rank: int | None = None, num_nodes: int = 1) -> None:
         self.rank, self.world = rank, world
         set_current_rank(rank)
         device_name = config.get("model", {}).get("device", "auto")
         use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
         if use_cuda:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
+            torch.cuda.set_device(rank % torch.cuda.device_count() if local_rank is None else local_rank)
         else:
             torch.set_num_threads(1)  # ranks share the host's cores: one intra-op thread each
         dist.init_process_group("nccl" if use_cuda else "gloo", store=group_store, rank=rank, world_size=world,
                                 timeout=COLLECTIVE_TIMEOUT)
         self.engine = LLMEngine(overrides=config)  # highest precedence: the driver already layered every source
-        cfg = self.engine.config
-        _, ep_size = parallel_sizes(cfg.parallel)
         self.device = self.engine.device
         self.layers = []
         self.balancer: ExpertBalancer | None = None
         moe = ep_capable_layers(self.engine.model)
-        if ep_size > 1 and moe:
-            policy, policy_name = None, None
-            section = cfg.plugins.get("eplb", {})
-            if section.get("enabled", False):
-                policy_name = section.get("policy", DEFAULT_PLACEMENT_POLICY)
-                policy = self.engine.host.select("deepinfer_placement_policies", policy_name, "plugins.eplb.policy")
-            num_logical = moe[0].w13.shape[0]
-            redundant = int(policy.num_redundant_experts) if policy is not None else 0
-            physical = num_physical_experts(num_logical, redundant, world)
-            slots = physical // world
-            placement = initial_placement(len(moe), num_logical, physical)
+        # This rank's shard and placement policy (parallel/sizes.py); None without expert parallelism.
+        experts = self.engine.rank_experts
+        if moe and experts is not None:
+            num_logical = moe[0].num_experts
+            slots = experts.shard.slots(num_logical)
+            placement = initial_placement(len(moe), num_logical, slots * world)
             self.layers = attach_expert_parallel(self.engine.model, rank=rank, world=world, slots=slots,
                                                  placement=placement, group=None)
             topology = Topology(ranks=world, slots_per_rank=slots,
-                                num_groups=int(self.engine.hf_config.get("n_group") or 1), num_nodes=1)
-            self.balancer = ExpertBalancer(self.layers, policy=policy, policy_name=policy_name or "",
+                                num_groups=int(self.engine.hf_config.get("n_group") or 1), num_nodes=num_nodes)
+            self.balancer = ExpertBalancer(self.layers, policy=experts.policy, policy_name=experts.policy_name,
                                            topology=topology, group=None, device=self.device)
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()  # the full expert stacks were just dropped
+        speculator = self.engine.speculator
+        if speculator is not None and isinstance(speculator.cost, StepCost):
+            speculator.cost.profile_all()  # every rank at once: the profile's forwards join the collectives
+        self._sent: dict[str, int] = {}  # streaming: output tokens the driver has of each unfinished request
 
     def info(self) -> dict[str, Any]:
         """What the driver needs to validate requests like a single engine would."""
@@ -97,8 +107,17 @@ class Rank:
 
     # ------------------------------------------------------------------------------------- commands
 
-    def step(self, requests: list[Request], aborts: list[str]) -> tuple[list[RequestOutput], RankLoad]:
+    def run(self, kind: str, payload: Any) -> Any:
+        """Run one command of the lock-step protocol (``step``, ``stats``, ``layout``, ``rebalance``)
+        and return its reply."""
+        if kind == "step":
+            return self.step(*payload)
+        return {"stats": self.stats, "layout": self.layout, "rebalance": self.rebalance}[kind]()
+
+    def step(self, requests: list[Request], aborts: list[str], stream: bool) -> StepReply:
+        """One lock-step (see the module docstring)."""
         core = self.engine.core
+        core.stream = stream
         rejected = []
         for req in requests:
             try:
@@ -118,7 +137,19 @@ class Rank:
         outputs = core.process(scheduled, results)
         if self.balancer is not None:
             self.balancer.end_step()
-        return rejected + [o for o in outputs if o.finished], self.load()
+        finished = rejected + [o for o in outputs if o.finished]
+        for out in finished:
+            self._sent.pop(out.request_id, None)
+        return StepReply(finished, [self._delta(o) for o in outputs if not o.finished], self.load())
+
+    def _delta(self, out: RequestOutput) -> TokenDelta:
+        """The part of an unfinished request's cumulative output that the driver has not received."""
+        completion = out.outputs[0]
+        sent = self._sent.get(out.request_id, 0)
+        self._sent[out.request_id] = len(completion.token_ids)
+        logprobs = None if completion.logprobs is None else completion.logprobs[sent:]
+        return TokenDelta(out.request_id, completion.token_ids[sent:], logprobs,
+                          out.prompt_logprobs if sent == 0 else None)
 
     def _check(self, req: Request) -> None:
         """The driver validated the request against rank 0; check it against this rank's engine."""
@@ -159,12 +190,17 @@ class Rank:
         return stats
 
     def layout(self) -> dict[str, Any]:
-        """This rank's expert slots: the placement rows and, per layer and slot, the logical expert and a
-        fingerprint of its weights (float64 sums of w13 and w2) to check against a reference."""
+        """This rank's expert slots: the placement rows; per layer and slot, the logical expert and a
+        fingerprint of its weights (float64 sums of w13 and w2) to check against a reference; per layer
+        the rows its expert tensors have (``[w13 rows, w2 rows]``); and what its checkpoint load read
+        (``[tensors, bytes]``; None for dummy weights)."""
+        report = self.engine.load_report
         return {"rank": self.rank,
                 "placement": [ep.phys_to_logical.tolist() for ep in self.layers],
                 "slots": [[(e, float(ep.w13[s].double().sum()), float(ep.w2[s].double().sum()))
-                           for s, e in enumerate(ep.local_experts)] for ep in self.layers]}
+                           for s, e in enumerate(ep.local_experts)] for ep in self.layers],
+                "rows": [[ep.w13.shape[0], ep.w2.shape[0]] for ep in self.layers],
+                "read": None if report is None else [report.tensors, report.bytes]}
 
     def rebalance(self) -> None:
         if self.balancer is None or self.balancer.policy is None:
@@ -178,8 +214,6 @@ class Rank:
 
 def serve(conn: Connection, rank: Rank) -> None:
     """Answer the driver's commands until ``shutdown`` or a lost connection."""
-    handlers = {"step": lambda p: rank.step(*p), "stats": lambda p: rank.stats(),
-                "layout": lambda p: rank.layout(), "rebalance": lambda p: rank.rebalance()}
     while True:
         try:
             kind, payload = conn.recv()
@@ -190,7 +224,7 @@ def serve(conn: Connection, rank: Rank) -> None:
             rank.shutdown()
             conn.send(("ok", None))
             return
-        conn.send(("ok", handlers[kind](payload)))
+        conn.send(("ok", rank.run(kind, payload)))
 
 
 def main(argv: list[str] | None = None) -> int:

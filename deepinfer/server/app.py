@@ -33,6 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.entrypoints.async_llm import AsyncLLM
+from deepinfer.errors import ChatOptionError
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, ChatRequest, CompletionRequest, bad_request, parse_body
@@ -400,7 +401,10 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         try:
             # The tokenizer's own chat encoding makes the ids, as LLM.chat does: for tokenizer="deepseek-v4"
             # that is deepseek-recipe's V4 encoding, which is not encode(render(...)) (tokenizer_deepseek.py).
-            _, prompt = llm.tokenizer.encode_chat([m.as_dict() for m in body.messages])
+            _, prompt = llm.tokenizer.encode_chat([m.as_dict() for m in body.messages],
+                                                  **(body.chat_template_kwargs or {}))
+        except ChatOptionError as exc:
+            raise bad_request(str(exc), "chat_template_kwargs", "invalid_value") from exc
         except (ValueError, TemplateError) as exc:
             raise bad_request(f"the chat template failed: {exc}", "messages", "invalid_messages") from exc
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

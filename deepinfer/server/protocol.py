@@ -165,7 +165,12 @@ class ResponseFormat(_Body):
 
 
 class ChatRequest(_Sampling):
+    """``chat_template_kwargs`` (vLLM's extension) are extra chat-template variables, handed to the
+    tokenizer's ``encode_chat`` as ``LLM.chat`` does; with ``tokenizer="deepseek-v4"`` they are the V4
+    encoding's options (``thinking``, ...), and a key it does not know is a 400."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    chat_template_kwargs: dict[str, Any] | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None

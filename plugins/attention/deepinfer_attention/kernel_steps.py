@@ -12,13 +12,68 @@ import triton.language as tl
 
 
 @triton.jit
-def load_fp8_tile(data_ptrs, scale_ptrs, mask):
-    """A tile of an FP8 cache (``deepinfer/kv/fp8.py``) as float32: e4m3 ``data_ptrs`` times the power of
-    two of each element's UE8M0 scale byte at ``scale_ptrs`` (the caller points every element at its
-    group's byte), rebuilt exactly as ``byte << 23`` read as a float32. Masked elements are 0."""
-    data = tl.load(data_ptrs, mask=mask, other=0.0).to(tl.float32)
-    scale = (tl.load(scale_ptrs, mask=mask, other=0).to(tl.int32) << 23).to(tl.float32, bitcast=True)
-    return data * scale
+def load_fp8_tile(data_rows, scale_rows, mask_n, width, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  OUT_DTYPE: tl.constexpr, TWO_USES: tl.constexpr = False):
+    """``BLOCK_N`` rows of an FP8 cache (``deepinfer/kv/fp8.py``) as ``[BLOCK_N, BLOCK_D]`` in ``OUT_DTYPE``:
+    row ``i``'s ``width`` e4m3 elements start at ``data_rows[i]`` and its UE8M0 scale bytes (one per 32
+    elements) at ``scale_rows[i]``; rows outside ``mask_n`` and columns past ``width`` read 0.
+
+    The data comes in as one contiguous byte tile and the scales as a ``[BLOCK_N, BLOCK_D / 32]`` byte tile
+    (``BLOCK_D``: a power of two ≥ 32). The bytes become floats without a conversion instruction
+    (``_e4m3_as_bf16``; float32 under the interpreter and for float32 operands), and each scale
+    ``2^(byte − 127)``, rebuilt exactly as ``byte << 23`` read as a float32, multiplies its group through a
+    ``[BLOCK_N, BLOCK_D / 32, 32]`` view. Every factor is a power of two, so the tile is exact.
+
+    ``TWO_USES``: the tile feeds two ``tl.dot`` products in different operand layouts (MLA's latent is key
+    and value). Triton may then convert it once per layout, from the bytes; otherwise it converts it once,
+    in the load's layout, and moves the result through shared memory (``_e4m3_as_bf16``)."""
+    GROUPS: tl.constexpr = BLOCK_D // 32
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_g = tl.arange(0, GROUPS)
+    data = tl.load(data_rows[:, None] + offs_d[None, :], mask=mask_n[:, None] & (offs_d < width)[None, :], other=0.0)
+    byte = tl.load(scale_rows[:, None] + offs_g[None, :], mask=mask_n[:, None] & (offs_g * 32 < width)[None, :],
+                   other=0)
+    scale = (byte.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    e4m3 = data.to(tl.int8, bitcast=True)
+    if OUT_DTYPE == tl.float32:  # noqa: SIM300 (a constexpr comparison, resolved at compile time)
+        # _e4m3_as_bf16 in a float32's fields: s | eeee mmm at bits 31 | 26..20 (mask 0x87F00000)
+        values = ((e4m3.to(tl.int32) << 20) & -2014314496).to(tl.float32, bitcast=True) * 2.0 ** 120
+    else:
+        values = _e4m3_as_bf16(e4m3, TWO_USES)
+    grouped = tl.reshape(values, (BLOCK_N, GROUPS, 32)) * scale.to(values.dtype)[:, :, None]
+    return tl.reshape(grouped, (BLOCK_N, BLOCK_D)).to(OUT_DTYPE)
+
+
+@triton.jit
+def _e4m3_as_bf16(e4m3, REMATERIALIZE: tl.constexpr):
+    """e4m3 bytes (as int8) → their values in bfloat16, subnormals included, in integer instructions and
+    one multiply per pair. A byte sign-extended to 16 bits, shifted left by 4 and masked with ``0x87F0``
+    has its sign at bit 15 and its exponent and mantissa at bits 10..4 — the bfloat16 worth 2^-120 times the
+    e4m3 value (bias 127 against 7; an e4m3 subnormal lands on a bfloat16 subnormal); times 2^120
+    (``0x7B80``) it is the value, exactly (an ``fma.bf16x2`` adding -0, which keeps every product's bits).
+    Four bytes per 32-bit register: ``prmt`` spreads two bytes with their sign bytes into the register's
+    halves, then ``shl``, ``and`` and the ``fma`` act on both halves at once.
+
+    ``REMATERIALIZE`` declares the block pure, which lets Triton repeat it in the layout each user wants;
+    declared impure, it runs where the bytes are loaded and its result moves through shared memory, which
+    also saves the byte repacking a dot-operand layout needs. Measured on the H200 at 32k keys, batch 64:
+    GQA 2.62 ms impure against 2.73 ms pure (the best tile of each); MLA, whose tile has two users,
+    1.70 ms pure against 1.83 ms impure."""
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, c, z;
+        mov.b32 c, 0x7B807B80;
+        mov.b32 z, 0x80008000;
+        prmt.b32 t, $2, 0, 0x9180;
+        shl.b32 t, t, 4;
+        and.b32 t, t, 0x87F087F0;
+        fma.rn.bf16x2 $0, t, c, z;
+        prmt.b32 t, $2, 0, 0xB3A2;
+        shl.b32 t, t, 4;
+        and.b32 t, t, 0x87F087F0;
+        fma.rn.bf16x2 $1, t, c, z;
+        }""",
+        "=r,=r,r", [e4m3], dtype=tl.bfloat16, is_pure=REMATERIALIZE, pack=4)
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 uses, and the kernel that merges the splits' partial outputs by their log-sum-exps (the kernels' device
 steps are in ``kernel_steps.py``).
 
-Also ``dot_dtype``, the dtype the kernels feed ``tl.dot``.
+Also ``dot_dtype``, the dtype the kernels feed ``tl.dot``, and ``tile_width``, the padded width of their tiles.
 
 A query's visible keys are cut into ``num_splits`` chunks, each answered by its own program, so a batch
 of one request still spreads over the whole GPU. Each program writes its normalised partial output and
@@ -34,6 +34,13 @@ def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """The operand dtype of the kernels' ``tl.dot``: the cache dtype on the GPU, float32 under Triton's
     interpreter, whose bf16 ``tl.dot`` (Triton 3.9) returns garbage that would hide real bugs."""
     return tl.float32 if os.environ.get("TRITON_INTERPRET", "0") == "1" else _TL_DTYPES[dtype]
+
+
+def tile_width(dim: int, fp8: bool) -> int:
+    """A kernel tile's padded width for rows of ``dim`` elements: a power of two, at least 16 (``tl.dot``'s
+    minimum) and, over an FP8 cache, at least 32, so the tile splits into whole scale groups
+    (``kernel_steps.load_fp8_tile``)."""
+    return max(32 if fp8 else 16, triton.next_power_of_2(dim))
 
 
 @functools.cache

@@ -10,8 +10,9 @@ once per head block; chunks are merged by ``split_kv.merge_splits``. The result 
 positions instead, for the batch-invariant ``batch_invariant_kernels.chunked_mla_attention``.
 
 With an FP8 cache (``deepinfer/kv/fp8.py``: the whole row ``[c, k_pe]`` in e4m3, one UE8M0 scale byte per
-32 elements, groups restarting at ``k_pe``: ``PagedLatentSpec``) each tile is dequantized in registers
-after loading (``kernel_steps.load_fp8_tile``).
+32 elements, groups restarting at ``k_pe``: ``PagedLatentSpec``) each tile's latent and rope parts are
+read as e4m3 tiles with their ``[BLOCK_N, groups]`` scale bytes and dequantized exactly in registers
+(``kernel_steps.load_fp8_tile``); the dequantized latent serves as both key and value.
 
 The kernel reads only device tensors and every launch dimension comes from tensor shapes, so it can be
 captured in a CUDA graph.
@@ -24,7 +25,7 @@ import triton
 import triton.language as tl
 
 from deepinfer_attention import kernel_steps
-from deepinfer_attention.split_kv import LOG2E, choose_num_splits, dot_dtype, merge_splits, split_buffers
+from deepinfer_attention.split_kv import LOG2E, choose_num_splits, dot_dtype, merge_splits, split_buffers, tile_width
 
 
 @triton.jit
@@ -60,16 +61,15 @@ def mla_split_kernel(q_lat_ptr, q_pe_ptr, cache_ptr, scale_ptr, block_tables_ptr
         mask_n, block, in_block = kernel_steps.key_tile(block_tables_ptr, req, stride_bt, start, part_lo, part_hi,
                                                         BLOCK_SIZE, BLOCK_N, FIXED_CHUNK)
         row = block * stride_cb + in_block * stride_cs
-        latent_mask = mask_n[:, None] & mask_c[None, :]
-        rope_mask = mask_n[:, None] & mask_r[None, :]
         if FP8:
             scale_row = scale_ptr + block * stride_sb + in_block * stride_ss
-            latent = kernel_steps.load_fp8_tile(cache_ptr + row[:, None] + offs_c[None, :],
-                                                scale_row[:, None] + offs_c[None, :] // 32, latent_mask).to(DOT_DTYPE)
-            rope = kernel_steps.load_fp8_tile(cache_ptr + row[:, None] + latent_dim + offs_r[None, :],
-                                              scale_row[:, None] + tl.cdiv(latent_dim, 32) + offs_r[None, :] // 32,
-                                              rope_mask).to(DOT_DTYPE)
+            latent = kernel_steps.load_fp8_tile(cache_ptr + row, scale_row, mask_n, latent_dim, BLOCK_N, BLOCK_C,
+                                                DOT_DTYPE, TWO_USES=True)
+            rope = kernel_steps.load_fp8_tile(cache_ptr + row + latent_dim, scale_row + tl.cdiv(latent_dim, 32), mask_n,
+                                              rope_dim, BLOCK_N, BLOCK_R, DOT_DTYPE)
         else:
+            latent_mask = mask_n[:, None] & mask_c[None, :]
+            rope_mask = mask_n[:, None] & mask_r[None, :]
             latent = tl.load(cache_ptr + row[:, None] + offs_c[None, :], mask=latent_mask, other=0.0).to(DOT_DTYPE)
             rope = tl.load(cache_ptr + row[:, None] + latent_dim + offs_r[None, :], mask=rope_mask,
                            other=0.0).to(DOT_DTYPE)
@@ -92,7 +92,7 @@ def default_block_h(num_heads: int) -> int:
 def paged_mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                         positions: torch.Tensor, token_req: torch.Tensor | None, *, scale: float,
                         num_splits: int | None = None, block_h: int | None = None, block_n: int | None = None,
-                        num_warps: int | None = None, num_stages: int = 2,
+                        num_warps: int | None = None, num_stages: int | None = None,
                         scales: torch.Tensor | None = None) -> torch.Tensor:
     """Absorbed MLA of ``q_lat [N, H, C]`` and ``q_pe [N, H, R]`` over the paged latent cache
     ``cache [blocks, block_size, C + R]`` (rows ``[c, k_pe]``; float8_e4m3fn with ``scales [blocks,
@@ -102,24 +102,24 @@ def paged_mla_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Te
     Token ``t`` belongs to request ``token_req[t]`` (``None``: request ``t``) and sits at
     ``positions[t]``; it sees its request's rows at positions ``≤ positions[t]``. ``num_splits``: chunks
     per query (``None``: chosen from the shapes); ``block_h``: heads per program (``default_block_h``);
-    ``block_n``: keys per tile (``None``: 32 KiB of latent per tile, 32 keys at ``C = 512`` in bf16;
-    an FP8 tile counts at ``q_lat``'s width, the width it is dequantized to).
+    ``block_n``: keys per tile (``None``: 32 KiB of latent per tile as stored, 32 keys at ``C = 512`` in
+    bf16, 64 in FP8); ``num_warps``: ``None``, 4 for one block of 16 heads over a bf16 cache, else 8 (an
+    FP8 tile is dequantized in registers for both products, which spills at 4 warps).
     Returns the latent output ``[N, H, C]`` in ``q_lat.dtype``."""
     tokens, num_heads, latent_dim = q_lat.shape
     out = q_lat.new_empty(tokens, num_heads, latent_dim)
     if tokens == 0:
         return out
     block_h = block_h or default_block_h(num_heads)
-    block_c = max(16, triton.next_power_of_2(latent_dim))
-    tile_bytes = q_lat.element_size() if scales is not None else cache.element_size()  # FP8 tiles widen on load
-    block_n = block_n or max(16, min(64, 32768 // (block_c * tile_bytes)))
+    block_c = tile_width(latent_dim, scales is not None)
+    block_n = block_n or max(16, min(64, 32768 // (block_c * cache.element_size())))
     if num_splits is None:
         num_splits = choose_num_splits(tokens * triton.cdiv(num_heads, block_h), block_tables.shape[1] * cache.shape[1],
                                        q_lat.device)
     part_out, part_lse = split_buffers(out, num_splits)
     launch_mla_kernel(q_lat, q_pe, cache, block_tables, positions, token_req, out, part_out, part_lse, scale=scale,
                       num_parts=num_splits, block_h=block_h, block_n=block_n, scales=scales, num_warps=num_warps,
-                      num_stages=num_stages)
+                      num_stages=num_stages or 2)
     if num_splits > 1:
         merge_splits(part_out, part_lse, out)
     return out
@@ -147,7 +147,7 @@ def launch_mla_kernel(q_lat: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0), cache.stride(1),
         row_scales.stride(0), row_scales.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=cache.shape[1], NUM_SPLITS=1 if fixed_chunk else num_parts, HAS_TOKEN_REQ=token_req is not None,
-        FP8=scales is not None, BLOCK_H=block_h, BLOCK_C=max(16, triton.next_power_of_2(latent_dim)),
-        BLOCK_R=max(16, triton.next_power_of_2(rope_dim)), BLOCK_N=block_n,
+        FP8=scales is not None, BLOCK_H=block_h, BLOCK_C=tile_width(latent_dim, scales is not None),
+        BLOCK_R=tile_width(rope_dim, scales is not None), BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype(operand_dtype or q_lat.dtype), FIXED_CHUNK=fixed_chunk,
-        num_warps=num_warps or (4 if block_h <= 16 else 8), num_stages=num_stages)
+        num_warps=num_warps or (4 if block_h <= 16 and scales is None else 8), num_stages=num_stages)

@@ -63,6 +63,45 @@ def test_triton_store_writes_the_torch_bytes(dim: int) -> None:
     assert torch.equal(caches[1][1], caches[0][1])
 
 
+if importlib.util.find_spec("triton") is not None:
+    import triton
+    import triton.language as tl
+    from deepinfer_attention import kernel_steps
+
+    @triton.jit
+    def _read_fp8_tile(data_ptr, scale_ptr, out_ptr, width, groups, rows_visible, BLOCK_N: tl.constexpr,
+                       BLOCK_D: tl.constexpr, OUT_DTYPE: tl.constexpr, TWO_USES: tl.constexpr):
+        """``kernel_steps.load_fp8_tile`` over ``BLOCK_N`` contiguous rows, the first ``rows_visible`` unmasked,
+        stored as ``[BLOCK_N, BLOCK_D]``."""
+        rows = tl.arange(0, BLOCK_N)
+        tile = kernel_steps.load_fp8_tile(data_ptr + rows * width, scale_ptr + rows * groups, rows < rows_visible,
+                                          width, BLOCK_N, BLOCK_D, OUT_DTYPE, TWO_USES)
+        tl.store(out_ptr + rows[:, None] * BLOCK_D + tl.arange(0, BLOCK_D)[None, :], tile)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("two_uses", [False, True])
+def test_fp8_tile_read_is_exact(out_dtype: torch.dtype, two_uses: bool) -> None:
+    """``kernel_steps.load_fp8_tile`` reads every finite e4m3 code (subnormals, zeros of both signs) under scales
+    from 2^-107 to 2^113 exactly as ``fp8.dequantize``; rows outside the mask and columns past the width read 0.
+    float32 is the interpreter's path; bfloat16 is the GPU's (integer bit moves in inline PTX)."""
+    from deepinfer_attention.split_kv import _TL_DTYPES
+
+    rows, width = 16, 40  # a full group and a short one, in a 64-wide tile
+    codes = torch.arange(rows * width, dtype=torch.int64) % 256
+    codes[(codes & 0x7F) == 0x7F] = 0x80  # e4m3's NaNs → -0
+    data = codes.to(torch.uint8).view(rows, width).to(DEVICE)
+    scales = torch.tensor([20, 60, 100, 126, 127, 128, 134, 135, 180, 240] * 4, dtype=torch.uint8)[:rows * 2]
+    scales = scales.view(rows, 2).to(DEVICE)
+    out = torch.full((rows, 64), float("nan"), dtype=out_dtype, device=DEVICE)
+    _read_fp8_tile[(1,)](data.view(fp8.FP8_DTYPE), scales, out, width, 2, rows - 1, BLOCK_N=rows, BLOCK_D=64,
+                         OUT_DTYPE=_TL_DTYPES[out_dtype], TWO_USES=two_uses)
+    expected = torch.zeros(rows, 64, dtype=out_dtype, device=DEVICE)
+    expected[:rows - 1, :width] = fp8.dequantize(data.view(fp8.FP8_DTYPE), scales, out_dtype)[:rows - 1]
+    bits = torch.int16 if out_dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(out.view(bits), expected.view(bits))
+
+
 GQA_CASES = [  # (kv heads, group, head dim, block size, seq lens, query lens, window, splits)
     (2, 2, 16, 4, [9, 30, 1], [1, 1, 1], 0, 1),  # head dim 16: one short scale group
     (1, 4, 48, 8, [17, 40], [3, 4], 0, 3),  # a full and a short group

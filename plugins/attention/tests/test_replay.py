@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepinfer_attention.config import AttentionConfig
+from spec_setup import spec_plugins, write_oracle_file
 from test_deepseek_v4 import CONVERSATIONS, _blocks_budget, build, make_llm, prompts, request_ctx
 from test_gemma3 import build_gemma3
 
@@ -178,6 +179,27 @@ def test_bounded_restore_after_preemption_runs_and_frees_every_block(yoco):
     assert llm.get_stats()["preemptions"] > 0
     assert any(r.floor > 0 and r.cached - r.first <= 2 * WINDOW for r in restores)  # bounded, not exact
     assert all(len(t) == PARAMS.max_tokens for t in ids(outs))
+
+
+def test_bounded_restore_composes_with_spec_decode_and_the_overlapped_executor(yoco, tmp_path):
+    """Bounded restore (with compact truncation) after prefix hits gives the plain synchronous run's
+    greedy tokens and logprobs under speculative decoding — drafts accepted and rejected, so rings
+    restored from ``keep_tokens`` are rolled back too — under the overlapped executor, and under both;
+    every block comes back."""
+    waves = [CONVERSATIONS[:1], CONVERSATIONS[1:]]
+    bounded = replay(restore="bounded", keep_tokens=WINDOW + 5, mode="compact")  # window + max_backtrack (4 drafts)
+    plain = run(make_llm(yoco, plugins=bounded), waves)
+    # The oracle drafts the known continuations with a third of its drafts corrupted: accepts and rejections.
+    oracle = write_oracle_file(tmp_path, [p for wave in waves for p in wave], ids(plain))
+    spec = {**bounded, **spec_plugins("oracle", "fixed", oracle_file=oracle, oracle_corruption=0.3)}
+    overlap = {"scheduling": {"enabled": True}}
+    for plugins in (spec, {**bounded, **overlap}, {**spec, **overlap}):
+        llm = make_llm(yoco, plugins=plugins)
+        restores = record_restores(llm)
+        assert logprob_gap(plain, run(llm, waves)) < 1e-5
+        assert any(r.floor > 0 for r in restores)  # the second wave restored from its cached blocks
+        if "spec_decode" in plugins:  # some drafts accepted, some rejected
+            assert 1 < llm.get_stats()["spec_decode"]["mean_acceptance_length"] < 5
 
 
 def test_gemma3_bounded_restore(gemma):

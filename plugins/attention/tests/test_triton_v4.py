@@ -245,3 +245,40 @@ def test_tiny_v4_model_gives_reference_tokens_and_logits(tmp_path: Path) -> None
     (ref_ids, ref_logits), (ids, logits) = runs
     assert ids == ref_ids
     assert relative_error(logits, ref_logits) < 1e-4
+
+
+def test_tiny_v4_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path) -> None:
+    """DeepSeek-V4 decode steps replayed from (emulated) CUDA graph buckets — static context with the
+    capture's host lists, padding rows on the reserved block and state slot 0 — give the eager run's
+    tokens and logits: the compressors (``Compressor._update_decode``) and ``triton_v4`` read only device
+    tensors."""
+    from test_deepseek_v4 import build, make_llm, prompts
+    from tiny_models import record_logits
+
+    from deepinfer import SamplingParams
+    from deepinfer.model.graphs import DecodeGraphs
+
+    build("v4-yarn", tmp_path)
+    batch = prompts([3, 29, 12], seed=23)  # windows of the CSA (4) and HCA (8) compressors close while decoding
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs, replays = [], 0
+    for emulate in (False, True):
+        llm = make_llm(tmp_path, plugins={"attention": {"enabled": True}}, kernels={"attention": "triton_v4"})
+        engine = llm.engine
+        if emulate:
+            graphs = DecodeGraphs(engine.model, engine.runner.backends, engine.config.cache.block_size,
+                                  torch.device("cpu"), max_tokens=4, max_query_lens=(1,),
+                                  max_blocks=engine.kv.blocks_needed(engine.max_model_len), emulate=True,
+                                  stateful=True)
+            graphs.capture()
+            engine.runner.graphs = graphs
+        steps = record_logits(llm)
+        outs = llm.generate(batch, params, use_tqdm=False)
+        # A replayed bucket's logits have a row per bucket token: the requests' rows come first.
+        runs.append(([o.outputs[0].token_ids for o in outs], torch.cat([lg[:len(ids)] for ids, lg in steps])))
+        replays = engine.runner.graphs.replays if emulate else 0
+        llm.shutdown()
+    (ref_ids, ref_logits), (ids, logits) = runs
+    assert replays >= params.max_tokens - 1  # every decode step of the batch went through a bucket
+    assert ids == ref_ids
+    assert relative_error(logits, ref_logits) < 1e-5
