@@ -195,6 +195,27 @@ def test_chat_greedy_equals_llm_chat(client: openai.OpenAI, offline: LLM) -> Non
     assert resp2.choices[0].message.content == exp.outputs[0].text
 
 
+def test_chat_response_format_json_schema_equals_llm_chat_with_the_schema(client: openai.OpenAI,
+                                                                         offline: LLM) -> None:
+    """``response_format`` (json_schema, json_object) constrains a chat reply exactly as
+    ``SamplingParams.structured`` does offline; the schema-constrained reply parses and fits the schema
+    (the random model's free JSON object runs to ``max_tokens``)."""
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]}},
+              "required": ["answer"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Is Paris in France? Answer in JSON."}]
+    for fmt, structured in (({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}},
+                             {"json_schema": schema}),
+                            ({"type": "json_object"}, {"json_schema": {"type": "object"}})):
+        exp = offline.chat(messages, SamplingParams(temperature=0, max_tokens=40, structured=structured),
+                           use_tqdm=False)[0].outputs[0]
+        resp = client.chat.completions.create(model=NAME, messages=messages, max_tokens=40, temperature=0,
+                                              response_format=fmt)
+        assert resp.choices[0].message.content == exp.text
+        assert resp.choices[0].finish_reason == exp.finish_reason
+        if fmt["type"] == "json_schema":  # the enum keeps it short: a complete reply that fits the schema
+            assert exp.finish_reason == "stop" and json.loads(exp.text)["answer"] in ("yes", "no")
+
+
 def test_streaming_equals_non_streaming(client: openai.OpenAI) -> None:
     kw: dict[str, Any] = {"model": NAME, "max_tokens": 12, "temperature": 0.8, "seed": 5}
     full = client.completions.create(prompt="The ocean is", **kw)
