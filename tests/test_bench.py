@@ -1,7 +1,8 @@
 """``deepinfer bench`` and ``deepinfer ab`` (issue 7): metrics on synthetic timelines, the bootstrap
 statistics on synthetic samples, workloads, the concurrency runner, and both commands end to end
 (``ab`` against a plugin that sleeps in ``deepinfer_step_end``; ``bench`` with the transformers
-baseline and plots; one short SmolLM2 run with a chat JSONL workload)."""
+baseline and plots; ``bench`` on two expert-parallel ranks; one short SmolLM2 run with a chat JSONL
+workload)."""
 
 from __future__ import annotations
 
@@ -233,7 +234,7 @@ def test_concurrency_runner_keeps_c_in_flight_and_matches_generate(make_llm: Any
     assert run["mode"] == "concurrency" and run["concurrency"] == 2 and run["failed_requests"] == 0
     assert run["steps"] > 0 and run["step_time_split"]["seconds"]["forward"] > 0
     assert run["mean_acceptance_length"] == 1.0
-    assert not llm.engine.core.stream
+    assert not llm.engine.stream
     expected = llm.generate([p for p, _ in work], [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True)
                                                      for _, m in work], use_tqdm=False)
     assert ids == [o.outputs[0].token_ids for o in expected]
@@ -341,6 +342,34 @@ def test_bench_writes_json_and_plots_with_the_transformers_baseline(
     for p in report["plots"]:
         assert Path(p).read_bytes()[:8] == PNG_MAGIC and Path(p).stat().st_size > 10_000
     assert "| deepinfer | 3 |" in stdout and "token match 100%" in stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.usefixtures("one_torch_thread")
+def test_bench_drives_expert_parallel_ranks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--set parallel.expert_parallel_size=2``: the runner drives two rank processes through the
+    ``Engine`` protocol alone (streamed chunks, counters summed over the ranks) and gets the single
+    process's greedy tokens."""
+    from tiny_deepseek import save_tiny_v3
+
+    model = save_tiny_v3(tmp_path / "tiny-v3")
+    flags = ("bench", "--model", str(model), "--num-prompts", "4", "--input-len", "16", "--output-len", "5",
+             "--range-ratio", "0.4", "--no-progress", "--set", "cache.kv_cache_bytes=4194304",
+             "--set", "cache.block_size=16")
+    reports = []
+    for extra in ((), ("--set", "parallel.expert_parallel_size=2")):
+        out = tmp_path / f"bench{len(reports)}.json"
+        code, _, err = _run_cli(capsys, *flags, *extra, "--output", str(out))
+        assert code == 0, err
+        reports.append(json.loads(out.read_text()))
+    (one,), (two,) = (r["runs"] for r in reports)
+    _check_run(two, ENGINE_RUN_KEYS)
+    assert two["output_digest"] == one["output_digest"] and two["failed_requests"] == 0
+    assert two["total_output_tokens"] == reports[1]["workload"]["total_output_tokens"]
+    assert two["steps"] > 0 and 0 <= two["prefix_cache_hit_rate"] <= 1
+    assert two["plugin_stats"]["parallel"]["requests_per_rank"] == [3, 3]  # 2 warm-up + 4, round robin
+    assert reports[1]["config"]["parallel"]["expert_parallel_size"] == 2
+    assert (reports[1]["device"], reports[1]["dtype"]) == ("cpu", "float32")
 
 
 def test_ab_flags_a_planted_slowdown_and_reports_token_identity(

@@ -1,7 +1,8 @@
 """Serving and speculative decoding with expert-parallel ranks (2 CPU rank processes, gloo): ``AsyncLLM``
 streams the single-process greedy outputs (partial outputs from the ranks' token deltas, logprobs
 included), a bad request fails in its caller alone, aborts by id / cancellation / ``break`` give every
-KV block back on every rank; the OpenAI-compatible server answers a completion and a chat from the
+KV block back on every rank; structured outputs (JSON schema, choice) equal the single process's and a
+schema that does not compile fails alone; the OpenAI-compatible server answers a completion and a chat from the
 ranks (and ``/metrics`` reads their summed counters); with ``plugins.spec_decode`` (``ngram`` under the
 ``varlen`` plan, ``oracle`` under ``fixed``, and ``mtp`` on a checkpoint with MTP weights) greedy ids
 equal the single process without speculation; merged rank statistics weight spec decode's means by
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
+import re
 import shutil
 import time
 from collections.abc import Iterator
@@ -167,6 +170,40 @@ def test_server_answers_a_completion_and_a_chat_from_two_ranks(async_ep2: AsyncL
     finally:
         server.stop()
     assert async_ep2.is_running
+    assert_no_leak(async_ep2)
+
+
+def test_structured_outputs_from_two_ranks_equal_one_process(async_ep2: AsyncLLM, single: LLM) -> None:
+    """A JSON-schema and a choice request give the single process's outputs (their grammars compile on
+    the rank that runs them); a schema that does not compile fails its request alone, with the single
+    process's error, and the next structured request runs."""
+    pytest.importorskip("xgrammar")
+    colors = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}
+    cities = ["Paris", "London", "Rome"]
+    params = [SamplingParams(temperature=0, max_tokens=24, structured={"json_schema": colors}),
+              SamplingParams(temperature=0, max_tokens=8, structured={"choice": cities}),
+              SamplingParams(temperature=0, max_tokens=24, structured={"json_schema": '{"type": "object", '}),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    prompts = PROMPTS[:len(params)]
+    expected = [o.outputs[0] for o in single.generate(prompts, params, use_tqdm=False)]
+
+    async def run() -> list[list[Any]]:
+        return await asyncio.gather(*(collect(async_ep2, p, sp) for p, sp in zip(prompts, params, strict=True)))
+
+    def error(text: str | None) -> str | None:
+        return None if text is None else re.sub(r"\[\d\d:\d\d:\d\d\] ", "", text)  # xgrammar stamps the time
+
+    got = [outs[-1].outputs[0] for outs in asyncio.run(run())]
+    for out, ref in zip(got, expected, strict=True):
+        assert (out.token_ids, out.text, out.finish_reason, error(out.error)) == (
+            ref.token_ids, ref.text, ref.finish_reason, error(ref.error))
+    assert json.loads(got[0].text)["color"] in colors["properties"]["color"]["enum"]
+    assert got[1].text in cities and got[0].finish_reason == got[1].finish_reason == "stop"
+    assert got[2].finish_reason == "error" and "failed to compile" in got[2].error and got[2].token_ids == []
+    assert got[3].finish_reason == "length"
+    after = asyncio.run(collect(async_ep2, PROMPTS[4], params[1]))[-1].outputs[0]
+    assert after.text == single.generate(PROMPTS[4], params[1], use_tqdm=False)[0].outputs[0].text
+    assert after.text in cities
     assert_no_leak(async_ep2)
 
 

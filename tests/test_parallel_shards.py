@@ -4,7 +4,7 @@ stacks included; with 2 CPU ranks (gloo) on tiny DeepSeek-V3 and V4 checkpoints 
 tensors have only its slots' rows and hold exactly the checkpoint's tensors of the experts its
 placement names — at start-up and after a forced rebalance — its load read only those, and the greedy
 ids equal the single process's; dummy weights give every shard the rows of the full model; MTP layers
-keep every expert."""
+keep every expert, and a rank without the mtp drafter reads none of them."""
 
 from __future__ import annotations
 
@@ -273,3 +273,27 @@ def test_dummy_weights_of_a_shard_are_the_full_models_rows(tiny_v3):
                     assert w2_sum == float(moe[layer].w2.data[e].double().sum())
         assert _tokens(llm) == ref
     single.shutdown()
+
+
+@pytest.mark.distributed
+def test_ranks_without_the_mtp_drafter_read_no_mtp_layer(tmp_path):
+    """The MTP layers keep every expert on every rank for the mtp drafter only: without it a rank reads
+    none of their tensors and holds no MTP weights, and its greedy ids are the single process's (which
+    loads them, unused)."""
+    from test_deepseek_v3 import _build as build_v3
+    from test_deepseek_v3_mtp import _mtp_checkpoint
+
+    _mtp_checkpoint(build_v3("v3-yarn", tmp_path), tmp_path)
+    main = load_file(str(tmp_path / "model-00001-of-00002.safetensors"))  # the MTP layer is the other file
+    kw = {"kv_cache_bytes": KV, "block_size": BLOCK}
+    with LLM(tmp_path, **kw) as single:
+        assert len(single.engine.model.mtp_layers) == 1
+        ref = _tokens(single)
+    with LLM(tmp_path, expert_parallel_size=2, **kw) as llm:
+        layouts = llm.engine.expert_layout()
+        assert _tokens(llm) == ref
+    for rank, layout in enumerate(layouts):
+        held = ExpertShard(rank, 2, 0).experts(8)
+        read = [t for n, t in main.items() if not ((m := EXPERT_NAME.search(n)) and int(m.group(2)) not in held)]
+        assert layout["read"] == [len(read), sum(t.numel() * t.element_size() for t in read)]
+        assert layout["mtp_parameters"] == 0

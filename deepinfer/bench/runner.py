@@ -2,8 +2,11 @@
 
 Offline mode queues every request at once (``concurrency: null``); concurrency ``C`` keeps at most C
 requests in flight, admitting the next one as soon as one finishes (a closed loop, like
-``--max-concurrency`` of the peers' serving benchmarks). The engine streams (``core.stream``), so
-every step reports each request that got tokens and the runner stamps each chunk's arrival.
+``--max-concurrency`` of the peers' serving benchmarks). The engine streams (``stream``), so every
+step reports each request that got tokens and the runner stamps each chunk's arrival. Only the
+``Engine`` protocol (``entrypoints.llm``) is used, so one process and expert-parallel ranks
+(``parallel.expert_parallel_size``) run alike; the run's counters are differences of ``get_stats()``
+(summed over the ranks).
 
 Each run gets a fresh engine (so the prefix cache holds nothing from an earlier run), warmed up with a
 few short requests that share no prefix with the workload; the warm-up is not measured.
@@ -27,7 +30,8 @@ from deepinfer.bench.workloads import warmup_workload
 
 Work = list[tuple[list[int], int]]
 _CORE_STATS = frozenset({"steps", "prompt_tokens", "generated_tokens", "prefix_cache_hit_rate", "preemptions",
-                         "kv_blocks_total", "kv_blocks_free", "step_time_split"})
+                         "kv_blocks_total", "kv_blocks_free", "step_time_split", "prefix_cache_hit_tokens",
+                         "prefix_cache_lookup_tokens"})
 
 
 def sections(tree: Mapping[str, Any]) -> dict[str, Any]:
@@ -94,14 +98,12 @@ def run_engine(llm: Any, work: Work, *, concurrency: int | None = None, temperat
     records = {r.request_id: RequestRecord(prompt_len=r.num_prompt_tokens, start=0.0) for r in requests}
     order = [r.request_id for r in requests]
     before = engine.get_stats()
-    kv = engine.kv
-    hit0, lookup0 = kv.hit_tokens, kv.lookup_tokens
     limit = len(requests) if concurrency is None else concurrency
     pending = list(reversed(requests))
     in_flight: set[str] = set()
     errors = 0
-    old_stream = engine.core.stream
-    engine.core.stream = True
+    old_stream = engine.stream
+    engine.stream = True
     try:
         with tqdm(total=len(requests), desc=desc, unit="req", disable=not progress, leave=False) as bar:
             t0 = time.perf_counter()
@@ -129,10 +131,10 @@ def run_engine(llm: Any, work: Work, *, concurrency: int | None = None, temperat
                         bar.update(1)
             end = time.perf_counter()
     finally:
-        engine.core.stream = old_stream
+        engine.stream = old_stream
     after = engine.get_stats()
     recs = [records[i] for i in order]
-    lookups = kv.lookup_tokens - lookup0
+    hits, lookups = (after[k] - before[k] for k in ("prefix_cache_hit_tokens", "prefix_cache_lookup_tokens"))
     run: dict[str, Any] = {
         "engine": "deepinfer",
         "mode": "offline" if concurrency is None else "concurrency",
@@ -141,7 +143,7 @@ def run_engine(llm: Any, work: Work, *, concurrency: int | None = None, temperat
         "failed_requests": errors,
         "steps": after["steps"] - before["steps"],
         "preemptions": after["preemptions"] - before["preemptions"],
-        "prefix_cache_hit_rate": (kv.hit_tokens - hit0) / lookups if lookups else 0.0,
+        "prefix_cache_hit_rate": hits / lookups if lookups else 0.0,
         "step_time_split": step_split(before["step_time_split"], after["step_time_split"]),
         "plugin_stats": {k: v for k, v in after.items() if k not in _CORE_STATS},
         "output_digest": output_digest([r.output_token_ids for r in recs]),

@@ -39,7 +39,7 @@ from deepinfer.parallel.sizes import current_rank, parallel_sizes, rank_experts
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.rng import derive_seed
-from deepinfer.structured.grammar import GrammarCompiler
+from deepinfer.structured.grammar import GrammarCompiler, import_xgrammar
 from deepinfer.tokenizer import Tokenizer, eos_token_ids
 from deepinfer.tokenizer_deepseek import NAME as DEEPSEEK_V4_TOKENIZER
 from deepinfer.tokenizer_deepseek import DeepseekV4Tokenizer
@@ -149,7 +149,11 @@ class LLMEngine:
                 self.model.build_mtp_layers()  # dummy MTP layers for the mtp drafter
             init_dummy(self.model, cfg.sampling.seed)
         else:
-            self.load_report = load_checkpoint(self.model, self.model_path, self.dtype)
+            # An expert-parallel rank keeps every expert of the MTP layers, for the mtp drafter to run them
+            # locally; without that drafter it does not read them at all (``model.mtp_weight``).
+            drops_mtp = self.rank_experts is not None and not self.uses_mtp
+            skip = getattr(self.model, "mtp_weight", None) if drops_mtp else None
+            self.load_report = load_checkpoint(self.model, self.model_path, self.dtype, skip=skip)
         gemm = backends["linear"]
         with torch.no_grad():
             for weight in self.model.gemm_weights():
@@ -440,8 +444,8 @@ class LLMEngine:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"SamplingParams.stop_token_ids has {t}, outside the vocabulary [0, {vocab})")
-        spec = params.grammar_spec
-        grammars = self._grammar_compiler() if spec is not None else None  # raises before anything is queued
+        if params.grammar_spec is not None:
+            self._check_structured()  # raises before anything is queued
         seed = params.seed if params.seed is not None else derive_seed(self.config.sampling.seed, self._counter)
         request = Request(str(self._counter), text, ids, params, seed, self.eos_token_ids,
                           max_total_tokens=min(len(ids) + params.max_tokens, self.max_model_len))
@@ -452,11 +456,14 @@ class LLMEngine:
                 f"truncates YoCo prefills (mode {truncation.mode!r}: consumer layers compute no queries below "
                 f"position {truncation.visibility_floor}); leave prompt_logprobs unset or turn truncation off")
         self._counter += 1
-        if grammars is not None and spec is not None:
-            request.grammar = grammars.request(spec)  # compiles in the background; the scheduler waits for it
         return request
 
     def add(self, request: Request) -> None:
+        """Queue a request from ``make_request`` (this engine's, or in an expert-parallel rank the driver's);
+        a structured request's grammar starts compiling here, in the background (the scheduler waits for it)."""
+        spec = request.params.grammar_spec
+        if spec is not None:
+            request.grammar = self._grammar_compiler().request(spec)
         self.stats.prompt_tokens += request.num_prompt_tokens
         self.scheduler.add(request)
 
@@ -496,6 +503,8 @@ class LLMEngine:
             "prompt_tokens": self.stats.prompt_tokens,
             "generated_tokens": self.stats.generated_tokens,
             "prefix_cache_hit_rate": kv.hit_tokens / kv.lookup_tokens if kv.lookup_tokens else 0.0,
+            "prefix_cache_hit_tokens": kv.hit_tokens,  # the rate's parts, for rates over a span (bench runs)
+            "prefix_cache_lookup_tokens": kv.lookup_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "kv_blocks_total": kv.pool.num_usable,
             "kv_blocks_free": kv.num_free_blocks,
@@ -509,22 +518,29 @@ class LLMEngine:
         stats.update(self.host.plugin_stats())
         return stats
 
-    def _grammar_compiler(self) -> GrammarCompiler:
-        """The structured-output compiler, built by the first structured request (so xgrammar is imported
-        only when used). ``ValueError`` when xgrammar is missing (naming the extra) or there is no tokenizer."""
-        if self._grammars is not None:
-            return self._grammars
+    def _check_structured(self) -> None:
+        """``ValueError`` unless structured output can run here: the model has a tokenizer and xgrammar is
+        installed (the message names the extra). Nothing is compiled."""
         if self.tokenizer is None:
             raise ValueError(f"SamplingParams.structured needs the model's tokenizer; {str(self.model_path)!r} "
                              "has no tokenizer.json (set model.tokenizer)")
-        s = self.config.sampling
         try:
-            self._grammars = GrammarCompiler(
-                self.tokenizer.folder / "tokenizer.json", self.model.vocab_size, self.eos_token_ids,
-                threads=s.grammar_threads, timeout_s=s.grammar_timeout_s,
-                cache_entries=256 if s.grammar_cache else 0, max_rollback=self.info.layout.max_backtrack + 1)
+            import_xgrammar()
         except ImportError as exc:
             raise ValueError(str(exc)) from exc
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler, built by the first structured request (so xgrammar is imported
+        only when used); ``ValueError`` as ``_check_structured``."""
+        if self._grammars is not None:
+            return self._grammars
+        self._check_structured()
+        assert self.tokenizer is not None
+        s = self.config.sampling
+        self._grammars = GrammarCompiler(
+            self.tokenizer.folder / "tokenizer.json", self.model.vocab_size, self.eos_token_ids,
+            threads=s.grammar_threads, timeout_s=s.grammar_timeout_s,
+            cache_entries=256 if s.grammar_cache else 0, max_rollback=self.info.layout.max_backtrack + 1)
         return self._grammars
 
     def _on_step_end(self, stats: StepStats) -> None:

@@ -7,8 +7,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
 from tqdm.auto import tqdm
 
+from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
@@ -18,14 +20,25 @@ Prompt = str | list[int]
 Message = Mapping[str, Any]
 
 
+class ModelFacts(Protocol):
+    """What callers of an ``Engine`` read of its model (a ``ParallelEngine`` holds only this)."""
+
+    vocab_size: int
+
+
 class Engine(Protocol):
-    """What ``LLM`` and ``AsyncLLM`` drive: an ``LLMEngine`` (one process) or a ``ParallelEngine``
-    (ranks). ``stream`` on makes ``step()`` also return the output of every unfinished request that got
-    tokens; ``get_stats()`` has the keys of API.md §4."""
+    """What ``LLM``, ``AsyncLLM`` and ``deepinfer bench`` drive: an ``LLMEngine`` (one process) or a
+    ``ParallelEngine`` (ranks; ``device`` and ``dtype`` are rank 0's). ``stream`` on makes ``step()`` also
+    return the output of every unfinished request that got tokens; ``get_stats()`` has the keys of
+    API.md §4."""
 
     tokenizer: Any
     model_path: Path
     max_model_len: int
+    config: EngineConfig
+    model: ModelFacts
+    device: torch.device
+    dtype: torch.dtype
     stream: bool
 
     def make_request(self, prompt: str | list[int], params: SamplingParams, *,

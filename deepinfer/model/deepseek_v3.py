@@ -56,7 +56,8 @@ Expert shards: inside an expert-parallel rank the engine passes ``deepinfer_expe
 ``parallel.placement.ExpertShard``); the main layers' MoE modules then allocate only the rows of the
 experts the shard names (``expert_ids``, the same for every layer; the MTP layers keep every expert),
 and the loader reads only those experts' tensors, renamed to their rows (``model/loader.py``;
-``shards_weight`` tells it which tensors the shard covers).
+``shards_weight`` tells it which tensors the shard covers). A rank without the ``mtp`` drafter reads no
+MTP tensor (``mtp_weight`` names them), so it builds no MTP layer.
 
 MTP (multi-token prediction, ``num_nextn_predict_layers``): checkpoints that carry
 ``model.layers.{N}.*`` for ``N`` in ``[num_hidden_layers, num_hidden_layers + num_nextn_predict_layers)``
@@ -464,6 +465,12 @@ class DeepseekV3ForCausalLM(StackedDecoderLM):
     def shards_weight(self, name: str) -> bool:
         """Whether the expert shard covers checkpoint tensor ``name``'s routed experts (``model/loader.py``)."""
         return in_main_layer(name, self.d.layers)
+
+    def mtp_weight(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to an MTP layer (``[model.]layers.L.…``, L at or past
+        ``num_hidden_layers``)."""
+        parts = name.removeprefix("model.").split(".", 2)
+        return len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= self.d.layers
 
     def take_router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert ``[num MoE layers, n_routed]`` (int64, on the model's device)

@@ -834,6 +834,11 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
         """Whether the expert shard covers checkpoint tensor ``name``'s routed experts (``model/loader.py``)."""
         return in_main_layer(name, self.d.layers)
 
+    @staticmethod
+    def mtp_weight(name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to an MTP layer (the upstream ``mtp.{k}.…``)."""
+        return name.removeprefix("model.").startswith("mtp.")
+
     def take_router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert ``[layers, n_routed]`` since the last call; zeroes the buffer."""
         out = self.router_stats.clone()

@@ -11,7 +11,8 @@ the row that holds it (``….experts.{row}.…``, once per row, so replicas get 
 rows of a fused stack (``….experts.gate_up_proj`` / ``down_proj`` ``[E, …]``) are read in row order.
 The model then fills row ``row`` exactly as it would fill expert ``row`` of a full stack.
 Dummy weights of such stacks are seeded per (parameter, logical expert), so a shard holds the rows the
-full model would.
+full model would. ``skip`` leaves tensors unread altogether (an expert-parallel rank without the ``mtp``
+drafter skips the MTP layers', ``model.mtp_weight``).
 """
 
 from __future__ import annotations
@@ -71,15 +72,18 @@ class LoadReport:
 
 
 def iter_safetensors(folder: Path, dtype: torch.dtype | None = None, *, expert_ids: Sequence[int] | None = None,
-                     shards: Callable[[str], bool] | None = None,
+                     shards: Callable[[str], bool] | None = None, skip: Callable[[str], bool] | None = None,
                      report: LoadReport | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the folder as ``(name, tensor)``, in the checkpoint's own dtype, or cast to
-    ``dtype`` when given (integer tensors are never cast). With ``expert_ids`` (the logical expert of
-    each local row, see the module docstring) only those routed experts are read, renamed to their
-    rows, of the tensors ``shards(name)`` accepts (all when None). ``report`` counts what was read."""
+    ``dtype`` when given (integer tensors are never cast), but those ``skip(name)`` accepts, which are
+    not read. With ``expert_ids`` (the logical expert of each local row, see the module docstring) only
+    those routed experts are read, renamed to their rows, of the tensors ``shards(name)`` accepts (all
+    when None). ``report`` counts what was read."""
     for file in safetensors_files(folder):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if skip is not None and skip(name):
+                    continue
                 sharded = expert_ids is not None and (shards is None or shards(name))
                 for out_name, tensor in _read(f, name, expert_ids if sharded else None, report):
                     cast = dtype is not None and tensor.is_floating_point()
@@ -111,9 +115,11 @@ def _read(f: Any, name: str, expert_ids: Sequence[int] | None,
     return out
 
 
-def load_checkpoint(model: nn.Module, folder: Path, dtype: torch.dtype) -> LoadReport:
-    """Fill ``model`` from the folder's safetensors; every parameter must be covered. Returns what was
-    read (only the held experts' tensors when the model has ``expert_ids``, see the module docstring).
+def load_checkpoint(model: nn.Module, folder: Path, dtype: torch.dtype, *,
+                    skip: Callable[[str], bool] | None = None) -> LoadReport:
+    """Fill ``model`` from the folder's safetensors but the tensors ``skip`` accepts (not read); every
+    parameter must be covered. Returns what was read (only the held experts' tensors when the model has
+    ``expert_ids``, see the module docstring).
 
     Tensors reach ``load_weights`` uncast (the checkpoint's dtype): each model copies them into its
     parameters with ``copy_``, which casts into the parameter's own dtype, so parameters a model keeps
@@ -122,7 +128,8 @@ def load_checkpoint(model: nn.Module, folder: Path, dtype: torch.dtype) -> LoadR
     del dtype
     report = LoadReport()
     loaded = model.load_weights(iter_safetensors(folder, expert_ids=getattr(model, "expert_ids", None),
-                                                 shards=getattr(model, "shards_weight", None), report=report))
+                                                 shards=getattr(model, "shards_weight", None), skip=skip,
+                                                 report=report))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from deepinfer.config import EngineConfig, build_config
@@ -109,8 +110,13 @@ class ParallelEngine:
 
     # The single engine's request validation and numbering, reused as is: it reads ``tokenizer``,
     # ``model_path``, ``model.vocab_size``, ``max_model_len``, ``eos_token_ids``, ``config`` and
-    # ``_counter``, which this class holds with the same meaning.
+    # ``_counter``, which this class holds with the same meaning. A structured request is checked here
+    # as in one process (a tokenizer, xgrammar installed) but its grammar compiles on the rank that runs
+    # it, where its matcher lives (``LLMEngine.add``): a schema that does not compile finishes its
+    # request alone there, with the single process's error, and routing stays independent of compile
+    # times (which ``torchrun`` processes could not agree on).
     make_request = LLMEngine.make_request
+    _check_structured = LLMEngine._check_structured
     _load_tokenizer = LLMEngine._load_tokenizer
 
     @staticmethod
@@ -155,6 +161,7 @@ class ParallelEngine:
         self.model = _ModelFacts(int(info["vocab_size"]))
         self.max_model_len = int(info["max_model_len"])
         self.eos_token_ids = frozenset(info["eos_token_ids"])
+        self.device, self.dtype = torch.device(info["device"]), info["dtype"]  # rank 0's, as reports need
         self.rank_info = infos
 
     # ---------------------------------------------------------------------------------------- start-up
@@ -307,7 +314,8 @@ class ParallelEngine:
     def expert_layout(self) -> list[dict[str, Any]]:
         """Per rank: its placement rows; per MoE layer and local slot, ``(logical expert, Σ w13, Σ w2)``
         of the weights it holds (float64 sums, to check weights against a reference); the rows of its
-        expert tensors per layer; what its checkpoint load read (``worker.Rank.layout``)."""
+        expert tensors per layer; what its checkpoint load read; its MTP parameters' elements
+        (``worker.Rank.layout``)."""
         return self._all("layout")
 
     # ------------------------------------------------------------------------------------------ stats
@@ -317,12 +325,11 @@ class ParallelEngine:
         plugin ratios (``*_fraction``, ``*_rate``, ``*_ratio``) averaged; ``parallel`` describes the
         ranks and ``eplb`` holds the global balance numbers (the same on every rank)."""
         per_rank = self._all("stats")
-        parts = [s.pop("_parts") for s in per_rank]
         comm = [s.pop("_parallel", None) for s in per_rank]
         eplb = [s.pop("_eplb", None) for s in per_rank]
         stats = _sum_dicts(per_rank)
-        lookups = sum(p["lookup_tokens"] for p in parts)
-        stats["prefix_cache_hit_rate"] = sum(p["hit_tokens"] for p in parts) / lookups if lookups else 0.0
+        lookups = stats["prefix_cache_lookup_tokens"]
+        stats["prefix_cache_hit_rate"] = stats["prefix_cache_hit_tokens"] / lookups if lookups else 0.0
         parallel: dict[str, Any] = {"world_size": self.world, "expert_parallel_size": self.expert_parallel_size,
                                     "requests_per_rank": list(self._routed)}
         if comm[0] is not None:

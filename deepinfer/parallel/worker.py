@@ -13,7 +13,9 @@ to the expert-parallel layers (``moe.attach_expert_parallel``) and then answers 
   it); process; record router statistics and rebalance when due — and reply (``StepReply``) with the
   finished outputs, when ``stream`` is on the tokens each unfinished request committed this step
   (``TokenDelta``: only what the driver has not seen), and the rank's load. A request that this rank
-  cannot accept finishes alone with ``finish_reason="error"``.
+  cannot accept finishes alone with ``finish_reason="error"``. A structured request's grammar compiles
+  here, when the rank's engine queues it (``LLMEngine.add``), so one that does not compile finishes
+  alone as in one process.
 - ``stats``, ``layout``, ``rebalance``: collectives that every rank answers at the same point.
 - ``shutdown``: leave the process group and exit. A lost driver connection exits too.
 
@@ -23,7 +25,7 @@ is sent to the driver with its traceback and the process exits.
 Speculative decoding runs on each rank for its own requests; its step-cost curve is profiled at
 start-up on every rank together (the profile's placeholder forwards join the MoE collectives, so no
 rank may profile alone when its plan first asks). MTP drafting runs the MTP layers locally: they keep
-every expert (``moe.ep_capable_layers``).
+every expert (``moe.ep_capable_layers``); without the ``mtp`` drafter a rank does not load them at all.
 """
 
 from __future__ import annotations
@@ -103,7 +105,7 @@ class Rank:
         e = self.engine
         return {"vocab_size": e.model.vocab_size, "max_model_len": e.max_model_len,
                 "eos_token_ids": e.eos_token_ids, "model_path": str(e.model_path),
-                "device": str(e.device), "slots_per_rank": self.layers[0].slots if self.layers else 0}
+                "device": str(e.device), "dtype": e.dtype, "slots_per_rank": self.layers[0].slots if self.layers else 0}
 
     # ------------------------------------------------------------------------------------- commands
 
@@ -179,7 +181,6 @@ class Rank:
 
     def stats(self) -> dict[str, Any]:
         stats = self.engine.get_stats()
-        stats["_parts"] = {"hit_tokens": self.engine.kv.hit_tokens, "lookup_tokens": self.engine.kv.lookup_tokens}
         comm = self.engine.runner.backends.get("dispatch")
         timer = getattr(comm, "timer", None)
         if self.layers and timer is not None:
@@ -192,15 +193,17 @@ class Rank:
     def layout(self) -> dict[str, Any]:
         """This rank's expert slots: the placement rows; per layer and slot, the logical expert and a
         fingerprint of its weights (float64 sums of w13 and w2) to check against a reference; per layer
-        the rows its expert tensors have (``[w13 rows, w2 rows]``); and what its checkpoint load read
-        (``[tensors, bytes]``; None for dummy weights)."""
+        the rows its expert tensors have (``[w13 rows, w2 rows]``); what its checkpoint load read
+        (``[tensors, bytes]``; None for dummy weights); and the elements of its MTP layers' parameters."""
         report = self.engine.load_report
+        mtp = getattr(self.engine.model, "mtp_layers", None)
         return {"rank": self.rank,
                 "placement": [ep.phys_to_logical.tolist() for ep in self.layers],
                 "slots": [[(e, float(ep.w13[s].double().sum()), float(ep.w2[s].double().sum()))
                            for s, e in enumerate(ep.local_experts)] for ep in self.layers],
                 "rows": [[ep.w13.shape[0], ep.w2.shape[0]] for ep in self.layers],
-                "read": None if report is None else [report.tensors, report.bytes]}
+                "read": None if report is None else [report.tensors, report.bytes],
+                "mtp_parameters": 0 if mtp is None else sum(p.numel() for p in mtp.parameters())}
 
     def rebalance(self) -> None:
         if self.balancer is None or self.balancer.policy is None:
