@@ -389,21 +389,21 @@ def test_ab_flags_a_planted_slowdown_and_reports_token_identity(
     out = tmp_path / "ab" / "report"
     code, stdout, err = _run_cli(
         capsys, "ab", "--model", str(smollm2_dir), "--a", "plugins.slow.enabled=false",
-        "--b", "plugins.slow.enabled=true,plugins.slow.sleep_ms=150", "--repeats", "6",
+        "--b", "plugins.slow.enabled=true,plugins.slow.sleep_ms=150", "--repeats", "4",
         "--num-prompts", "4", "--input-len", "16", "--output-len", "6", "--output", str(out), "--no-progress",
         "--set", "cache.kv_cache_bytes=33554432", "--set", "cache.block_size=16", "--set", "model.max_model_len=512")
     assert code == 0, err
     report = json.loads(out.with_suffix(".json").read_text())
     assert set(report) == AB_KEYS and report["schema"] == AB_SCHEMA
-    assert report["repeats"] == 6 and report["order"] == ["A", "B"] * 6
-    assert len(report["runs"]["a"]) == len(report["runs"]["b"]) == 6
+    assert report["repeats"] == 4 and report["order"] == ["A", "B"] * 4
+    assert len(report["runs"]["a"]) == len(report["runs"]["b"]) == 4
     assert report["a"]["overrides"]["plugins"] == {"slow": {"enabled": False}}
     assert report["b"]["config"]["plugins"]["slow"] == {"enabled": True, "sleep_ms": 150.0}
     assert all(r["plugin_stats"]["slow"]["sleeps"] > 0 for r in report["runs"]["b"])
     assert all("slow" not in r["plugin_stats"] for r in report["runs"]["a"])
     metrics = {m["name"]: m for m in report["metrics"]}
     for m in metrics.values():
-        assert set(m) == AB_METRIC_KEYS and len(m["a_samples"]) == len(m["b_samples"]) == 6
+        assert set(m) == AB_METRIC_KEYS and len(m["a_samples"]) == len(m["b_samples"]) == 4
         assert (m["verdict"] is None) == (m["ci_low"] <= 1.0 <= m["ci_high"])
     tput = metrics["output_throughput"]
     assert tput["ratio"] < 1 / 1.5 and tput["ci_high"] < 1.0 and tput["verdict"] == "B worse"

@@ -71,6 +71,17 @@ def gemma_gguf(gemma_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
+def transformers_gguf(gemma_dir: Path, gemma_gguf: Path) -> dict:
+    """transformers' own reading of the GGUF (config and dequantized tensors), parsed once (~30 s)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = Gemma3ForCausalLM(Gemma3TextConfig.from_pretrained(gemma_dir))
+    return load_gguf_checkpoint(str(gemma_gguf), return_tensors=True, model_to_load=skeleton)
+
+
+@pytest.fixture(scope="module")
 def prompt_ids(gemma_dir: Path) -> list[list[int]]:
     tokenizer = Tokenizer.from_file(str(gemma_dir / "tokenizer.json"))
     return [tokenizer.encode(prompt).ids for prompt in PROMPTS]  # the post-processor adds <bos>
@@ -143,14 +154,13 @@ def test_alias_joins_four_wheel_pieces(gemma_gguf: Path) -> None:
 
 
 @pytest.mark.slow
-def test_config_matches_transformers_gguf_reader(gemma_dir: Path, gemma_gguf: Path) -> None:
+def test_config_matches_transformers_gguf_reader(gemma_dir: Path, transformers_gguf: dict) -> None:
     """The keys the file states agree with transformers' reading; the rest are what llama.cpp fixes for
     Gemma-3 (and ``Gemma3TextConfig``'s defaults): every 6th layer global, local rope 10k, scale 1/16."""
     from transformers import Gemma3TextConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     ours = json.loads((gemma_dir / "config.json").read_text())
-    theirs = Gemma3TextConfig(**load_gguf_checkpoint(str(gemma_gguf))["config"]).to_dict()
+    theirs = Gemma3TextConfig(**transformers_gguf["config"]).to_dict()
     keys = ["model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings", "sliding_window",
             "layer_types", "rope_parameters", "query_pre_attn_scalar", "final_logit_softcapping",
@@ -165,15 +175,10 @@ def test_config_matches_transformers_gguf_reader(gemma_dir: Path, gemma_gguf: Pa
 
 
 @pytest.mark.slow
-def test_weights_match_transformers_gguf_dequantization(gemma_dir: Path, gemma_gguf: Path) -> None:
+def test_weights_match_transformers_gguf_dequantization(gemma_dir: Path, transformers_gguf: dict) -> None:
     """Every tensor (Q8_0, Q5_0, Q4_K, Q6_K, F32) is bit-identical to transformers' dequantization, norms
     included: both store the GGUF's ``1 + w`` back as ``w``."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with torch.device("meta"):
-        skeleton = Gemma3ForCausalLM(Gemma3TextConfig.from_pretrained(gemma_dir))
-    reference = load_gguf_checkpoint(str(gemma_gguf), return_tensors=True, model_to_load=skeleton)["tensors"]
+    reference = transformers_gguf["tensors"]
     ours = load_file(gemma_dir / "model.safetensors")
     assert set(ours) == set(reference) and len(ours) == 236
     for name, value in reference.items():
