@@ -26,8 +26,9 @@ FLOPs are counted analytically for ideal kernels (matmuls 2·m·n·k; window att
 complete entry; hyper-connections included; the LM head of one row left out): ``off`` and ``mask``
 compute every layer on all L rows; ``compact`` computes the consumer layers' queries, windows, output
 projections, MoE and hyper-connections on the last ``keep_tokens`` rows, their compressors on all L.
-The reference torch attention this engine runs on CPU attends each chunk densely (then masks), so the
-measured time saves more attention work than the ideal count says. On CUDA, ``triton_v4`` hands prefill
+The reference torch attention this engine runs on CPU attends, per block of up to a window of rows, the
+block's window band (at most twice the keys a row sees), every HCA entry up to the block's end and each
+row's own CSA picks, so its work stays close to the ideal count. On CUDA, ``triton_v4`` hands prefill
 chunks to that same reference too.
 
 Memory of ``--device cuda`` (H200, 141 GB; bf16, 2,048-token chunks, 32k prompt): weights 30.2 GB

@@ -14,23 +14,33 @@ The lightning indexer of a CSA layer picks those entries (op ``indexer_topk``): 
 ``scale · Σ_h w_h · relu(q_h · k_e)`` for the query's indexer heads ``q_h`` and weights ``w_h``
 (``reference/deepinfer.md`` §8), complete entries only; the query keeps its ``topk`` best.
 
-Both ops run one request at a time and, within a request, in blocks of query rows (``row_block``): a
-score tensor — ``[heads, rows, keys]`` logits, ``[rows, heads, entries]`` indexer scores, float32 — holds
-at most ``PREFILL_SCORE_ELEMENTS`` elements, so a long prefill chunk never materializes
-``chunk × (chunk + window + L/r) × heads`` at once (5.4 GB per copy for a 2,048-token chunk at 32k
-positions of the V4-shaped model). A row is computed the same way whatever its block: on CPU the
-results are bitwise those of one block (``tests/test_deepseek_v4_prefill_blocks.py``).
+Both ops run one request at a time and, within a request, in blocks of query rows, each block doing only
+the work its rows need. ``sink_attention`` takes blocks of at most ``window`` rows; a block of positions
+``[a, b)`` reads the band of window keys ``(a − window, b)`` (at most twice the keys a row sees: the ring
+before the chunk, ``kv`` within it) and masks it per row; a CSA layer gathers each row's selected entries
+``[rows, k, D]`` (−1 masked) and takes their logits row by row (``bmm``); an HCA layer takes the complete
+entries ``[0, b // r)`` densely (a few: L/128), masked per row. One float32 softmax per row and head spans
+[band ‖ entries ‖ sink]. ``indexer_topk`` scores each row against every entry of the request, masked to
+the complete ones. Bounded memory: the score tensors — ``[rows, heads, band + entries + 1]`` logits,
+``[rows, heads, entries]`` indexer scores — and the gathered ``[rows, k, D]`` entries, all float32, hold at
+most ``PREFILL_SCORE_ELEMENTS`` elements (``band_rows``, ``row_block``), so a long prefill chunk never
+materializes ``chunk × (chunk + window + L/r) × heads`` at once (5.4 GB per copy for a 2,048-token chunk
+at 32k positions of the V4-shaped model). A row's attention depends on its block only through float32
+rounding (its band may hold more masked keys); ``tests/test_deepseek_v4_prefill_blocks.py`` checks it
+against a dense float64 statement of the semantics.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
 
 _ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
-# Float32 elements of one score tensor per block of query rows (512 MiB): the peak extra memory of a
-# prefill chunk is a few such tensors, whatever the chunk and context lengths.
+# Float32 elements of one score (or gathered-entry) tensor per block of query rows (512 MiB): the peak extra
+# memory of a prefill chunk is a few such tensors, whatever the chunk and context lengths.
 PREFILL_SCORE_ELEMENTS = 1 << 27
 
 
@@ -53,8 +63,15 @@ def ring_rows(first: int, end: int, size: int, device: torch.device) -> torch.Te
 
 
 def row_block(per_row: int) -> int:
-    """Query rows per block when each row's score tensor has ``per_row`` elements (at least one row)."""
+    """Query rows per block when each row adds ``per_row`` elements to a block's tensor (at least one row)."""
     return max(1, PREFILL_SCORE_ELEMENTS // max(per_row, 1))
+
+
+def band_rows(heads: int, width: int) -> int:
+    """Query rows per block when a block of r rows has a ``[r, heads, r + width]`` score tensor (a window
+    band that grows with the block, plus ``width`` more columns): the most r within the budget, at least 1."""
+    budget = PREFILL_SCORE_ELEMENTS // max(heads, 1)
+    return max(1, (math.isqrt(width * width + 4 * budget) - width) // 2)
 
 
 class TorchSinkAttentionBackend:
@@ -74,69 +91,81 @@ class TorchSinkAttentionBackend:
         """``q [T, H, D]``, ``kv [T, D]`` this step's keys (= values, already rotated); ``ring
         [slots, size, D]`` the layer's sliding-window ring; ``sinks [H]``; ``compressed
         [num_blocks, block_size / ratio, D]`` the layer's paged compressed entries (this step's new
-        entries already written) or None; ``selected [T, k]`` the entries each query may see (−1: none)
-        or None (every complete entry). Reads the window's older keys from the ring, then writes this
-        step's keys there (the last ``size`` positions of each request); window keys below
+        entries already written) or None; ``selected [T, k]`` the distinct entries each query may see
+        (−1: none) or None (every complete entry). Reads the window's older keys from the ring, then writes
+        this step's keys there (the last ``size`` positions of each request); window keys below
         ``ctx.visibility_floor_host`` are invisible but a query's own. Returns ``[T, H, D]``."""
         assert ctx.state_slots_host is not None, "sink_attention needs ctx.state_slots_host"
-        size = ring.shape[1]
+        size, heads = ring.shape[1], q.shape[1]
         out = torch.empty_like(q)
         starts, lens = ctx.query_start_loc_host, ctx.seq_lens_host
         dev = q.device
         for i, slot in enumerate(ctx.state_slots_host):
             lo, hi, end = starts[i], starts[i + 1], lens[i]
             n = hi - lo
-            first = max(0, end - n - window + 1)
-            keys = torch.cat([ring[slot].index_select(0, ring_rows(first, end - n, size, dev)), kv[lo:hi]])
-            count = picks = None
-            if compressed is not None:
-                count = end // ratio
-                keys = torch.cat([keys, gather_entries(compressed, ctx.block_tables[i], count)])
-                if selected is not None:
+            first = max(0, end - n - window + 1)  # the oldest window key of the chunk's first query
+            keys = torch.cat([ring[slot].index_select(0, ring_rows(first, end - n, size, dev)), kv[lo:hi]]).float()
+            entries = picks = None
+            extra = 0  # score columns of a row besides its band and sink
+            if compressed is not None and end // ratio > 0:
+                entries = gather_entries(compressed, ctx.block_tables[i], end // ratio).float()
+                if selected is None:
+                    extra = entries.shape[0]
+                else:
                     picks = selected[lo:hi]
-                    picks = torch.where(picks >= 0, picks, count)  # -1 -> a spill column, dropped below
+                    extra = picks.shape[1]
+            # Blocks of at most a window of rows: a block's band then holds at most twice the keys a row sees.
+            rows = min(window, band_rows(heads, window + extra))
+            if picks is not None:
+                rows = min(rows, row_block(picks.shape[1] * entries.shape[1]))  # the gathered [rows, k, D]
             keep = min(n, size)
             ring[slot].index_copy_(0, ring_rows(end - keep, end, size, dev), kv[hi - keep:hi])
             floor = 0 if ctx.visibility_floor_host is None else ctx.visibility_floor_host[i]
-            key_pos = torch.arange(first, end, device=dev)
-            keys = keys.float()
-            rows = row_block(q.shape[1] * (keys.shape[0] + 1))
             for a in range(0, n, rows):
                 b = min(n, a + rows)
-                q_pos = torch.arange(end - n + a, end - n + b, device=dev).unsqueeze(1)
-                visible = self._visible(q_pos, key_pos, window, floor, count, ratio,
-                                        None if picks is None else picks[a:b])
-                out[lo + a:lo + b] = self._attend(q[lo + a:lo + b], keys, visible, scale, sinks)
+                out[lo + a:lo + b] = self._attend_block(
+                    q[lo + a:lo + b], keys, first, end - n + a, window=window, floor=floor, scale=scale,
+                    sinks=sinks, entries=entries, ratio=ratio, picks=None if picks is None else picks[a:b])
         return out
 
     @staticmethod
-    def _visible(q_pos: torch.Tensor, key_pos: torch.Tensor, window: int, floor: int, count: int | None,
-                 ratio: int, picks: torch.Tensor | None) -> torch.Tensor:
-        """Mask ``[rows, keys]`` of the queries at ``q_pos [rows, 1]``: over the window keys at ``key_pos``,
-        then (unless ``count`` is None) over ``count`` compressed entries — every complete one, or those in
-        ``picks [rows, k]`` (the value ``count``: no entry)."""
+    def _attend_block(q: torch.Tensor, keys: torch.Tensor, first: int, start: int, *, window: int, floor: int,
+                      scale: float, sinks: torch.Tensor, entries: torch.Tensor | None, ratio: int,
+                      picks: torch.Tensor | None) -> torch.Tensor:
+        """Attention of the queries ``q [rows, H, D]`` at positions ``[start, start + rows)`` of one request,
+        whose float32 window keys ``keys [L, D]`` hold positions ``first, first + 1, …``: only the band
+        ``(start − window, start + rows)`` is read. ``entries [count, D]`` float32 are the request's
+        compressed entries, or None: with ``picks [rows, k]`` (−1: none) each row sees the entries it
+        names, gathered per row; without, each row sees every complete entry, ``e < (p + 1) // ratio``.
+        One float32 softmax per row and head over [band ‖ entries ‖ sink]; the result in ``q``'s dtype."""
+        rows, heads = q.shape[0], q.shape[1]
+        end = start + rows
+        low = max(first, start - window + 1)
+        band = keys[low - first:end - first]  # positions [low, end)
+        q_pos = torch.arange(start, end, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(low, end, device=q.device)
         visible = (key_pos <= q_pos) & (key_pos > q_pos - window)
         if floor > 0:
             visible &= (key_pos >= floor) | (key_pos == q_pos)  # bounded replay
-        if count is None:
-            return visible
-        if picks is None:
-            seen = torch.arange(count, device=q_pos.device) < (q_pos + 1) // ratio
-        else:
-            seen = torch.zeros(q_pos.shape[0], count + 1, dtype=torch.bool, device=q_pos.device)
-            seen = seen.scatter_(1, picks, True)[:, :count]
-        return torch.cat([visible, seen], dim=1)
-
-    @staticmethod
-    def _attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float,
-                sinks: torch.Tensor) -> torch.Tensor:
-        """``q [rows, H, D]`` over float32 ``keys [L, D]`` (= values) where ``visible [rows, L]``, with one
-        sink logit per head; float32 logits and softmax, the result in ``q``'s dtype."""
-        heads, rows = q.shape[1], q.shape[0]
-        logits = torch.einsum("nhd,ld->hnl", q.float(), keys).mul_(scale).masked_fill_(~visible, float("-inf"))
-        sink = sinks.float().view(heads, 1, 1).expand(heads, rows, 1)
-        probs = torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
-        return torch.einsum("hnl,ld->nhd", probs, keys).to(q.dtype)
+        qf = q.float() * scale
+        parts = [torch.einsum("nhd,ld->nhl", qf, band).masked_fill_(~visible.unsqueeze(1), float("-inf"))]
+        seen = None
+        if entries is not None:
+            if picks is None:
+                seen = entries[: end // ratio]  # complete for the block's last row
+                hidden = torch.arange(seen.shape[0], device=q.device) >= (q_pos + 1) // ratio
+                parts.append(torch.einsum("nhd,ed->nhe", qf, seen).masked_fill_(hidden.unsqueeze(1), float("-inf")))
+            else:
+                seen = entries[picks.clamp(min=0)]  # [rows, k, D]
+                parts.append(torch.bmm(qf, seen.transpose(1, 2)).masked_fill_((picks < 0).unsqueeze(1),
+                                                                               float("-inf")))
+        parts.append(sinks.float().view(1, heads, 1).expand(rows, heads, 1))
+        probs = torch.cat(parts, dim=-1).softmax(dim=-1)
+        res = torch.einsum("nhl,ld->nhd", probs[..., :band.shape[0]], band)
+        if seen is not None:
+            weights = probs[..., band.shape[0]:-1]
+            res += torch.bmm(weights, seen) if picks is not None else torch.einsum("nhe,ed->nhd", weights, seen)
+        return res.to(q.dtype)
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext, *,
                      ratio: int, topk: int, scale: float) -> torch.Tensor:
