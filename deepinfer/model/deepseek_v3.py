@@ -142,11 +142,7 @@ class _Dims:
         self.topk_method = "noaux_tc" if self.v3 else (hf_config.get("topk_method") or "greedy")
         self.interleave = bool(config_value(hf_config, "rope_interleave", default=True)) if self.v3 else True
         self.balanced = bool(hf_config.get(FORCE_BALANCED_ROUTING_KEY, False))
-        shard = hf_config.get(EXPERT_SHARD_KEY)
-        # The logical expert of each row of the main layers' expert stacks: all of them, or an
-        # expert-parallel rank's shard (the MTP layers keep every expert: drafting runs them locally).
-        self.sharded = shard is not None and self.n_routed > 0
-        self.expert_ids = shard.experts(self.n_routed) if self.sharded else list(range(self.n_routed))
+        self.sharded, self.expert_ids = expert_rows(hf_config, self.n_routed)
         self.rope_params = rope_parameters(hf_config)
         self.num_mtp = config_value(hf_config, "num_nextn_predict_layers", "num_mtp_layers", default=0)
         quant = hf_config.get("quantization_config") or {}
@@ -271,11 +267,27 @@ class DenseMLP(nn.Module):
         return gemm.linear(F.silu(gate) * up, self.down_weight)
 
 
-def in_main_layer(name: str, num_layers: int) -> bool:
-    """Whether checkpoint tensor ``name`` belongs to a main decoder layer (``[model.]layers.L.…`` with
-    L < ``num_layers``; not an MTP layer): the tensors an expert shard covers (``shards_weight``)."""
+def expert_rows(hf_config: dict[str, Any], n_routed: int) -> tuple[bool, list[int]]:
+    """Whether the engine gave the model an expert shard (``EXPERT_SHARD_KEY``), and the logical expert
+    of each row of the main layers' expert stacks: the shard's, or every expert in order (the MTP
+    layers keep every expert: drafting runs them locally)."""
+    shard = hf_config.get(EXPERT_SHARD_KEY)
+    if shard is None or n_routed == 0:
+        return False, list(range(n_routed))
+    return True, shard.experts(n_routed)
+
+
+def layer_index(name: str) -> int | None:
+    """The decoder layer ``L`` of checkpoint tensor ``name`` (``[model.]layers.L.…``), else None."""
     parts = name.removeprefix("model.").split(".", 2)
-    return len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) < num_layers
+    return int(parts[1]) if len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() else None
+
+
+def in_main_layer(name: str, num_layers: int) -> bool:
+    """Whether checkpoint tensor ``name`` belongs to a main decoder layer (L < ``num_layers``; not an MTP
+    layer): the tensors an expert shard covers (``shards_weight``)."""
+    layer = layer_index(name)
+    return layer is not None and layer < num_layers
 
 
 def count_routed_tokens(stats: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext) -> None:
@@ -469,8 +481,8 @@ class DeepseekV3ForCausalLM(StackedDecoderLM):
     def mtp_weight(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` belongs to an MTP layer (``[model.]layers.L.…``, L at or past
         ``num_hidden_layers``)."""
-        parts = name.removeprefix("model.").split(".", 2)
-        return len(parts) == 3 and parts[0] == "layers" and parts[1].isdigit() and int(parts[1]) >= self.d.layers
+        layer = layer_index(name)
+        return layer is not None and layer >= self.d.layers
 
     def take_router_stats(self) -> torch.Tensor:
         """Tokens routed to each expert ``[num MoE layers, n_routed]`` (int64, on the model's device)

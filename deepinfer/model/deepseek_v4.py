@@ -94,12 +94,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.state import CompressedPart, HybridLayerSpec, RingPart
 from deepinfer.model.base import StackedDecoderLM, config_value
-from deepinfer.model.deepseek_v3 import (
-    EXPERT_SHARD_KEY,
-    FORCE_BALANCED_ROUTING_KEY,
-    count_routed_tokens,
-    in_main_layer,
-)
+from deepinfer.model.deepseek_v3 import FORCE_BALANCED_ROUTING_KEY, count_routed_tokens, expert_rows, in_main_layer
 from deepinfer.model.layers.reference_deepseek_v4 import entry_rows, ring_rows
 from deepinfer.model.layers.rope import inverse_frequencies
 from deepinfer.model.transfer import to_device
@@ -150,11 +145,7 @@ class V4Dims:
         self.scoring = config_value(cfg, "scoring_func", default="sqrtsoftplus")
         self.num_mtp = config_value(cfg, "num_nextn_predict_layers", default=0)
         self.balanced = bool(cfg.get(FORCE_BALANCED_ROUTING_KEY, False))
-        shard = cfg.get(EXPERT_SHARD_KEY)
-        # The logical expert of each row of the main layers' expert stacks: all of them, or an
-        # expert-parallel rank's shard (the MTP layers keep every expert: drafting runs them locally).
-        self.sharded = shard is not None and self.n_routed > 0
-        self.expert_ids = shard.experts(self.n_routed) if self.sharded else list(range(self.n_routed))
+        self.sharded, self.expert_ids = expert_rows(cfg, self.n_routed)
         rates = dict(cfg.get("compress_rates") or {CSA: 4, HCA: 128})
         if cfg.get("compress_rate_csa"):
             rates[CSA] = cfg["compress_rate_csa"]

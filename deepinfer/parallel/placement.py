@@ -54,7 +54,8 @@ class ExpertShard:
     def experts(self, num_logical: int) -> list[int]:
         """The logical expert of each local slot, as ``initial_placement`` puts them."""
         slots = self.slots(num_logical)
-        return [(self.rank * slots + s) % num_logical for s in range(slots)]
+        row = initial_placement(1, num_logical, slots * self.world)[0]
+        return row[self.rank * slots:(self.rank + 1) * slots].tolist()
 
 
 def validate_placement(phys_to_logical: torch.Tensor, num_layers: int, num_logical: int, num_physical: int,
