@@ -208,9 +208,10 @@ class LLMEngine:
         self.host.select("deepinfer_request_routers", cfg.parallel.router, "parallel.router")
         factory = self.host.select("deepinfer_step_executors", cfg.scheduler.executor, "scheduler.executor")
         self.executor = factory(self.core)
-        if self.speculator is not None and not isinstance(self.executor, SyncExecutor):
+        if self.speculator is not None and not isinstance(self.executor, SyncExecutor) and self.rank_experts is None:
             # An overlapped executor schedules, and so asks the plan's budget, while a step runs: profile
-            # the step-cost curve now, so that no placeholder step ever runs beside a real one.
+            # the step-cost curve now, so that no placeholder step ever runs beside a real one. (A rank
+            # profiles it itself once its expert-parallel layers are attached: parallel/worker.py.)
             cost = self.speculator.cost
             if isinstance(cost, StepCost):
                 cost.profile_all()
