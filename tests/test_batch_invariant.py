@@ -25,6 +25,7 @@ from deepinfer.model.layers.batch_invariant import (
     chunked_linear,
     fixed_split_attention,
 )
+from deepinfer.model.layers.norm import BATCH_INVARIANT_CUDA_ROWS, RMSNorm
 from deepinfer.model.layers.reference import TorchGemmBackend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -64,6 +65,9 @@ def smol_bi(smollm2_dir):
 def test_batch_invariant_mode_selects_the_invariant_backends(smol_bi):
     names = {op: b.name for op, b in smol_bi.engine.runner.backends.items() if op in ("linear", "paged_attention")}
     assert names == {"linear": "batch_invariant", "paged_attention": "batch_invariant"}
+    # RMSNorm pads short batches on CUDA in this mode only (norm.mean_square).
+    norms = [m for m in smol_bi.engine.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.min_cuda_rows == BATCH_INVARIANT_CUDA_ROWS for m in norms)
 
 
 def test_smollm2_logprobs_bitwise_equal_in_every_batch(smol_bi):
@@ -73,6 +77,7 @@ def test_smollm2_logprobs_bitwise_equal_in_every_batch(smol_bi):
 def test_reference_backends_are_not_batch_invariant(smollm2_dir):
     """The check above can fail: without the mode, some composition changes the target's logprobs."""
     llm = LLM(smollm2_dir, kv_cache_bytes=1 << 27, max_model_len=512, block_size=16, max_num_batched_tokens=96)
+    assert all(m.min_cuda_rows == 1 for m in llm.engine.model.modules() if isinstance(m, RMSNorm))
     try:
         with pytest.raises(AssertionError, match="differ"):
             _check_invariance(llm, 49152, prompt_len=37)

@@ -32,6 +32,7 @@ from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_k
 from deepinfer.kv.state import has_state, num_state_slots_for
 from deepinfer.model.assets import resolve_model_path
 from deepinfer.model.graphs import DecodeGraphs
+from deepinfer.model.layers.norm import BATCH_INVARIANT_CUDA_ROWS, RMSNorm
 from deepinfer.model.loader import LoadReport, init_dummy, load_checkpoint, read_hf_config
 from deepinfer.model.registry import resolve_architecture
 from deepinfer.model.runner import ModelRunner
@@ -116,6 +117,10 @@ class LLMEngine:
             self.model = model_cls(model_config, dtype=self.dtype, device=self.device,
                                    max_positions=self.max_model_len)
         self.model.eval()
+        if cfg.kernels.batch_invariant:  # RMSNorm statistics the same bits in any batch on CUDA too
+            for module in self.model.modules():
+                if isinstance(module, RMSNorm):
+                    module.min_cuda_rows = BATCH_INVARIANT_CUDA_ROWS
         specs = self.model.cache_specs()
         self.spec_settings = self._spec_settings()
         max_draft = self.spec_settings.max_draft if self.spec_settings else 0

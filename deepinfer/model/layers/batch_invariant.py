@@ -30,9 +30,9 @@ goes through the ``linear`` op like every other GEMM.
 These backends declare ``batch_invariant`` and run on CPU only; their priority is below the
 reference backends', so ``auto`` picks them only when ``kernels.batch_invariant`` is on. On CUDA the
 same mode needs fixed-tile kernels: the ``attention`` and ``moe`` plugins offer them (``triton_bi``,
-``triton_bi_mla``); without those plugins start-up fails there naming the missing capability. RMSNorm
-pads to 16 rows on CUDA (``norm.mean_square``: CUDA reductions split rows differently when fewer rows
-are reduced).
+``triton_bi_mla``); without those plugins start-up fails there naming the missing capability. In this
+mode RMSNorm pads to 16 rows on CUDA (``norm.mean_square``, set by the engine: CUDA reductions split
+rows differently when fewer rows are reduced).
 """
 
 from __future__ import annotations

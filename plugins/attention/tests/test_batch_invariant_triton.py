@@ -83,19 +83,19 @@ def test_cuda_bf16_gemm_and_rms_norm_rows_do_not_depend_on_the_batch() -> None:
     (``norm.mean_square``) give a row the same bits alone and in batches of 3, 100 and 300 rows."""
     from deepinfer_attention.batch_invariant_kernels import bi_matmul
 
-    from deepinfer.model.layers.norm import mean_square
+    from deepinfer.model.layers.norm import BATCH_INVARIANT_CUDA_ROWS, mean_square
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     g = torch.Generator(device="cuda").manual_seed(0)
     weight = torch.randn(1, 1536, 2048, generator=g, device="cuda", dtype=torch.bfloat16)
     row = torch.randn(1, 1, 2048, generator=g, device="cuda", dtype=torch.bfloat16)
-    alone, stats = bi_matmul(row, weight)[0, 0], mean_square(row[0].float())
+    alone, stats = bi_matmul(row, weight)[0, 0], mean_square(row[0].float(), BATCH_INVARIANT_CUDA_ROWS)
     for rows, at in ((3, 2), (100, 57), (300, 299)):
         batch = torch.randn(1, rows, 2048, generator=g, device="cuda", dtype=torch.bfloat16)
         batch[0, at] = row[0, 0]
         assert torch.equal(bi_matmul(batch, weight)[0, at], alone), rows
-        assert torch.equal(mean_square(batch[0].float())[at], stats[0]), rows
+        assert torch.equal(mean_square(batch[0].float(), BATCH_INVARIANT_CUDA_ROWS)[at], stats[0]), rows
     torch.testing.assert_close(alone.float(), (row[0, 0].float() @ weight[0].float().t()), rtol=2e-2, atol=2e-1)
 
 
