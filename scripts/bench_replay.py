@@ -28,8 +28,9 @@ compute every layer on all L rows; ``compact`` computes the consumer layers' que
 projections, MoE and hyper-connections on the last ``keep_tokens`` rows, their compressors on all L.
 The reference torch attention this engine runs on CPU attends, per block of up to a window of rows, the
 block's window band (at most twice the keys a row sees), every HCA entry up to the block's end and each
-row's own CSA picks, so its work stays close to the ideal count. On CUDA, ``triton_v4`` hands prefill
-chunks to that same reference too.
+row's own CSA picks, so its work stays close to the ideal count. On CUDA, ``triton_v4`` runs prefill
+chunks on its sparse kernels (window and top-k / complete entries per query; before issue 11's prefill
+path it handed them to that same reference, and the memory notes below are from then).
 
 Memory of ``--device cuda`` (H200, 141 GB; bf16, 2,048-token chunks, 32k prompt): weights 30.2 GB
 (15.1B parameters); KV for 32,776 positions 33 MB (124 KiB per 128-token block: compressed entries

@@ -16,8 +16,16 @@ top 512 entries) with random bf16 weights runs decode steps for ``--batch`` requ
 and prints the indexer's share of the layer. ``--small`` shrinks the layer and the context for a CPU
 smoke run (``TRITON_INTERPRET=1`` lets ``triton_v4`` run there, slowly).
 
+``--prefill``: the ops alone on one prefill chunk instead: one request whose last ``--chunk`` tokens
+(default 2,048) are computed, its sequence ending at each ``--context`` position, random bf16 inputs of
+the same shape; per backend the medians of ``attn_csa`` (``sink_attention`` of a CSA layer, ratio 4,
+each query's top-512 entries), ``attn_hca`` (an HCA layer, ratio 128, every complete entry) and
+``indexer_op`` (``indexer_topk``, ratio 4). Only backends serving both ops run (not ``deep_gemm_v4``).
+
     python scripts/bench_v4_attention.py --batch 1 16 64 --output v4_attention.json
+    python scripts/bench_v4_attention.py --prefill --context 8192 32768 --output v4_prefill.json
     TRITON_INTERPRET=1 python scripts/bench_v4_attention.py --small --device cpu --repeats 2
+    TRITON_INTERPRET=1 python scripts/bench_v4_attention.py --prefill --small --device cpu --chunk 64 --repeats 1
 """
 
 from __future__ import annotations
@@ -144,11 +152,69 @@ def bench(backend: Any, shape: dict[str, int], context: int, batch: int, dtype: 
     return out
 
 
+def prefill_case(shape: dict[str, int], context: int, chunk: int, dtype: torch.dtype, device: torch.device
+                 ) -> tuple[ForwardContext, dict[str, torch.Tensor]]:
+    """One request's prefill chunk: the context (its last ``chunk`` of ``context`` positions) and random
+    inputs of both ops — attention queries and keys, the ring, the paged compressed entries of ratios
+    4 and 128, the CSA selections (each query's top-k of random scores over its complete entries) and
+    the indexer's queries, weights and paged keys."""
+    from deepinfer_attention.triton_v4 import topk_entries
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(dtype).to(device)
+
+    blocks = -(-context // BLOCK)
+    heads, dim, index_dim = shape["num_attention_heads"], shape["head_dim"], shape["index_head_dim"]
+    positions = torch.arange(context - chunk, context, device=device)
+    ctx = ForwardContext(
+        positions=positions, slot_mapping=torch.zeros(chunk, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor([0, chunk], dtype=torch.int32, device=device),
+        seq_lens=torch.tensor([context], device=device), block_tables=torch.arange(1, blocks + 1, device=device)[None],
+        num_decodes=0, query_start_loc_host=[0, chunk], seq_lens_host=[context], block_size=BLOCK, backends={},
+        state_slots=torch.tensor([1], device=device), state_slots_host=[1], write_floor_host=[0], max_query_len=chunk)
+    complete = ((positions + 1) // 4)[:, None]
+    scores = torch.rand(chunk, context // 4, generator=gen).to(device)
+    scores = scores.masked_fill(torch.arange(context // 4, device=device) >= complete, float("-inf"))
+    inputs = {
+        "q": rand(chunk, heads, dim), "kv": rand(chunk, dim), "ring": rand(2, shape["sliding_window"] + 4, dim),
+        "sinks": torch.randn(heads, generator=gen).to(device),
+        "csa": rand(blocks + 1, BLOCK // 4, dim), "hca": rand(blocks + 1, BLOCK // 128, dim),
+        "selected": topk_entries(scores, shape["index_topk"]),
+        "index_q": rand(chunk, shape["index_n_heads"], index_dim),
+        "index_w": torch.randn(chunk, shape["index_n_heads"], generator=gen).to(device),
+        "index_keys": rand(blocks + 1, BLOCK // 4, index_dim)}
+    return ctx, inputs
+
+
+def bench_prefill(backend: Any, shape: dict[str, int], context: int, chunk: int, dtype: torch.dtype,
+                  device: torch.device, warmup: int, repeats: int) -> dict[str, float]:
+    """``--prefill``'s times (module docstring) for one backend and context."""
+    ctx, x = prefill_case(shape, context, chunk, dtype, device)
+    window, scale = shape["sliding_window"], shape["head_dim"] ** -0.5
+
+    def attend(ratio: int) -> torch.Tensor:
+        return backend.sink_attention(x["q"], x["kv"], x["ring"], ctx, window=window, scale=scale, sinks=x["sinks"],
+                                      compressed=x["csa" if ratio == 4 else "hca"], ratio=ratio,
+                                      selected=x["selected"] if ratio == 4 else None)
+
+    runs = {"attn_csa": lambda: attend(4), "attn_hca": lambda: attend(128),
+            "indexer_op": lambda: backend.indexer_topk(x["index_q"], x["index_w"], x["index_keys"], ctx, ratio=4,
+                                                       topk=shape["index_topk"],
+                                                       scale=shape["index_head_dim"] ** -0.5)}
+    with torch.no_grad():
+        out = {name: timed(fn, device, warmup, repeats) for name, fn in runs.items()}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backends", nargs="*", default=None, help="default: every available one")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--context", type=int, nargs="+", default=[32768])
+    parser.add_argument("--prefill", action="store_true", help="time one prefill chunk per context (docstring)")
+    parser.add_argument("--chunk", type=int, default=2048, help="--prefill: query rows of the chunk")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--small", action="store_true", help="tiny layer and 1k context (CPU smoke run)")
     parser.add_argument("--warmup", type=int, default=3)
@@ -158,17 +224,30 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shape = SMALL if args.small else FLASH
-    context = min(args.context, 1024) if args.small else args.context
+    contexts = [min(c, 1024) for c in args.context] if args.small else args.context
     found = backends_by_name()
     names = args.backends or [n for n, b in found.items() if b.available() and device.type in b.capabilities.devices]
     results = []
-    print(f"{'backend':>14} {'batch':>5} {'layer ms':>9} {'indexer':>8} {'idx op':>8} {'attn op':>8} {'share':>6}")
-    for name in names:
-        for batch in args.batch:
-            row = bench(found[name], shape, context, batch, dtype, device, args.warmup, args.repeats)
-            results.append({"backend": name, "batch": batch, "context": context, **row})
-            print(f"{name:>14} {batch:>5} {row['layer']:>9.3f} {row['indexer']:>8.3f} {row['indexer_op']:>8.3f} "
-                  f"{row['attention_op']:>8.3f} {row['indexer_share']:>6.1%}")
+    if args.prefill:
+        names = [n for n in names if found[n].ops >= {"sink_attention", "indexer_topk"}]
+        print(f"{'backend':>14} {'context':>7} {'chunk':>5} {'attn csa':>9} {'attn hca':>9} {'idx op':>9}")
+        for name in names:
+            for context in contexts:
+                chunk = min(args.chunk, context)
+                row = bench_prefill(found[name], shape, context, chunk, dtype, device, args.warmup, args.repeats)
+                results.append({"backend": name, "context": context, "chunk": chunk, **row})
+                print(f"{name:>14} {context:>7} {chunk:>5} {row['attn_csa']:>9.3f} {row['attn_hca']:>9.3f} "
+                      f"{row['indexer_op']:>9.3f}")
+    else:
+        print(f"{'backend':>14} {'context':>7} {'batch':>5} {'layer ms':>9} {'indexer':>8} {'idx op':>8} "
+              f"{'attn op':>8} {'share':>6}")
+        for name in names:
+            for context in contexts:
+                for batch in args.batch:
+                    row = bench(found[name], shape, context, batch, dtype, device, args.warmup, args.repeats)
+                    results.append({"backend": name, "batch": batch, "context": context, **row})
+                    print(f"{name:>14} {context:>7} {batch:>5} {row['layer']:>9.3f} {row['indexer']:>8.3f} "
+                          f"{row['indexer_op']:>8.3f} {row['attention_op']:>8.3f} {row['indexer_share']:>6.1%}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump({"device": str(device), "shape": shape, "results": results}, f, indent=1)

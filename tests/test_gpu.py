@@ -46,6 +46,7 @@ import torch
 from tiny_models import TINY, record_logits
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.model.transfer import to_host
 from deepinfer.sampling.sampler import SampleResult
 
 REFS = Path(__file__).parent / "gpu_refs"
@@ -91,6 +92,8 @@ def force_tokens(llm: LLM, forced: dict[tuple[int, ...], Sequence[int]]) -> None
                     tokens[row] = teacher[i]
             results.sampled = SampleResult(tokens, results.sampled.token_logprobs, results.sampled.top_logprobs,
                                            results.sampled.top_ids)
+            if results.host_sampled is not None:  # on CUDA the engine reads the copy started in ``execute``
+                results.host_sampled = to_host(results.sampled)
         return results
 
     runner.execute = execute_forced

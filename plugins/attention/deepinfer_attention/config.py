@@ -38,4 +38,5 @@ class AttentionConfig(BaseModel):
     triton_max_query_len: int = Field(16, ge=1, description=(
         "backends triton / triton_mla / triton_v4 / flash_mla: requests with at most this many query tokens in a step "
         "(decode, speculative verification) run through the decode kernels; longer ones (prefill chunks) through "
-        "triton's prefill kernel (triton) or the core's torch reference (the others)"))
+        "triton's prefill kernel (triton), the core's torch reference (triton_mla, flash_mla) or, for triton_v4, "
+        "the same kernels (there the bound only marks the steps that read no host list)"))

@@ -70,7 +70,7 @@ class RowPlan:
     long_tokens: torch.Tensor | None = None
 
 
-def _device_token_req(ctx: ForwardContext, num_tokens: int) -> torch.Tensor:
+def device_token_req(ctx: ForwardContext, num_tokens: int) -> torch.Tensor:
     """Each token's request, from ``query_start_loc`` on the device (requests without query tokens,
     such as a CUDA graph's padding, are skipped naturally)."""
     tokens = torch.arange(num_tokens, dtype=ctx.query_start_loc.dtype, device=ctx.query_start_loc.device)
@@ -87,13 +87,13 @@ def plan_rows(ctx: ForwardContext, num_tokens: int, max_query_len: int) -> RowPl
     if stated == 1 or (not stated and ctx.num_decodes == batch):
         return RowPlan(None, None)
     if 0 < stated <= max_query_len:
-        return RowPlan(None, _device_token_req(ctx, num_tokens))
+        return RowPlan(None, device_token_req(ctx, num_tokens))
     starts = ctx.query_start_loc_host
     lengths = [starts[i + 1] - starts[i] for i in range(batch)]
     long = tuple(i for i, n in enumerate(lengths) if n > max_query_len)
     dev = ctx.positions.device
     if not long:
-        return RowPlan(None, _device_token_req(ctx, num_tokens))
+        return RowPlan(None, device_token_req(ctx, num_tokens))
     short = [i for i in range(batch) if lengths[i] <= max_query_len]
 
     def tensor(values: list[int]) -> torch.Tensor:

@@ -1,16 +1,21 @@
-"""``triton_v4``: DeepSeek-V4 attention (ops ``sink_attention`` and ``indexer_topk``) on Triton.
+"""``triton_v4``: DeepSeek-V4 attention (ops ``sink_attention`` and ``indexer_topk``) on Triton, for
+every row: decode, speculative verification and prefill chunks.
 
-Short rows — requests with at most ``max_query_len`` query tokens (decode, speculative verification),
-and for ``sink_attention`` at most ``size − window + 1`` (so a request's new keys never evict a key
-that one of its queries still sees) — run on the device: this step's keys go into the ring with one
-``index_copy_``, then ``v4_kernels.sink_decode`` attends over the sliding window and the selected (or,
-for HCA layers, all complete) compressed entries with the sinks; the indexer scores every entry of
-the block tables' width with ``v4_kernels.index_scores`` and keeps the best ``topk`` with
-``torch.topk`` (fixed k, −1 padding). A decode-only batch (``num_decodes`` = every request, or
-``max_query_len == 1`` as a graph replay states) reads no host list and its shapes come from tensor
-shapes, so it can be captured in a CUDA graph. Longer rows (prefill chunks) take the reference path
-(``TorchSinkAttentionBackend``) on a context cut to those requests (``plan_rows``/``sub_context`` of
-``triton_backends.py``, shared with the GQA and MLA backends).
+``sink_attention`` runs one ``v4_kernels.sink_attend`` launch over all the step's query tokens (one
+program per token and head block): window keys of this step come from ``kv``, older ones from the ring,
+then the compressed entries — the selected ones (CSA) or every complete one (HCA) — with the sinks;
+only then are this step's keys written into the ring (each request's last ``size``, one
+``index_copy_``), so no query reads a key its own step evicted and rows of any length are served.
+``indexer_topk`` scores every entry of the block tables' width with ``v4_kernels.index_scores`` and keeps
+the best ``topk`` with ``torch.topk`` (fixed k, −1 padding), in blocks of query rows whose float32
+scores hold at most ``PREFILL_SCORE_ELEMENTS`` (the reference's bound), so a long prefill chunk never
+materializes ``chunk × entries`` at once. Neither op falls back to the torch reference.
+
+Host lists: a decode-only batch (``num_decodes`` = every request, or ``max_query_len == 1`` as a graph
+replay states) maps tokens to requests by identity, other steps on the device from
+``query_start_loc``; only the ring write of a step that does not state ``max_query_len`` within
+``min(max_query_len, size)`` reads ``query_start_loc_host`` (to keep each request's last ``size`` keys:
+prefill steps, never captured). Decode and verification steps can thus be captured in CUDA graphs.
 
 ``available()`` needs ``import triton`` and either CUDA or ``TRITON_INTERPRET=1`` (Triton's CPU
 interpreter, for the tests: slow, and only picked when named).
@@ -18,14 +23,14 @@ interpreter, for the tests: slow, and only picked when named).
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import os
 
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.model.layers.reference_deepseek_v4 import TorchSinkAttentionBackend
-from deepinfer_attention.triton_backends import plan_rows, sub_context, triton_usable
+from deepinfer.model.layers.reference_deepseek_v4 import row_block
+from deepinfer_attention.triton_backends import device_token_req, triton_usable
 
 _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
@@ -35,16 +40,14 @@ def all_decode(ctx: ForwardContext) -> bool:
     return ctx.max_query_len == 1 or ctx.num_decodes == ctx.block_tables.shape[0]
 
 
-def long_context(ctx: ForwardContext, requests: tuple[int, ...], tokens: torch.Tensor) -> ForwardContext:
-    """``sub_context`` (requests ``requests``, query tokens ``tokens``) with the requests' visibility
-    floors too (bounded replay), which the reference's window reads per request."""
-    sub = sub_context(ctx, requests, tokens)
-    if ctx.visibility_floor_host is None:
-        return sub
-    rows = torch.tensor(requests, dtype=torch.int64, device=ctx.positions.device)
-    return dataclasses.replace(
-        sub, visibility_floor_host=[ctx.visibility_floor_host[i] for i in requests],
-        visibility_floor=None if ctx.visibility_floor is None else ctx.visibility_floor.index_select(0, rows))
+def ring_tokens(ctx: ForwardContext, size: int) -> torch.Tensor | None:
+    """The query tokens whose keys a ring of ``size`` rows keeps: each request's last ``size`` (from
+    the host lists), or None when that is every token."""
+    spans = list(itertools.pairwise(ctx.query_start_loc_host))
+    if all(hi - lo <= size for lo, hi in spans):
+        return None
+    return torch.tensor([t for lo, hi in spans for t in range(max(lo, hi - size), hi)], dtype=torch.int64,
+                        device=ctx.positions.device)
 
 
 def topk_entries(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -59,8 +62,8 @@ def topk_entries(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 class TritonV4Backend:
-    """Ops ``sink_attention`` and ``indexer_topk`` with Triton kernels for rows of at most
-    ``max_query_len`` query tokens (module docstring)."""
+    """Ops ``sink_attention`` and ``indexer_topk`` with Triton kernels for every row (module docstring);
+    steps stating at most ``max_query_len`` query tokens per request read no host list."""
 
     name = "triton_v4"
     ops = frozenset({"sink_attention", "indexer_topk"})
@@ -74,7 +77,6 @@ class TritonV4Backend:
         self.capabilities = BackendCapabilities(
             devices=frozenset({"cuda", "cpu"}) if interpreting else frozenset({"cuda"}),
             dtypes=_DTYPES, graph_safe=True, batch_invariant=False, varlen=True)
-        self.reference = TorchSinkAttentionBackend()
 
     def available(self) -> bool:
         return triton_usable()
@@ -84,39 +86,24 @@ class TritonV4Backend:
                        ratio: int = 1, selected: torch.Tensor | None = None) -> torch.Tensor:
         """Same contract as ``TorchSinkAttentionBackend.sink_attention``; ``ring`` must be contiguous
         with at least ``window`` rows per slot (``window + max_backtrack`` in the engine)."""
-        from deepinfer_attention.v4_kernels import sink_decode  # imports triton: only when this backend runs
+        from deepinfer_attention.v4_kernels import sink_attend  # imports triton: only when this backend runs
 
         assert ctx.state_slots is not None, "sink_attention needs ctx.state_slots"
         size = ring.shape[1]
-        kw = {"window": window, "scale": scale, "compressed": compressed, "block_tables": ctx.block_tables,
-              "ratio": ratio}
-
-        def short(rows: torch.Tensor | None, token_req: torch.Tensor | None) -> torch.Tensor:
-            """Write the keys of tokens ``rows`` (None: all) into the ring, then one kernel launch."""
-            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-            positions = pick(ctx.positions)
-            slots = ctx.state_slots if token_req is None else ctx.state_slots.index_select(0, token_req)
-            # Writing before reading is safe: a request writes at most size − window + 1 rows, all
-            # outside the window of its earliest query.
-            ring.view(-1, ring.shape[-1]).index_copy_(0, slots * size + positions % size, pick(kv))
-            return sink_decode(pick(q), ring, ctx.state_slots, positions, sinks, token_req=token_req,
-                               floors=ctx.visibility_floor, selected=None if selected is None else pick(selected),
-                               **kw)
-
-        if all_decode(ctx):
-            return short(None, None)
-        plan = plan_rows(ctx, q.shape[0], min(self.max_query_len, size - window + 1))
-        if plan.long_tokens is None:
-            return short(None, plan.token_req)
-        assert plan.kernel_tokens is not None
-        out = torch.empty_like(q)
-        if plan.kernel_tokens.numel():
-            out.index_copy_(0, plan.kernel_tokens, short(plan.kernel_tokens, plan.token_req))
-        lt = plan.long_tokens
-        out.index_copy_(0, lt, self.reference.sink_attention(
-            q.index_select(0, lt), kv.index_select(0, lt), ring, long_context(ctx, plan.long_requests, lt),
-            window=window, scale=scale, sinks=sinks, compressed=compressed, ratio=ratio,
-            selected=None if selected is None else selected.index_select(0, lt)))
+        token_req = None if all_decode(ctx) else device_token_req(ctx, q.shape[0])
+        out = sink_attend(q, kv, ring, ctx.state_slots, ctx.positions, sinks, window=window, scale=scale,
+                          token_req=token_req, query_starts=ctx.query_start_loc, floors=ctx.visibility_floor,
+                          compressed=compressed, block_tables=ctx.block_tables, ratio=ratio, selected=selected)
+        # Only now this step's keys go into the ring: all of them when no request can bring more than
+        # ``size`` (no host read), else each request's last ``size`` (the reference's ring).
+        host_free = all_decode(ctx) or 0 < ctx.max_query_len <= min(self.max_query_len, size)
+        kept = None if host_free else ring_tokens(ctx, size)
+        positions = ctx.positions
+        if kept is not None:
+            assert token_req is not None
+            positions, token_req, kv = (x.index_select(0, kept) for x in (positions, token_req, kv))
+        slots = ctx.state_slots if token_req is None else ctx.state_slots.index_select(0, token_req)
+        ring.view(-1, ring.shape[-1]).index_copy_(0, slots * size + positions % size, kv)
         return out
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext, *,
@@ -124,23 +111,15 @@ class TritonV4Backend:
         """Same contract as ``TorchSinkAttentionBackend.indexer_topk``."""
         from deepinfer_attention.v4_kernels import index_scores  # imports triton: only when this backend runs
 
-        def short(rows: torch.Tensor | None, token_req: torch.Tensor | None) -> torch.Tensor:
-            pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-            scores = index_scores(pick(q), pick(weights), keys, ctx.block_tables, pick(ctx.positions), ratio=ratio,
-                                  scale=scale, token_req=token_req)
-            return topk_entries(scores, topk)
-
-        if all_decode(ctx):
-            return short(None, None)
-        plan = plan_rows(ctx, q.shape[0], self.max_query_len)
-        if plan.long_tokens is None:
-            return short(None, plan.token_req)
-        assert plan.kernel_tokens is not None
-        out = torch.empty(q.shape[0], topk, dtype=torch.int64, device=q.device)
-        if plan.kernel_tokens.numel():
-            out.index_copy_(0, plan.kernel_tokens, short(plan.kernel_tokens, plan.token_req))
-        lt = plan.long_tokens
-        out.index_copy_(0, lt, self.reference.indexer_topk(
-            q.index_select(0, lt), weights.index_select(0, lt), keys, long_context(ctx, plan.long_requests, lt),
-            ratio=ratio, topk=topk, scale=scale))
+        tokens = q.shape[0]
+        token_req = None if all_decode(ctx) else device_token_req(ctx, tokens)
+        rows = row_block(ctx.block_tables.shape[1] * keys.shape[1])  # shapes only: graph-safe
+        if token_req is None and rows < tokens:
+            token_req = torch.arange(tokens, device=q.device)  # decode rows: token t is request t
+        out = torch.empty(tokens, topk, dtype=torch.int64, device=q.device)
+        for a in range(0, tokens, rows):
+            b = min(tokens, a + rows)
+            scores = index_scores(q[a:b], weights[a:b], keys, ctx.block_tables, ctx.positions[a:b], ratio=ratio,
+                                  scale=scale, token_req=None if token_req is None else token_req[a:b])
+            out[a:b] = topk_entries(scores, topk)
         return out

@@ -1,9 +1,10 @@
 """``triton_v4`` against the core's plain-torch V4 reference, in Triton's CPU interpreter: sparse sink
 attention (sliding-only, dense-compressed and indexer-selected layers) and the indexer's scores and
 top-k on ragged batches (rings partially filled and wrapped, fewer entries than top-k, −1 holes), in
-decode-only batches, with verification-sized rows and with prefill chunks; the decode path reading no
-host list; the DeepGEMM key packing; and a tiny V4 model giving the reference's greedy tokens and
-logits with the backend selected by name."""
+decode-only batches, with verification-sized rows and with prefill chunks (whole prompts, chunks
+starting mid-sequence, longer than the ring, under visibility floors), all on the kernels; the decode
+path reading no host list; the DeepGEMM key packing; and a tiny V4 model giving the reference's greedy
+tokens and logits with the backend selected by name and no row left to the reference."""
 
 from __future__ import annotations
 
@@ -45,10 +46,8 @@ def _backend():
     return TritonV4Backend()
 
 
-# The last two requests' query tokens per batch mode (the others decode): "verify" rows are short
-# enough for the kernels in "small" and "tiles" (at most window − size + 1 = 3 and 4 tokens), "mixed"
-# adds a prefill chunk that takes the reference path; "odd" (ring = window) sends every multi-token
-# row of sink_attention to the reference. The indexer's kernel takes rows of up to 16 tokens.
+# The last two requests' query tokens per batch mode (the others decode): "verify" rows (the graph-safe
+# path: at most max_query_len tokens), "mixed" adds a longer chunk.
 MODES = {"decode": (1, 1), "verify": (2, 3), "mixed": (2, 6)}
 
 
@@ -96,24 +95,95 @@ def test_plugin_offers_the_v4_backends() -> None:
         assert not deep_gemm_v4.available()
 
 
-class _Refuses:
-    """Stands in for the reference backend where the kernels must answer every row."""
+@pytest.fixture
+def no_reference(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the calls of the reference's ops (per op name); a test resets the counts once it has
+    computed its expectations with the reference."""
+    calls = {"sink_attention": 0, "indexer_topk": 0}
+    for op in calls:
+        original = getattr(TorchSinkAttentionBackend, op)
 
-    def __getattr__(self, name: str) -> object:
-        raise AssertionError(f"reference {name} called for rows the kernels should answer")
+        def counted(self: TorchSinkAttentionBackend, *args: object, _op: str = op, _original=original,
+                    **kwargs: object) -> torch.Tensor:
+            calls[_op] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(TorchSinkAttentionBackend, op, counted)
+    return calls
 
 
 @pytest.mark.parametrize("name", ["small", "tiles"])
-def test_verification_rows_run_in_the_kernels(name: str) -> None:
+def test_verification_rows_run_in_the_kernels(name: str, no_reference: dict[str, int]) -> None:
     p = _problem(name, mode="verify", seed=23)
     shape = SHAPES[name][1]
-    backend = _backend()
-    backend.reference = _Refuses()
-    expected = _attend(TorchSinkAttentionBackend(), p, name, "sparse", p.ring.clone())
-    assert relative_error(_attend(backend, p, name, "sparse", p.ring.clone()), expected) < TOLERANCE[torch.float32]
     kw = {"ratio": shape["ratio"], "topk": shape["topk"], "scale": SCALE}
-    assert torch.equal(backend.indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw),
-                       TorchSinkAttentionBackend().indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw))
+    expected = _attend(TorchSinkAttentionBackend(), p, name, "sparse", p.ring.clone())
+    picks = TorchSinkAttentionBackend().indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw)
+    no_reference.update(sink_attention=0, indexer_topk=0)
+    backend = _backend()
+    assert relative_error(_attend(backend, p, name, "sparse", p.ring.clone()), expected) < TOLERANCE[torch.float32]
+    assert torch.equal(backend.indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw), picks)
+    assert no_reference == {"sink_attention": 0, "indexer_topk": 0}
+
+
+def _prefill_problem(name: str, chunk: str, seed: int, floors: list[int] | None = None) -> V4Problem:
+    """Shape ``name``'s requests with prefill chunks: "whole" computes every request's whole sequence
+    (from position 0), "mid" a decode row then chunks of the last two thirds of each sequence (starting
+    mid-sequence, the longest longer than the ring: its write wraps over keys the chunk's first queries
+    read)."""
+    seq_lens, shape = SHAPES[name]
+    query_lens = list(seq_lens) if chunk == "whole" else [1] + [n - n // 3 for n in seq_lens[1:]]
+    return make_problem(seq_lens, query_lens, **shape, seed=seed, floors=floors)
+
+
+@pytest.mark.parametrize("kind", ["sliding", "dense", "sparse"])
+# "tiles" whole (147 tokens) would add a minute in the interpreter and nothing "tiles" mid does not test.
+@pytest.mark.parametrize(("name", "chunk"), [(n, c) for n in sorted(SHAPES) for c in ("whole", "mid")
+                                             if (n, c) != ("tiles", "whole")])
+def test_prefill_chunks_run_in_the_kernels(name: str, kind: str, chunk: str, no_reference: dict[str, int]) -> None:
+    """Prefill chunks of every shape on the kernels (the reference is not called): outputs within the
+    float32 tolerance, the ring bitwise the reference's afterwards; the indexer's picks equal."""
+    p = _prefill_problem(name, chunk, seed=31 + len(kind))
+    shape = SHAPES[name][1]
+    assert max(p.ctx.query_start_loc_host[i + 1] - p.ctx.query_start_loc_host[i]
+               for i in range(len(p.ctx.seq_lens_host))) > shape["window"] + shape["backtrack"]  # the ring wraps
+    ref_ring, ring = p.ring.clone(), p.ring.clone()
+    expected = _attend(TorchSinkAttentionBackend(), p, name, kind, ref_ring)
+    kw = {"ratio": shape["ratio"], "topk": shape["topk"], "scale": SCALE}
+    index = (p.index_q, p.index_w, p.index_keys, p.ctx)
+    picks = TorchSinkAttentionBackend().indexer_topk(*index, **kw) if kind == "sparse" else None
+    no_reference.update(sink_attention=0, indexer_topk=0)
+    backend = _backend()
+    assert relative_error(_attend(backend, p, name, kind, ring), expected) < TOLERANCE[torch.float32]
+    assert torch.equal(ring, ref_ring)
+    if picks is not None:
+        assert torch.equal(backend.indexer_topk(*index, **kw), picks)
+    assert no_reference == {"sink_attention": 0, "indexer_topk": 0}
+
+
+@pytest.mark.parametrize("kind", ["sliding", "sparse"])
+def test_prefill_chunks_under_visibility_floors(kind: str) -> None:
+    """Bounded replay in prefill chunks: floors inside the chunks (request 2's and 3's) and above
+    every query of request 1 (its queries see only themselves and their entries)."""
+    p = _prefill_problem("small", "mid", seed=37, floors=[0, 20, 14, 30])
+    ref_ring, ring = p.ring.clone(), p.ring.clone()
+    expected = _attend(TorchSinkAttentionBackend(), p, "small", kind, ref_ring)
+    assert relative_error(_attend(_backend(), p, "small", kind, ring), expected) < TOLERANCE[torch.float32]
+    assert torch.equal(ring, ref_ring)
+
+
+def test_indexer_row_blocks_bound_the_scores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a score budget of a few rows (``PREFILL_SCORE_ELEMENTS``), a prefill step's indexer runs in
+    blocks of rows — decode-only batches too — and picks exactly what the reference picks."""
+    from deepinfer.model.layers import reference_deepseek_v4
+
+    kw = {"ratio": 4, "topk": 4, "scale": SCALE}
+    for p in (_prefill_problem("small", "whole", seed=41), _problem("small", seed=43)):
+        expected = TorchSinkAttentionBackend().indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw)
+        width = p.ctx.block_tables.shape[1] * p.index_keys.shape[1]
+        with monkeypatch.context() as m:
+            m.setattr(reference_deepseek_v4, "PREFILL_SCORE_ELEMENTS", 3 * width)  # blocks of 3 rows
+            assert torch.equal(_backend().indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw), expected)
 
 
 @pytest.mark.parametrize("mode", sorted(MODES))
@@ -222,7 +292,8 @@ def test_deep_gemm_key_packing_follows_its_layout() -> None:
         assert relative_error(keys[i, :count], ref) < 0.07  # e4m3: 3 mantissa bits
 
 
-def test_tiny_v4_model_gives_reference_tokens_and_logits(tmp_path: Path) -> None:
+def test_tiny_v4_model_gives_reference_tokens_and_logits(tmp_path: Path, no_reference: dict[str, int]) -> None:
+    """Prefill chunks and decode steps: with ``triton_v4`` named, no row of either op reaches the reference."""
     from test_deepseek_v4 import build, make_llm, prompts
     from tiny_models import record_logits
 
@@ -242,6 +313,9 @@ def test_tiny_v4_model_gives_reference_tokens_and_logits(tmp_path: Path) -> None
         outs = llm.generate(batch, params, use_tqdm=False)
         runs.append(([o.outputs[0].token_ids for o in outs], torch.cat([logits for _, logits in steps])))
         llm.shutdown()
+        calls = sum(no_reference.values())
+        assert calls > 0 if expected == "torch_v4" else calls == 0
+        no_reference.update(sink_attention=0, indexer_topk=0)
     (ref_ids, ref_logits), (ids, logits) = runs
     assert ids == ref_ids
     assert relative_error(logits, ref_logits) < 1e-4

@@ -1,8 +1,8 @@
 """GPU checks for the lead's H200 runs (``-m gpu``): ``triton_v4`` compiled for real against the torch
 reference on V4-Flash-shaped decode batches (64 heads of 512, window 128, CSA ratio 4 with top-512 of
-64 indexer heads of 128, HCA ratio 128) in bf16 and fp32, in a mixed batch, under CUDA-graph capture
-and replay with new inputs, and DeepGEMM's indexer adapter (``deep_gemm_v4``) when ``deep_gemm``
-imports."""
+64 indexer heads of 128, HCA ratio 128) in bf16 and fp32, in a mixed batch, with prefill chunks of up
+to 2,048 tokens, under CUDA-graph capture and replay with new inputs, and DeepGEMM's indexer adapter
+(``deep_gemm_v4``) when ``deep_gemm`` imports."""
 
 from __future__ import annotations
 
@@ -70,6 +70,25 @@ def test_mixed_batch_matches_reference() -> None:
     expected = _attend(TorchSinkAttentionBackend(), p, 4, True, ref_ring)
     assert relative_error(_attend(TritonV4Backend(), p, 4, True, ring), expected) < TOLERANCE[torch.bfloat16]
     assert torch.equal(ring, ref_ring)
+
+
+@pytest.mark.parametrize(("ratio", "sparse"), [(4, True), (128, False)], ids=["csa", "hca"])
+def test_prefill_chunks_match_reference(ratio: int, sparse: bool) -> None:
+    """Prefill chunks on the kernels next to decode rows: a whole 2,100-token prompt, chunks of 1,000
+    and 2,048 tokens starting mid-sequence (longer than the ring); the indexer's picks too."""
+    from deepinfer_attention.triton_v4 import TritonV4Backend
+
+    p = _problem(ratio, torch.bfloat16, seed=17 + ratio, query_lens=[1, 1, 1, 2100, 1000, 2048])
+    ref_ring, ring = p.ring.clone(), p.ring.clone()
+    expected = _attend(TorchSinkAttentionBackend(), p, ratio, sparse, ref_ring)
+    assert relative_error(_attend(TritonV4Backend(), p, ratio, sparse, ring), expected) < TOLERANCE[torch.bfloat16]
+    assert torch.equal(ring, ref_ring)
+    if sparse:
+        kw = {"ratio": ratio, "topk": FLASH["topk"], "scale": FLASH["index_dim"] ** -0.5}
+        expected = TorchSinkAttentionBackend().indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw)
+        picks = TritonV4Backend().indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw)
+        assert torch.equal(picks < 0, expected < 0)
+        assert _recall(picks, expected) > 0.99
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
