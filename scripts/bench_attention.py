@@ -26,7 +26,8 @@ over FP8 kernel time. ``--configs`` also times the kernel at each listed tile co
 whole, for each of ``--windows`` (0 = full causal attention): ``kernel_us`` the Triton prefill kernel,
 ``layer_us`` the backend op (cache write included), ``reference_us`` the core's torch backend (skipped
 above ``--reference-max-len`` tokens or when out of memory), ``tflops`` the kernel's useful FLOPs
-(``4 · heads · head_dim`` per visible query–key pair) per second.
+(``4 · heads · head_dim`` per visible query–key pair) per second; one line per ``--kv-dtype`` (the FP8
+cache is the bf16 one quantized).
 
     python scripts/bench_attention.py --prefill --shapes gqa-llama8b --reference   # 4k/16k/32k, window 0/4096
 """
@@ -232,12 +233,18 @@ def prefill_context(prompt: int, num_blocks: int, gen: torch.Generator) -> Forwa
         query_start_loc_host=[0, prompt], seq_lens_host=[prompt], block_size=BLOCK_SIZE, backends={})
 
 
-def bench_prefill(shape: tuple, prompt: int, window: int, args: argparse.Namespace, gen: torch.Generator) -> dict:
+def bench_prefill(shape: tuple, prompt: int, window: int, kv_dtype: str, args: argparse.Namespace,
+                  gen: torch.Generator) -> dict:
     _, q_heads, kv_heads, dim = shape
     num_blocks = -(-prompt // BLOCK_SIZE) + 1
     dtype = torch.bfloat16
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device="cuda")
     v_cache = torch.randn_like(k_cache)
+    scales: dict[str, torch.Tensor] = {}
+    if kv_dtype == "fp8":
+        (k_cache, scales["k_scales"]), (v_cache, scales["v_scales"]) = quantized(k_cache, [dim]), \
+            quantized(v_cache, [dim])
+    kv_cache = (k_cache, v_cache, *scales.values())
     ctx = prefill_context(prompt, num_blocks, gen)
     q = torch.randn(prompt, q_heads, dim, dtype=dtype, device="cuda")
     k = torch.randn(prompt, kv_heads, dim, dtype=dtype, device="cuda")
@@ -249,36 +256,38 @@ def bench_prefill(shape: tuple, prompt: int, window: int, args: argparse.Namespa
     result = {
         "kernel_us": time_us(lambda: paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.positions,
                                                              ctx.query_start_loc_host, [0], scale=scale,
-                                                             window=window), args.warmup, args.repeats),
-        "layer_us": time_us(lambda: backend.paged_attention(q, k, v, (k_cache, v_cache), ctx, scale=scale,
-                                                            window=window), args.warmup, args.repeats),
+                                                             window=window, **scales), args.warmup, args.repeats),
+        "layer_us": time_us(lambda: backend.paged_attention(q, k, v, kv_cache, ctx, scale=scale, window=window),
+                            args.warmup, args.repeats),
     }
     result["tflops"] = 4 * q_heads * dim * pairs / (result["kernel_us"] * 1e-6) / 1e12
     if args.reference:
         result["reference_us"] = "skipped: over --reference-max-len" if prompt > args.reference_max_len else \
-            time_or_oom(lambda: reference.paged_attention(q, k, v, (k_cache, v_cache), ctx, scale=scale,
-                                                          window=window), args.repeats)
+            time_or_oom(lambda: reference.paged_attention(q, k, v, kv_cache, ctx, scale=scale, window=window),
+                        args.repeats)
     return result
 
 
 def run_prefill(args: argparse.Namespace, gen: torch.Generator) -> None:
-    """``--prefill``: one JSON line per (GQA shape, prompt length, window)."""
+    """``--prefill``: one JSON line per (GQA shape, prompt length, window, cache dtype)."""
     device = torch.cuda.get_device_name()
     for name in args.shapes:
         if SHAPES[name][0] != "gqa":
             continue  # MLA prefill runs in the core's reference (README.md)
         for prompt in args.prompt_len:
             for window in args.windows:
-                row = {"mode": "prefill", "shape": name, "prompt": prompt, "window": window, "device": device}
-                try:
-                    result = bench_prefill(SHAPES[name], prompt, window, args, gen)
-                except torch.cuda.OutOfMemoryError as exc:
-                    print(json.dumps({**row, "skipped": f"out of memory: {exc}"[:200]}), flush=True)
+                for kv_dtype in args.kv_dtype:
+                    row = {"mode": "prefill", "shape": name, "prompt": prompt, "window": window, "kv_dtype": kv_dtype,
+                           "device": device}
+                    try:
+                        result = bench_prefill(SHAPES[name], prompt, window, kv_dtype, args, gen)
+                    except torch.cuda.OutOfMemoryError as exc:
+                        print(json.dumps({**row, "skipped": f"out of memory: {exc}"[:200]}), flush=True)
+                        torch.cuda.empty_cache()
+                        continue
+                    print(json.dumps({**row, **{k: round(v, 2) if isinstance(v, float) else v
+                                                for k, v in result.items()}}), flush=True)
                     torch.cuda.empty_cache()
-                    continue
-                print(json.dumps({**row, **{k: round(v, 2) if isinstance(v, float) else v
-                                            for k, v in result.items()}}), flush=True)
-                torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -292,8 +301,8 @@ def main() -> None:
     parser.add_argument("--max-cache-gib", type=float, default=48.0,
                         help="skip points whose cache would exceed this many GiB")
     parser.add_argument("--kv-dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
-                        help="decode: the cache's storage (fp8: e4m3 + UE8M0 scales per 32, kv/fp8.py); "
-                             "both: timed on the same points, with their ratio")
+                        help="the cache's storage (fp8: e4m3 + UE8M0 scales per 32, kv/fp8.py); "
+                             "both: timed on the same points (decode: with their ratio)")
     parser.add_argument("--configs", nargs="+", default=[], metavar="BLOCK_N,NUM_WARPS,NUM_STAGES",
                         help="decode: also time the kernel at these tile configurations")
     parser.add_argument("--prefill", action="store_true", help="time prefill attention instead of decode")

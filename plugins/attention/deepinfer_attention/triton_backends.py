@@ -16,8 +16,8 @@ the backends also declare the CPU device, with a priority below the torch refere
 the reference on CPU and the kernels run only when named.
 
 Both read an FP8 cache (``cache.kv_dtype: fp8``, ``deepinfer/kv/fp8.py``): the write quantizes in one Triton
-launch per cache tensor (``fp8_store.py``, the same bytes as the core's torch write), the decode kernels
-dequantize each tile after loading, and FP8 prefill chunks go to the torch reference.
+launch per cache tensor (``fp8_store.py``, the same bytes as the core's torch write), and the kernels
+dequantize each tile after loading (``triton_mla``'s prefill chunks: in the torch reference).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.model.layers.reference import ALL_KV_DTYPES, TorchAttentionBackend, write_kv
+from deepinfer.model.layers.reference import ALL_KV_DTYPES, write_kv
 from deepinfer.model.layers.reference_deepseek import TorchMLABackend, write_latent
 
 _DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -199,17 +199,10 @@ class TritonAttentionBackend(_TritonBackend):
                                         scale=scale, window=window, visibility_floor=floor, k_scales=k_scales,
                                         v_scales=v_scales)
             out.index_copy_(0, plan.kernel_tokens, short)
-        if k_scales is not None:
-            # The prefill kernel reads unquantized caches only: FP8 prefill chunks go to the reference, which
-            # writes these rows again (the same values) before attending.
-            lt = plan.long_tokens
-            out.index_copy_(0, lt, TorchAttentionBackend().paged_attention(
-                q.index_select(0, lt), k.index_select(0, lt), v.index_select(0, lt), kv_cache,
-                sub_context(ctx, plan.long_requests, lt), scale=scale, window=window))
-            return out
         # Prefill chunks: tiles listed from the host lists (a prefill step is never captured).
         return paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.positions, ctx.query_start_loc_host,
-                                       plan.long_requests, scale=scale, window=window, visibility_floor=floor, out=out)
+                                       plan.long_requests, scale=scale, window=window, visibility_floor=floor, out=out,
+                                       k_scales=k_scales, v_scales=v_scales)
 
 
 class TritonMLABackend(_TritonBackend):

@@ -12,6 +12,9 @@ see: ``[first − window + 1, last]`` for query positions ``[first, last]``, so 
 ``L`` tokens costs ``O(L · (tile + window))``, not ``O(L²)``. Key tiles that every row sees whole (at or
 before the first query, inside the last query's window) skip the masks; only the band's edges are masked.
 
+With an FP8 cache (``deepinfer/kv/fp8.py``) each K/V tile is read as e4m3 bytes and UE8M0 scale bytes and
+dequantized exactly in registers to the ``tl.dot`` dtype (``kernel_steps.load_fp8_tile``, as the decode kernel).
+
 The tiles are listed on the host from the step's host lists (``query_start_loc_host``): prefill steps are
 never captured in a CUDA graph.
 """
@@ -24,16 +27,19 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer_attention.split_kv import LOG2E, dot_dtype
+from deepinfer_attention import kernel_steps
+from deepinfer_attention.split_kv import LOG2E, dot_dtype, tile_width
 
 
 @triton.jit
-def _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, kv_head, pos, floor, window, key_lo,
-            key_hi, end, qk_scale, offs_d, mask_d, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_bt, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-            HAS_FLOOR: tl.constexpr, DOT_DTYPE: tl.constexpr):
+def _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, req, kv_head,
+            pos, floor, window, key_lo, key_hi, end, qk_scale, offs_d, mask_d, head_dim, stride_kb, stride_ks,
+            stride_kh, stride_vb, stride_vs, stride_vh, stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss,
+            stride_vsh, stride_bt, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            MASKED: tl.constexpr, HAS_FLOOR: tl.constexpr, FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
     """The online softmax over key tiles ``[key_lo, key_hi)``; ``MASKED`` False: every key is visible to
-    every row (no causal, window or floor test, no bound on ``end``)."""
+    every row (no causal, window or floor test, no bound on ``end``). ``FP8``: the cache is e4m3 with
+    UE8M0 scale bytes, read through ``kernel_steps.load_fp8_tile``."""
     for start in range(key_lo, key_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < end
@@ -45,10 +51,21 @@ def _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, k
             kv_mask = mask_d[None, :]
         block = block.to(tl.int64)
         in_block = offs_n % BLOCK_SIZE
-        k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        if FP8:
+            rows = mask_n if MASKED else tl.full([BLOCK_N], True, tl.int1)
+            k = kernel_steps.load_fp8_tile(
+                k_cache_ptr + block * stride_kb + in_block * stride_ks + kv_head * stride_kh,
+                k_scale_ptr + block * stride_ksb + in_block * stride_kss + kv_head * stride_ksh,
+                rows, head_dim, BLOCK_N, BLOCK_D, DOT_DTYPE)
+            v = kernel_steps.load_fp8_tile(
+                v_cache_ptr + block * stride_vb + in_block * stride_vs + kv_head * stride_vh,
+                v_scale_ptr + block * stride_vsb + in_block * stride_vss + kv_head * stride_vsh,
+                rows, head_dim, BLOCK_N, BLOCK_D, DOT_DTYPE)
+        else:
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
+                        + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
+                        + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if MASKED:
             visible = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
@@ -68,12 +85,13 @@ def _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, k
 
 
 @triton.jit
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions_ptr, floor_ptr, tiles_ptr,
-                    out_ptr, qk_scale, window, head_dim,
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, positions_ptr,
+                    floor_ptr, tiles_ptr, out_ptr, qk_scale, window, head_dim,
                     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_ksb, stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh,
                     stride_bt, stride_ot, stride_oh,
-                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HAS_FLOOR: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HAS_FLOOR: tl.constexpr, FP8: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     req = tl.load(tiles_ptr + tile * 3).to(tl.int64)
@@ -108,18 +126,21 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, positions
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    m, denom, acc = _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, kv_head, pos, floor,
-                            window, lo, mid_lo, end, qk_scale, offs_d, mask_d, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, True, HAS_FLOOR,
-                            DOT_DTYPE)
-    m, denom, acc = _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, kv_head, pos, floor,
-                            window, mid_lo, mid_hi, end, qk_scale, offs_d, mask_d, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, False, HAS_FLOOR,
-                            DOT_DTYPE)
-    m, denom, acc = _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, block_tables_ptr, req, kv_head, pos, floor,
-                            window, mid_hi, end, end, qk_scale, offs_d, mask_d, stride_kb, stride_ks, stride_kh,
-                            stride_vb, stride_vs, stride_vh, stride_bt, BLOCK_SIZE, BLOCK_N, True, HAS_FLOOR,
-                            DOT_DTYPE)
+    m, denom, acc = _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                            req, kv_head, pos, floor, window, lo, mid_lo, end, qk_scale, offs_d, mask_d, head_dim,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksb, stride_kss,
+                            stride_ksh, stride_vsb, stride_vss, stride_vsh, stride_bt, BLOCK_SIZE, BLOCK_N, BLOCK_D,
+                            True, HAS_FLOOR, FP8, DOT_DTYPE)
+    m, denom, acc = _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                            req, kv_head, pos, floor, window, mid_lo, mid_hi, end, qk_scale, offs_d, mask_d, head_dim,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksb, stride_kss,
+                            stride_ksh, stride_vsb, stride_vss, stride_vsh, stride_bt, BLOCK_SIZE, BLOCK_N, BLOCK_D,
+                            False, HAS_FLOOR, FP8, DOT_DTYPE)
+    m, denom, acc = _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                            req, kv_head, pos, floor, window, mid_hi, end, end, qk_scale, offs_d, mask_d, head_dim,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksb, stride_kss,
+                            stride_ksh, stride_vsb, stride_vss, stride_vsh, stride_bt, BLOCK_SIZE, BLOCK_N, BLOCK_D,
+                            True, HAS_FLOOR, FP8, DOT_DTYPE)
 
     o = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
@@ -154,11 +175,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             requests: Sequence[int], *, scale: float, window: int = 0,
                             visibility_floor: torch.Tensor | None = None, out: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                            num_stages: int = 2) -> torch.Tensor:
+                            num_stages: int = 2, k_scales: torch.Tensor | None = None,
+                            v_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of the query tokens of ``requests`` (``q [T, Hq, D]``, request ``i``'s tokens
     ``[query_starts[i], query_starts[i + 1])`` at consecutive ``positions``) over the paged cache
-    ``k_cache, v_cache [blocks, block_size, Hkv, D]`` through ``block_tables[i]``, which must already hold
-    their keys. Visibility as in the module docstring (``visibility_floor [B]``: ``ForwardContext``).
+    ``k_cache, v_cache [blocks, block_size, Hkv, D]`` (float8_e4m3fn with ``k_scales, v_scales [blocks,
+    block_size, Hkv, ceil(D / 32)]``, UE8M0 bytes, for an FP8 cache) through ``block_tables[i]``, which
+    must already hold their keys. Visibility as in the module docstring (``visibility_floor [B]``:
+    ``ForwardContext``).
 
     Writes those tokens' rows of ``out [T, Hq, D]`` (``None``: a new tensor, other rows uninitialised)
     and returns it. ``block_m`` (query rows = tokens × group heads, a power of two), ``block_n``,
@@ -167,7 +191,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = q_heads // kv_heads
     out = q.new_empty(tokens, q_heads, head_dim) if out is None else out
-    default_m, default_n = default_tile(head_dim, group, k_cache.element_size())
+    fp8 = k_scales is not None and v_scales is not None
+    # An FP8 tile is widened to the query's dtype in registers before its dot products: it takes that dtype's tiles.
+    default_m, default_n = default_tile(head_dim, group, q.element_size() if fp8 else k_cache.element_size())
     block_m, block_n = block_m or default_m, block_n or default_n
     if block_m < group:
         raise ValueError(f"block_m={block_m} must hold one token's {group} query heads (the GQA group)")
@@ -176,12 +202,14 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
+    ks, vs = (k_scales, v_scales) if fp8 else (k_cache, v_cache)  # unused by the kernel without FP8
     _prefill_kernel[(tiles.shape[0], kv_heads)](
-        q, k_cache, v_cache, block_tables, positions,
+        q, k_cache, v_cache, ks, vs, block_tables, positions,
         visibility_floor if visibility_floor is not None else positions, tiles, out, scale * LOG2E, window, head_dim,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, GROUP=group, HAS_FLOOR=visibility_floor is not None, BLOCK_M=block_m,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=block_n, DOT_DTYPE=dot_dtype(k_cache.dtype),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
+        vs.stride(0), vs.stride(1), vs.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=block_size, GROUP=group, HAS_FLOOR=visibility_floor is not None, FP8=fp8, BLOCK_M=block_m,
+        BLOCK_D=tile_width(head_dim, fp8), BLOCK_N=block_n, DOT_DTYPE=dot_dtype(q.dtype if fp8 else k_cache.dtype),
         num_warps=num_warps or (8 if block_m >= 128 else 4), num_stages=num_stages)
     return out

@@ -1,7 +1,8 @@
 """The Triton prefill kernel on a CUDA GPU at serving shapes (bf16, the engine's 128-token blocks shuffled,
-head dims 64–256): whole prompts and chunks after cached prefixes against the core's reference backend,
-a 32k-token sliding-window prompt (checked against the reference and timed against a full-attention one,
-which must cost several times more), and a tiny Gemma-3 in the engine with prompts longer than its window."""
+head dims 64–256): whole prompts and chunks after cached prefixes against the core's reference backend (over
+an FP8 cache too, at the Llama-8B shape), a 32k-token sliding-window prompt (checked against the reference
+and timed against a full-attention one, which must cost several times more), and a tiny Gemma-3 in the
+engine with prompts longer than its window."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_attention_gpu import GQA_SHAPES, paged_batch
+
+from deepinfer.kv import fp8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,8 +44,9 @@ def _context(seq_lens: list[int], query_lens: list[int], gen: torch.Generator):
     return ctx, num_blocks
 
 
-def _step(shape: str, seq_lens: list[int], query_lens: list[int], window: int, seed: int = 0):
-    """Outputs of the ``triton`` and reference backends on one bf16 prefill step, and the step's inputs."""
+def _step(shape: str, seq_lens: list[int], query_lens: list[int], window: int, seed: int = 0, kv_fp8: bool = False):
+    """Outputs of the ``triton`` and reference backends on one bf16 prefill step, and the step's inputs
+    (``kv_fp8``: over the random cache quantized, ``cache`` then holding its values read back in bf16)."""
     from deepinfer_attention.triton_backends import TritonAttentionBackend
 
     from deepinfer.model.layers.reference import TorchAttentionBackend
@@ -51,14 +55,19 @@ def _step(shape: str, seq_lens: list[int], query_lens: list[int], window: int, s
     gen = torch.Generator().manual_seed(seed)
     ctx, num_blocks = _context(seq_lens, query_lens, gen)
     cache = [torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).cuda().bfloat16() for _ in range(2)]
+    kv_cache = (cache[0], cache[1])
+    if kv_fp8:
+        (k_data, k_scales), (v_data, v_scales) = fp8.quantize(cache[0]), fp8.quantize(cache[1])
+        kv_cache = (k_data, v_data, k_scales, v_scales)
+        cache = [fp8.dequantize(k_data, k_scales, torch.bfloat16), fp8.dequantize(v_data, v_scales, torch.bfloat16)]
     tokens = sum(query_lens)
     q = torch.randn(tokens, q_heads, dim, generator=gen).cuda().bfloat16()
     k = cache[0].view(-1, kv_heads, dim)[ctx.slot_mapping]
     v = cache[1].view(-1, kv_heads, dim)[ctx.slot_mapping]
     scale = dim ** -0.5
-    out = TritonAttentionBackend().paged_attention(q, k, v, (cache[0], cache[1]), ctx, scale=scale, window=window)
-    expected = TorchAttentionBackend().paged_attention(q, k, v, (cache[0], cache[1]), ctx, scale=scale,
-                                                       window=window)
+    # The step's K/V are the values at its slots: each backend's cache write leaves the values as they are.
+    out = TritonAttentionBackend().paged_attention(q, k, v, kv_cache, ctx, scale=scale, window=window)
+    expected = TorchAttentionBackend().paged_attention(q, k, v, kv_cache, ctx, scale=scale, window=window)
     return out, expected, (q, k, v, cache, ctx, scale)
 
 
@@ -67,6 +76,14 @@ def _step(shape: str, seq_lens: list[int], query_lens: list[int], window: int, s
 def test_prompts_and_chunks_after_prefixes_bf16(shape: str, window: int) -> None:
     """A 4k prompt from 0, a 2k chunk after a 6k cached prefix, a 300-token chunk after 9k, and a short one."""
     out, expected, _ = _step(shape, [4096, 8192, 9300, 200], [4096, 2048, 300, 200], window)
+    torch.testing.assert_close(out.float(), expected.float(), atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("window", [0, 1024])
+def test_fp8_prompt_and_chunk_after_prefix_llama8b(window: int) -> None:
+    """Over an FP8 cache at the Llama-8B shape: a 4k prompt from 0 and a 2k chunk after a 2k cached prefix,
+    bf16, both backends reading the same cache."""
+    out, expected, _ = _step("llama8b", [4096, 4096], [4096, 2048], window, kv_fp8=True)
     torch.testing.assert_close(out.float(), expected.float(), atol=ATOL, rtol=RTOL)
 
 

@@ -1,5 +1,5 @@
-"""The Triton paged prefill kernel against the core's reference backend, and the ``triton`` backend with
-prefill chunks in the engine (tiny Llama, tiny Gemma-3 with sliding layers).
+"""The Triton paged prefill kernel against the core's reference backend, over unquantized and FP8 caches, and
+the ``triton`` backend with prefill chunks in the engine (tiny Llama, tiny Gemma-3 with sliding layers).
 
 Without a GPU everything runs in Triton's interpreter (the root conftest sets ``TRITON_INTERPRET=1``):
 shapes are tiny, tiles small (16 query rows, 16 keys) so that a chunk spans several query tiles and a
@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 from test_triton_attention import DEVICE, forward_context, make_batch
+
+from deepinfer.kv import fp8
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -31,12 +33,39 @@ CASES = [  # (kv heads, group, head dim, block size, seq lens, query lens, windo
 ]
 
 
+FP8_CASES = [  # as CASES; head dims split into scale groups of 32 (deepinfer/kv/fp8.py)
+    (2, 2, 64, 8, [40], [40], 0, False, torch.float32),  # a whole prompt, causal
+    (1, 4, 128, 8, [45, 21], [13, 21], 0, False, torch.float32),  # after a cached prefix, and from 0
+    (2, 2, 48, 4, [45, 30, 22], [20, 30, 6], 7, True, torch.float32),  # a full and a short group; floors
+    (2, 1, 16, 4, [90, 50], [30, 50], 40, False, torch.float32),  # one short group; unmasked key tiles
+    (1, 2, 64, 8, [38, 21, 17], [25, 21, 9], 6, True, torch.bfloat16),
+    (2, 2, 128, 16, [50, 19], [31, 19], 0, False, torch.bfloat16),
+]
+
+
 def _floors(seq_lens: list[int]) -> list[int]:
     return [(7 * i + 9) % n for i, n in enumerate(seq_lens)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"kv{c[0]}xg{c[1]}-d{c[2]}-w{c[6]}-f{int(c[7])}-{c[8]}")
+def _case_id(case: tuple) -> str:
+    return f"kv{case[0]}xg{case[1]}-d{case[2]}-w{case[6]}-f{int(case[7])}-{case[8]}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_prefill_kernel_matches_the_reference_backend(case: tuple) -> None:
+    _check_kernel(case, kv_fp8=False)
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=_case_id)
+def test_prefill_kernel_reads_fp8(case: tuple) -> None:
+    """The kernel over an FP8 cache equals the reference over the same cache dequantized to float32: the
+    kernel's in-register dequantization must be exact."""
+    _check_kernel(case, kv_fp8=True)
+
+
+def _check_kernel(case: tuple, *, kv_fp8: bool) -> None:
+    """``paged_prefill_attention`` on ``case`` against ``TorchAttentionBackend`` in float32 over the values
+    the cache holds (``kv_fp8``: the random cache quantized, read back by ``fp8.dequantize``)."""
     from deepinfer_attention.triton_prefill import paged_prefill_attention
 
     from deepinfer.model.layers.reference import TorchAttentionBackend
@@ -52,17 +81,23 @@ def test_prefill_kernel_matches_the_reference_backend(case: tuple) -> None:
     k_cache = torch.randn(*shape, generator=gen).to(DEVICE, dtype)
     v_cache = torch.randn(*shape, generator=gen).to(DEVICE, dtype)
     q = torch.randn(len(batch.positions), kv_heads * group, head_dim, generator=gen).to(DEVICE, dtype)
+    scales: dict[str, torch.Tensor] = {}
+    if kv_fp8:
+        (k_cache, scales["k_scales"]), (v_cache, scales["v_scales"]) = fp8.quantize(k_cache), fp8.quantize(v_cache)
+        k_read = fp8.dequantize(k_cache, scales["k_scales"], torch.float32)
+        v_read = fp8.dequantize(v_cache, scales["v_scales"], torch.float32)
+    else:
+        k_read, v_read = k_cache.float(), v_cache.float()
     # This step's K/V are the rows already at its slots, so the reference's cache write changes nothing.
-    k = k_cache.view(-1, kv_heads, head_dim)[ctx.slot_mapping]
-    v = v_cache.view(-1, kv_heads, head_dim)[ctx.slot_mapping]
+    k = k_read.view(-1, kv_heads, head_dim)[ctx.slot_mapping]
+    v = v_read.view(-1, kv_heads, head_dim)[ctx.slot_mapping]
     scale = head_dim ** -0.5
-    expected = TorchAttentionBackend().paged_attention(q.float(), k.float(), v.float(),
-                                                       (k_cache.float(), v_cache.float()), ctx, scale=scale,
+    expected = TorchAttentionBackend().paged_attention(q.float(), k, v, (k_read, v_read), ctx, scale=scale,
                                                        window=window)
     out = paged_prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.positions,
                                   ctx.query_start_loc_host, range(len(seq_lens)), scale=scale, window=window,
                                   visibility_floor=ctx.visibility_floor if window > 0 else None, block_m=16,
-                                  block_n=16)
+                                  block_n=16, **scales)
     assert out.dtype == dtype and out.shape == q.shape
     torch.testing.assert_close(out.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -130,6 +165,42 @@ def test_backend_prefill_rows_match_the_reference_backend(window: int, floored: 
     out = TritonAttentionBackend(max_query_len=4).paged_attention(q, k, v, caches[1], ctx, scale=0.25, window=window)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("window,floored", [(0, False), (5, True)])
+def test_backend_fp8_prefill_rows_match_the_reference_backend(window: int, floored: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step (decode rows, prefill chunks from 0 and after a prefix) over an FP8 cache through
+    ``TritonAttentionBackend``, whose chunks run in the prefill kernel: outputs and every cache byte equal
+    ``TorchAttentionBackend``'s on the same step."""
+    from deepinfer_attention.triton_backends import TritonAttentionBackend
+
+    from deepinfer.kv.specs import PagedKVSpec
+    from deepinfer.model.layers.reference import TorchAttentionBackend
+
+    gen = torch.Generator().manual_seed(41 + window)
+    batch = make_batch([12, 7, 30, 19], [1, 1, 11, 19], 4, gen)
+    ctx = forward_context(batch)
+    if floored:
+        ctx.visibility_floor_host = _floors(batch.seq_lens)
+        ctx.visibility_floor = torch.tensor(ctx.visibility_floor_host, device=DEVICE)
+    tokens, kv_heads, dim = len(batch.positions), 2, 48
+    cache = PagedKVSpec(kv_heads, dim).allocate(batch.num_blocks, 4, fp8.FP8_DTYPE, torch.device(DEVICE))
+    for i in range(2):  # earlier tokens' K/V, quantized as the write path would
+        data, scales = fp8.quantize(torch.randn(batch.num_blocks, 4, kv_heads, dim, generator=gen).to(DEVICE))
+        cache[i].view(torch.uint8).copy_(data.view(torch.uint8))
+        cache[2 + i].copy_(scales)
+    caches = [cache, tuple(t.clone() for t in cache)]
+    q = torch.randn(tokens, 2 * kv_heads, dim, generator=gen).to(DEVICE)
+    k = torch.randn(tokens, kv_heads, dim, generator=gen).to(DEVICE)
+    v = torch.randn(tokens, kv_heads, dim, generator=gen).to(DEVICE)
+    expected = TorchAttentionBackend().paged_attention(q, k, v, caches[0], ctx, scale=0.25, window=window)
+    launches = _count_prefill_launches(monkeypatch)
+    out = TritonAttentionBackend(max_query_len=4).paged_attention(q, k, v, caches[1], ctx, scale=0.25, window=window)
+    assert launches
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    for ours, theirs in zip(caches[1], caches[0], strict=True):
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
 
 
 # ------------------------------------------------------------------------------------------- engine
