@@ -1,8 +1,8 @@
-"""Triton device functions the paged decode kernels (``triton_decode.py``, ``triton_mla.py``) share: a
-program's query rows (``load_query``), which keys it answers (``part_range``) and where a tile of them
-sits (``key_tile``), the read of an FP8 cache tile (``load_fp8_tile``), the online softmax
-(``softmax_init``, ``softmax_step``) and the write of the program's result (``store_part``). Triton
-inlines them into each kernel.
+"""Triton device functions the paged kernels (``triton_decode.py``, ``triton_mla.py``, ``triton_prefill.py``)
+share: a program's query rows (``load_query``), which keys it answers (``part_range``) and where a tile
+of them sits (``key_tile``), the read of a K/V tile pair (``load_kv_tiles``) and of an FP8 cache tile
+(``load_fp8_tile``), the online softmax (``softmax_init``, ``softmax_step``) and the write of the
+program's result (``store_part``). Triton inlines them into each kernel.
 """
 
 from __future__ import annotations
@@ -74,6 +74,30 @@ def _e4m3_as_bf16(e4m3, REMATERIALIZE: tl.constexpr):
         fma.rn.bf16x2 $1, t, c, z;
         }""",
         "=r,=r,r", [e4m3], dtype=tl.bfloat16, is_pure=REMATERIALIZE, pack=4)
+
+
+@triton.jit
+def load_kv_tiles(k_ptr, v_ptr, k_scale_ptr, v_scale_ptr, block, in_block, kv_head, rows, offs_d, mask_d, head_dim,
+                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksb, stride_kss, stride_ksh,
+                  stride_vsb, stride_vss, stride_vsh, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr,
+                  DOT_DTYPE: tl.constexpr):
+    """One KV head's keys and values at ``BLOCK_N`` paged cache slots (``block`` int64, ``in_block``) as two
+    ``[BLOCK_N, BLOCK_D]`` tiles in ``DOT_DTYPE``, zero outside ``rows`` and past ``head_dim``; ``FP8``: an
+    e4m3 cache with its scale tensors, read through ``load_fp8_tile``."""
+    if FP8:
+        k = load_fp8_tile(k_ptr + block * stride_kb + in_block * stride_ks + kv_head * stride_kh,
+                          k_scale_ptr + block * stride_ksb + in_block * stride_kss + kv_head * stride_ksh,
+                          rows, head_dim, BLOCK_N, BLOCK_D, DOT_DTYPE)
+        v = load_fp8_tile(v_ptr + block * stride_vb + in_block * stride_vs + kv_head * stride_vh,
+                          v_scale_ptr + block * stride_vsb + in_block * stride_vss + kv_head * stride_vsh,
+                          rows, head_dim, BLOCK_N, BLOCK_D, DOT_DTYPE)
+    else:
+        mask = rows[:, None] & mask_d[None, :]
+        k = tl.load(k_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh
+                    + offs_d[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(v_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh
+                    + offs_d[None, :], mask=mask, other=0.0).to(DOT_DTYPE)
+    return k, v
 
 
 @triton.jit

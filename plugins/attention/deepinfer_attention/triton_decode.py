@@ -65,23 +65,10 @@ def gqa_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, 
     for start in range(first, part_hi, BLOCK_N):
         mask_n, block, in_block = kernel_steps.key_tile(block_tables_ptr, req, stride_bt, start, part_lo, part_hi,
                                                         BLOCK_SIZE, BLOCK_N, FIXED_CHUNK)
-        if FP8:
-            k = kernel_steps.load_fp8_tile(
-                k_cache_ptr + block * stride_kb + in_block * stride_ks + kv_head * stride_kh,
-                k_scale_ptr + block * stride_ksb + in_block * stride_kss + kv_head * stride_ksh,
-                mask_n, head_dim, BLOCK_N, BLOCK_D, DOT_DTYPE)
-            v = kernel_steps.load_fp8_tile(
-                v_cache_ptr + block * stride_vb + in_block * stride_vs + kv_head * stride_vh,
-                v_scale_ptr + block * stride_vsb + in_block * stride_vss + kv_head * stride_vsh,
-                mask_n, head_dim, BLOCK_N, BLOCK_D, DOT_DTYPE)
-        else:
-            kv_mask = mask_n[:, None] & mask_d[None, :]
-            k_ptrs = k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks + kv_head * stride_kh \
-                + offs_d[None, :]
-            v_ptrs = v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs + kv_head * stride_vh \
-                + offs_d[None, :]
-            k = tl.load(k_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_ptrs, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        k, v = kernel_steps.load_kv_tiles(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block, in_block, kv_head, mask_n, offs_d, mask_d,
+            head_dim, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksb, stride_kss,
+            stride_ksh, stride_vsb, stride_vss, stride_vsh, BLOCK_N, BLOCK_D, FP8, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         m, denom, acc = kernel_steps.softmax_step(s, mask_n, v, m, denom, acc)
 

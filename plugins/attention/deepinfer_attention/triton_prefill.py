@@ -45,27 +45,14 @@ def _attend(q, m, denom, acc, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr
         mask_n = offs_n < end
         if MASKED:
             block = tl.load(block_tables_ptr + req * stride_bt + offs_n // BLOCK_SIZE, mask=mask_n, other=0)
-            kv_mask = mask_n[:, None] & mask_d[None, :]
+            rows = mask_n
         else:
             block = tl.load(block_tables_ptr + req * stride_bt + offs_n // BLOCK_SIZE)
-            kv_mask = mask_d[None, :]
-        block = block.to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        if FP8:
-            rows = mask_n if MASKED else tl.full([BLOCK_N], True, tl.int1)
-            k = kernel_steps.load_fp8_tile(
-                k_cache_ptr + block * stride_kb + in_block * stride_ks + kv_head * stride_kh,
-                k_scale_ptr + block * stride_ksb + in_block * stride_kss + kv_head * stride_ksh,
-                rows, head_dim, BLOCK_N, BLOCK_D, DOT_DTYPE)
-            v = kernel_steps.load_fp8_tile(
-                v_cache_ptr + block * stride_vb + in_block * stride_vs + kv_head * stride_vh,
-                v_scale_ptr + block * stride_vsb + in_block * stride_vss + kv_head * stride_vsh,
-                rows, head_dim, BLOCK_N, BLOCK_D, DOT_DTYPE)
-        else:
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kb + in_block[:, None] * stride_ks
-                        + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vb + in_block[:, None] * stride_vs
-                        + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0).to(DOT_DTYPE)
+            rows = tl.full([BLOCK_N], True, tl.int1)
+        k, v = kernel_steps.load_kv_tiles(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block.to(tl.int64), offs_n % BLOCK_SIZE, kv_head, rows,
+            offs_d, mask_d, head_dim, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ksb,
+            stride_kss, stride_ksh, stride_vsb, stride_vss, stride_vsh, BLOCK_N, BLOCK_D, FP8, DOT_DTYPE)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         if MASKED:
             visible = (offs_n[None, :] <= pos[:, None]) & mask_n[None, :]
