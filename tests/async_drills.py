@@ -1,5 +1,6 @@
 """Async callers shared by the ``AsyncLLM`` tests (one process and expert-parallel ranks): a caller that
-collects a whole stream, one that is cancelled while it waits forever, one that breaks off early."""
+collects a whole stream, one that is cancelled while it waits forever, one that breaks off early, one
+that aborts its own request by id mid-stream."""
 
 from __future__ import annotations
 
@@ -28,3 +29,14 @@ async def break_early(llm: AsyncLLM, prompt: str, params: SamplingParams, after:
         if n == after:
             break
     return n
+
+
+async def abort_midway(llm: AsyncLLM, prompt: str, params: SamplingParams, request_id: str, after: int = 2) -> Any:
+    """Stream ``prompt`` as ``request_id``, abort it by id after ``after`` outputs (the abort must find it)
+    and return the stream's last output."""
+    outs = []
+    async for out in llm.generate(prompt, params, request_id=request_id):
+        outs.append(out)
+        if len(outs) == after:
+            assert await llm.abort(request_id)
+    return outs[-1]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from async_drills import break_early, collect, consume_forever
+from async_drills import abort_midway, break_early, collect, consume_forever
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.entrypoints.async_llm import AsyncLLM
@@ -110,13 +110,9 @@ def test_abort_by_id_ends_the_stream(async_llm: AsyncLLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
 
     async def run() -> Any:
-        outs = []
-        async for out in async_llm.generate("abort me", params, request_id="victim"):
-            outs.append(out)
-            if len(outs) == 2:
-                assert await async_llm.abort("victim")
+        last = await abort_midway(async_llm, "abort me", params, "victim")
         assert not await async_llm.abort("no-such-request")
-        return outs[-1]
+        return last
 
     last = asyncio.run(run())
     assert last.finished and last.outputs[0].finish_reason == "abort"

@@ -22,7 +22,7 @@ from typing import Any
 
 import openai
 import pytest
-from async_drills import break_early, collect, consume_forever
+from async_drills import abort_midway, break_early, collect, consume_forever
 from spec_setup import repeating_prompts, spec_plugins, write_oracle_file
 from test_server import ServerThread
 from tiny_deepseek import save_tiny_v3
@@ -121,18 +121,10 @@ def test_aborts_mid_stream_free_every_block_on_every_rank(async_ep2: AsyncLLM, s
     short = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     expected = single.generate(PROMPTS[:2], short, use_tqdm=False)
 
-    async def abort_by_id() -> Any:
-        outs = []
-        async for out in async_ep2.generate("abort me", long, request_id="victim"):
-            outs.append(out)
-            if len(outs) == 2:
-                assert await async_ep2.abort("victim")
-        return outs[-1]
-
     async def run() -> tuple[Any, list[list[Any]]]:
         cancelled = [asyncio.ensure_future(consume_forever(async_ep2, f"cancel me {i}", long)) for i in range(3)]
         survivors = [asyncio.ensure_future(collect(async_ep2, p, short)) for p in PROMPTS[:2]]
-        aborted = await abort_by_id()
+        aborted = await abort_midway(async_ep2, "abort me", long, "victim")
         assert await asyncio.gather(*(break_early(async_ep2, f"break {i}", long) for i in range(3))) == [3, 3, 3]
         for task in cancelled:
             task.cancel()

@@ -203,7 +203,8 @@ class DecodeGraphs:
         t, b, w = graph.tokens, step.num_requests, step.width
         graph.flat.copy_(step.staged[:4 * t + 1])
         graph.query_start_loc.copy_(step.staged[4 * t + 1:5 * t + 2])
-        graph.state_slots.copy_(step.staged[5 * t + 2:6 * t + 2])
+        if self.stateful:
+            graph.state_slots.copy_(step.staged[5 * t + 2:6 * t + 2])
         if b * w:
             self.block_tables[:b, :w].copy_(step.staged[6 * t + 2:].view(b, w))
 
