@@ -44,7 +44,8 @@ class CacheLayout:
 @dataclass(frozen=True)
 class EngineInfo:
     """Facts resolved before plugins are built, for ``deepinfer_validate_config`` and observers.
-    ``seed`` is the engine seed (``sampling.seed``), for weights a plugin initializes at random."""
+    ``seed`` is the engine seed (``sampling.seed``), for weights a plugin initializes at random;
+    ``model_path`` the model folder (for plugins that key caches by the target, e.g. a trained drafter)."""
 
     architecture: str
     num_layers: int
@@ -57,6 +58,7 @@ class EngineInfo:
     dtype: str
     world_size: int
     seed: int = 0
+    model_path: str = ""
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,7 @@ class LLMEngine:
             has_mtp=self.model_has_mtp,
             max_draft=max_draft,
             seed=cfg.sampling.seed,
+            model_path=str(self.model_path),
             device=self.device.type,
             dtype=str(self.dtype).removeprefix("torch."),
             world_size=world_size,
