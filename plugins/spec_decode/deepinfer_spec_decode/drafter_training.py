@@ -23,8 +23,9 @@
 
 The draft vocabulary (``draft_vocab_size``) is the most frequent tokens of the training replies; a
 smaller one makes the drafter's LM head (the target's rows for those tokens) cheaper per draft.
-Everything is seeded; the generated data and training checkpoints live in a work folder, so a run
-that is stopped resumes where it was (same recipe, same folder).
+Everything is seeded; the generated replies (chunk by chunk), the labelled data and training
+checkpoints live in a work folder, so a run that is stopped resumes where it was (same recipe, same
+folder).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from deepinfer.errors import ConfigError
 from deepinfer.model.loader import init_dummy
 from deepinfer_spec_decode.config import SpecDecodeConfig
 from deepinfer_spec_decode.drafter_data import Prompt, chat_prompts, continuation_prompts, local_passages
@@ -123,9 +125,12 @@ def _encode_prompts(llm: Any, prompts: Sequence[Prompt], chat: bool) -> list[lis
     return [tokenizer.encode_prompt(p.text) for p in prompts]
 
 
-def generate_replies(llm: Any, prompts: Sequence[Prompt], recipe: Recipe, *, greedy_only: bool,
-                     seed: int) -> Sequences:
-    """The target's own replies to ``prompts`` (batched through the engine)."""
+def generate_replies(llm: Any, prompts: Sequence[Prompt], recipe: Recipe, *, greedy_only: bool, seed: int,
+                     checkpoint: Path | None = None, chunk: int = 64) -> Sequences:
+    """The target's own replies to ``prompts``, batched through the engine ``chunk`` prompts at a time;
+    with a ``checkpoint`` file every finished chunk is kept there and a rerun continues after it (each
+    request's sampling settings depend only on its index, so the result does not depend on where a run
+    stopped)."""
     from deepinfer import SamplingParams
 
     chat = recipe.chat if recipe.chat is not None else _has_chat_template(llm)
@@ -136,9 +141,21 @@ def generate_replies(llm: Any, prompts: Sequence[Prompt], recipe: Recipe, *, gre
         greedy = greedy_only or rng.random() < recipe.greedy_fraction
         params.append(SamplingParams(temperature=0.0 if greedy else recipe.sample_temperature,
                                      max_tokens=recipe.max_reply_tokens, seed=seed * 100_003 + i))
-    outs = llm.generate(ids, params, use_tqdm=True)
-    return Sequences([p + list(o.outputs[0].token_ids) for p, o in zip(ids, outs, strict=True)],
-                     [len(p) for p in ids], [p.kind for p in prompts])
+    replies: list[list[int]] = []
+    if checkpoint is not None and checkpoint.exists():
+        replies = json.loads(checkpoint.read_text())
+        logger.info("resumed %d of %d replies from %s", len(replies), len(prompts), checkpoint)
+    with tqdm(total=len(prompts), initial=len(replies), desc="replies", unit="req") as bar:
+        while len(replies) < len(prompts):
+            lo = len(replies)
+            hi = min(len(prompts), lo + chunk)
+            outs = llm.generate(ids[lo:hi], params[lo:hi], use_tqdm=False)
+            replies.extend(list(o.outputs[0].token_ids) for o in outs)
+            bar.update(hi - lo)
+            if checkpoint is not None:
+                checkpoint.write_text(json.dumps(replies))
+    return Sequences([p + r for p, r in zip(ids, replies, strict=True)], [len(p) for p in ids],
+                     [p.kind for p in prompts])
 
 
 def _has_chat_template(llm: Any) -> bool:
@@ -348,6 +365,9 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
         overrides["device"] = device
     llm = LLM(model, **overrides)
     engine = llm.engine
+    if llm.tokenizer is None:
+        raise ConfigError(f"training a drafter for {str(engine.model_path)!r} needs its tokenizer (the prompts are "
+                          "text); the folder has none: give plugins.spec_decode.dspark_weights a file or 'random'")
     path = Path(output) if output is not None else weights_cache(engine.model_path, recipe)
     work = Path(work_dir) if work_dir is not None else path.with_suffix(".work")
     work.mkdir(parents=True, exist_ok=True)
@@ -362,7 +382,7 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
         data = torch.load(data_file, weights_only=False)
         log(f"resumed the generated data from {data_file}")
     else:
-        data = _make_data(llm, recipe, layers)
+        data = _make_data(llm, recipe, layers, work)
         torch.save(data, data_file)
     gen_seconds = time.perf_counter() - started
     train_labels, held_labels, train_seqs = data["train"], data["held_out"], data["train_seqs"]
@@ -429,7 +449,7 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
     return path
 
 
-def _make_data(llm: Any, recipe: Recipe, layers: Sequence[int]) -> dict[str, Any]:
+def _make_data(llm: Any, recipe: Recipe, layers: Sequence[int], work: Path) -> dict[str, Any]:
     rng = random.Random(recipe.seed)
     train_pool, held_pool = local_passages().split(0.15, rng)
     chat = recipe.chat if recipe.chat is not None else _has_chat_template(llm)
@@ -439,8 +459,11 @@ def _make_data(llm: Any, recipe: Recipe, layers: Sequence[int]) -> dict[str, Any
     else:
         train_prompts = continuation_prompts(recipe.prompts, train_pool, rng)
         held_prompts = continuation_prompts(recipe.held_out, held_pool, rng)
-    train_seqs = generate_replies(llm, train_prompts, recipe, greedy_only=False, seed=recipe.seed)
-    held_seqs = generate_replies(llm, held_prompts, recipe, greedy_only=True, seed=recipe.seed + 1)
+    chunk = min(64, llm.engine.config.scheduler.max_num_seqs)  # a checkpoint every chunk of replies
+    train_seqs = generate_replies(llm, train_prompts, recipe, greedy_only=False, seed=recipe.seed,
+                                  checkpoint=work / "replies-train.json", chunk=chunk)
+    held_seqs = generate_replies(llm, held_prompts, recipe, greedy_only=True, seed=recipe.seed + 1,
+                                 checkpoint=work / "replies-held-out.json", chunk=chunk)
     return {"train": teacher_labels(llm, train_seqs, layers, recipe.top_k),
             "held_out": teacher_labels(llm, held_seqs, layers, recipe.top_k),
             "train_seqs": train_seqs, "held_seqs": held_seqs,

@@ -192,3 +192,8 @@ def test_config_checks_and_the_reference_temperature_knob(llama_dir, monkeypatch
     monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", ",".join(["0.5"] * K))
     llm = _llm(llama_dir, _spec())
     assert _dspark(llm).confidence_temperature.tolist() == [0.5] * K
+
+
+def test_auto_weights_need_a_tokenizer(llama_dir):
+    with pytest.raises(ConfigError, match="needs its tokenizer"):
+        _llm(llama_dir, _spec(dspark_weights="auto"))
