@@ -205,7 +205,7 @@ class LLMEngine:
         # a misspelt name fails at start-up rather than when it is first needed.
         replay = self.host.select("deepinfer_replay_planners", cfg.cache.replay, "cache.replay")
         if self.num_state_slots:
-            self.runner.state_slot, self.runner.write_floor = self.kv.state_slot, self.kv.write_floor
+            self.runner.stateful = True  # rows carry state slots and write floors (Scheduler._row)
         # A prefix hit (or a preempted request's surviving blocks) restores paged entries but not the
         # state rings: recompute from the replay planner's first token; the planner may also bound that
         # replay or truncate YoCo prefills (ARCHITECTURE §6, scheduler.ReplayStart).

@@ -14,7 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
-from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.request import PENDING, Request, RequestStatus
+from deepinfer.engine.rows import StepRow
 from deepinfer.interfaces import CacheLayout, ReplayPlan, ReplayPlanner, SchedulePolicy
 from deepinfer.kv.blocks import KVCacheManager, PrefixHit
 
@@ -47,10 +48,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """The step's batch: decode rows (one new token) first, then prefill chunks."""
+    """The step's batch: decode rows (one new token) first, then prefill chunks. ``scheduled`` is the
+    engine's view (with the requests); ``rows`` the same rows as plain data, in the same order, for
+    the runner."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    rows: tuple[StepRow, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +150,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
+        """Pick the step's batch, advance its requests optimistically (``advance``) and emit its rows."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -179,7 +184,45 @@ class Scheduler:
             budget = self._admit(out, budget)
         # Single-token decode rows first: the runner batches them together.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        out.rows = tuple(self.advance(s) for s in out.scheduled)
         return out
+
+    def advance(self, s: ScheduledRequest) -> StepRow:
+        """Advance a scheduled request *optimistically* and return its step row: its computed count
+        moves past the step's tokens, and a row that samples gets a ``PENDING`` token at ``token_slot``,
+        so the next step can be scheduled before this one's results are read."""
+        req = s.request
+        req.num_computed_tokens = s.start + s.num_new_tokens
+        if s.samples:
+            s.token_slot = req.num_tokens
+            req.all_token_ids.append(PENDING)
+            req.num_pending += 1
+        return self._row(s)
+
+    def _row(self, s: ScheduledRequest) -> StepRow:
+        """The plain-data copy of an advanced row (``StepRow``)."""
+        req, start, end = s.request, s.start, s.start + s.num_new_tokens
+        known = end - len(s.drafts)  # the request's own tokens; the drafts follow
+        first_pending = req.num_tokens - req.num_pending
+        pending = first_pending - start if req.num_pending and known > first_pending else -1
+        prompt = req.num_prompt_tokens
+        targets: tuple[int, ...] = ()
+        if req.params.prompt_logprobs is not None and start < prompt - 1:
+            targets = tuple(req.prompt_token_ids[start + 1:min(end, prompt - 1) + 1])
+        stateful = self.kv.num_state_slots > 0
+        return StepRow(
+            request_id=req.request_id, start=start, num_new_tokens=s.num_new_tokens,
+            token_ids=(*req.all_token_ids[start:known], *s.drafts),
+            block_table=tuple(self.kv.table(req.request_id)),
+            params=req.params, seed=req.seed, counter=req.num_tokens, num_prompt_tokens=prompt,
+            samples=s.samples, token_slot=s.token_slot, epoch=s.epoch, pending_offset=pending,
+            prompt_targets=targets, drafts=tuple(s.drafts), draft_probs=req.draft_probs,
+            visibility_floor=req.visibility_floor,
+            truncation=req.truncation if start < req.truncation_end else None,
+            state_slot=self.kv.state_slot(req.request_id) if stateful else None,
+            write_floor=self.kv.write_floor(req.request_id) if stateful else 0,
+            grammar=req.grammar,
+        )
 
     def _plan_drafts(self, queue: Sequence[Request]) -> dict[str, list[int]]:
         """The drafts each decode request verifies this step, from the draft planner."""

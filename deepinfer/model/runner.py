@@ -1,20 +1,21 @@
 """The step runner: a scheduled batch → tensors → forward → logits → sampled tokens.
 
-Inputs are built on the host from the requests' tokens and block tables and copied to the device
-once per step. Only the rows that need logits go through the LM head: the last row of every request
-that samples, plus every prompt row of requests that asked for prompt logprobs. A request that
+Inputs are built on the host from the step's rows (``engine/rows.py``: plain data the scheduler
+emits; the runner never sees the engine's requests) and copied to the device once per step. Only the
+rows that need logits go through the LM head: the last row of every request that samples, plus every
+prompt row of requests that asked for prompt logprobs. A request that
 verifies drafts (speculative decoding) sends all its rows; when any does, the step verifies instead of
 sampling (``sampling/verify.py``), and requests without drafts sample exactly as they would alone.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from deepinfer.engine.rows import StepRow
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
 from deepinfer.model.graphs import DecodeGraphs, GraphStep
@@ -28,7 +29,7 @@ from deepinfer.structured.masks import StepMasks
 class PromptLogprobSpan:
     """Logits rows ``[lo, lo + count)`` of one request score prompt tokens from ``first_target``."""
 
-    scheduled: ScheduledRequest
+    row: StepRow
     lo: int
     count: int
     first_target: int
@@ -41,7 +42,7 @@ class StepInputs:
     input_ids: torch.Tensor
     ctx: ForwardContext
     logits_indices: torch.Tensor
-    samplers: list[ScheduledRequest]
+    samplers: list[StepRow]
     sample_rows: torch.Tensor
     sampling: SamplingBatch | None
     prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
@@ -61,7 +62,7 @@ class StepInputs:
 class StepResults:
     """Device results of a step; the host reads them once, in ``process``."""
 
-    samplers: list[ScheduledRequest]
+    samplers: list[StepRow]
     sampled: SampleResult | None
     prompt_spans: list[PromptLogprobSpan]
     prompt_logits: torch.Tensor | None
@@ -96,10 +97,10 @@ class ModelRunner:
         self.backends = backends
         self.block_size = block_size
         self.device = device
-        # Set by the engine for models with per-request state (kv/state.py): a request's state slot,
-        # and the positions below which its blocks are shared (exact replay must not rewrite them).
-        self.state_slot: Callable[[str], int] | None = None
-        self.write_floor: Callable[[str], int] | None = None
+        # Set by the engine for models with per-request state (kv/state.py): the contexts then carry each
+        # row's state slot and write floor (the positions below which its blocks are shared: exact replay
+        # must not rewrite them).
+        self.stateful = False
         # Set by the engine when the drafter reads the main model's rows (MTP): results keep ``hidden``.
         self.keep_hidden = False
         # Set by the engine when decode-shaped steps replay CUDA graphs (model/graphs.py).
@@ -109,8 +110,9 @@ class ModelRunner:
         # ``capture_hidden``): the kept ``hidden`` is then those layers' inputs, concatenated in this order.
         self.hidden_layers: tuple[int, ...] = ()
 
-    def prepare(self, sched: SchedulerOutput, block_table: Callable[[str], list[int]]) -> StepInputs:
-        """Flatten the batch: token ids, positions, cache slots, block tables, logits rows."""
+    def prepare(self, rows: Sequence[StepRow]) -> StepInputs:
+        """Flatten the step's rows (decode rows first): token ids, positions, cache slots, block tables,
+        logits rows."""
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -119,49 +121,45 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         logits_rows: list[int] = []
-        samplers: list[ScheduledRequest] = []
+        samplers: list[StepRow] = []
         sample_rows: list[int] = []
         spans: list[PromptLogprobSpan] = []
         pending_rows: list[int] = []
         pending_requests: list[str] = []
-        for s in sched.scheduled:
-            req, start, n = s.request, s.start, s.num_new_tokens
-            table = block_table(req.request_id)
-            end = start + n
-            ids.extend(req.all_token_ids[start:end - len(s.drafts)] + s.drafts)
+        for s in rows:
+            start, n, end, table = s.start, s.num_new_tokens, s.end, s.block_table
+            ids.extend(s.token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             first_row = starts[-1]
-            if req.num_pending and end - len(s.drafts) > req.num_tokens - req.num_pending:
-                pending_rows.append(first_row + req.num_tokens - req.num_pending - start)
-                pending_requests.append(req.request_id)
+            if s.pending_offset >= 0:
+                pending_rows.append(first_row + s.pending_offset)
+                pending_requests.append(s.request_id)
             starts.append(first_row + n)
             seq_lens.append(end)
-            tables.append(table)
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
-                count = min(end, req.num_prompt_tokens - 1) - start
+            tables.append(list(table))
+            if s.prompt_targets:
+                count = len(s.prompt_targets)
                 spans.append(PromptLogprobSpan(s, len(logits_rows), count, start + 1))
                 logits_rows.extend(range(first_row, first_row + count))
             if s.samples:
                 samplers.append(s)
                 sample_rows.extend(range(len(logits_rows), len(logits_rows) + 1 + len(s.drafts)))
                 logits_rows.extend(range(first_row + n - 1 - len(s.drafts), first_row + n))
-        max_query_len = max(s.num_new_tokens for s in sched.scheduled)
+        max_query_len = max(s.num_new_tokens for s in rows)
         dev = self.device
 
         def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return to_device(values, dtype, dev)  # never waits for the device (launch path)
 
         # Bounded replay: restore floors, and the YoCo truncation of chunks of a truncated prefill.
-        floors = [s.request.visibility_floor for s in sched.scheduled]
-        truncations = [s.request.truncation if s.start < s.request.truncation_end else None for s in sched.scheduled]
+        floors = [s.visibility_floor for s in rows]
+        truncations = [s.truncation for s in rows]
         has_floor, has_truncation = any(floors), any(t is not None for t in truncations)
         state_slots = write_floors = None
-        if self.state_slot is not None and self.write_floor is not None:
-            rids = [s.request.request_id for s in sched.scheduled]
-            state_slots, write_floors = [self.state_slot(r) for r in rids], [self.write_floor(r) for r in rids]
-        replaying = write_floors is not None and any(f > s.start for f, s in zip(write_floors, sched.scheduled,
-                                                                                   strict=True))
+        if self.stateful:
+            state_slots, write_floors = [s.state_slot for s in rows], [s.write_floor for s in rows]
+        replaying = write_floors is not None and any(f > s.start for f, s in zip(write_floors, rows, strict=True))
         bucket = None
         # Graphs carry neither replay floors, state rebuilt below a write floor, nor captured layer
         # features (dspark's hidden_layers): eager then.
@@ -182,7 +180,7 @@ class ModelRunner:
                 query_start_loc=tensor(starts, torch.int32),
                 seq_lens=tensor(seq_lens),
                 block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
-                num_decodes=sum(1 for s in sched.scheduled if s.num_new_tokens == 1),
+                num_decodes=sum(1 for s in rows if s.num_new_tokens == 1),
                 query_start_loc_host=starts,
                 seq_lens_host=seq_lens,
                 block_size=bs,
@@ -200,12 +198,8 @@ class ModelRunner:
             ctx.truncation_compact_host = [t is not None and t.mode == "compact" for t in truncations]
         sampling = None
         if samplers:
-            sampling = SamplingBatch.build(
-                [s.request.params for s in samplers],
-                [s.request.seed for s in samplers],
-                [s.request.num_tokens for s in samplers],
-                dev,
-            )
+            sampling = SamplingBatch.build([s.params for s in samplers], [s.seed for s in samplers],
+                                           [s.counter for s in samplers], dev)
         verify_batch = None
         if any(s.drafts for s in samplers):
             assert sampling is not None
@@ -213,7 +207,7 @@ class ModelRunner:
         return StepInputs(input_ids, ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans,
                           pending_rows, pending_requests, verify_batch, graph=graph)
 
-    def _verify_batch(self, samplers: list[ScheduledRequest], sampling: SamplingBatch) -> VerifyBatch:
+    def _verify_batch(self, samplers: list[StepRow], sampling: SamplingBatch) -> VerifyBatch:
         dev = self.device
         k = max(len(s.drafts) for s in samplers)
         row_start, row_request, row_offset = [], [], []
@@ -221,17 +215,17 @@ class ModelRunner:
             row_start.append(len(row_request))
             row_request.extend([i] * (1 + len(s.drafts)))
             row_offset.extend(range(1 + len(s.drafts)))
-        drafts = to_device([s.drafts + [-1] * (k - len(s.drafts)) for s in samplers], torch.int64, dev)
+        drafts = to_device([[*s.drafts] + [-1] * (k - len(s.drafts)) for s in samplers], torch.int64, dev)
         probs = None
-        if any(s.request.draft_probs is not None for s in samplers):
+        if any(s.draft_probs is not None for s in samplers):
             probs = torch.zeros(len(samplers), k, self.model.vocab_size, device=dev)
             for i, s in enumerate(samplers):
                 n = len(s.drafts)
-                if s.request.draft_probs is not None:
-                    probs[i, :n] = s.request.draft_probs[:n]
+                if s.draft_probs is not None:
+                    probs[i, :n] = s.draft_probs[:n]
                 elif n:
                     probs[i, :n].scatter_(-1, drafts[i, :n, None], 1.0)
-        params = [s.request.params for s in samplers]
+        params = [s.params for s in samplers]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, dev)
@@ -246,8 +240,8 @@ class ModelRunner:
             top_k=tensor([max(p.top_k, 0) for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([s.request.seed for s in samplers], torch.int64),
-            base=tensor([s.request.num_tokens for s in samplers], torch.int64),
+            seeds=tensor([s.seed for s in samplers], torch.int64),
+            base=tensor([s.counter for s in samplers], torch.int64),
             sampling=sampling,
             row_request=tensor(row_request, torch.int64),
             row_offset=tensor(row_offset, torch.int64),
@@ -375,28 +369,27 @@ class ModelRunner:
             backends=self.backends,
             max_query_len=max(lengths),
         )
-        if self.state_slot is not None:  # reserved slot 0 and block 0 absorb the placeholder's state
+        if self.stateful:  # reserved slot 0 and block 0 absorb the placeholder's state
             ctx.state_slots_host, ctx.write_floor_host = [0] * len(lengths), [0] * len(lengths)
             ctx.state_slots = torch.zeros(len(lengths), dtype=torch.int64, device=dev)
         hidden = self.model.forward(ids, ctx)
         self.model.compute_logits(hidden, ctx)
 
 
-def prompt_logprobs_of(results: StepResults) -> list[tuple[ScheduledRequest, int, list[dict[int, float]]]]:
-    """Per span: the request, the first prompt position scored, and one ``{token: logprob}`` per row
+def prompt_logprobs_of(results: StepResults) -> list[tuple[StepRow, int, list[dict[int, float]]]]:
+    """Per span: the step row, the first prompt position scored, and one ``{token: logprob}`` per row
     (the actual prompt token plus the top-n). Reads the device (called in ``process``)."""
     out = []
     assert results.prompt_logits is not None
     for span in results.prompt_spans:
-        req = span.scheduled.request
-        targets = torch.tensor(req.prompt_token_ids[span.first_target:span.first_target + span.count],
-                               device=results.prompt_logits.device)
+        row = span.row
+        targets = torch.tensor(row.prompt_targets, device=results.prompt_logits.device)
         logits = results.prompt_logits[span.lo:span.lo + span.count]
-        lp, top_lp, top_ids = logprobs_of(logits, targets, req.params.prompt_logprobs or 0)
+        lp, top_lp, top_ids = logprobs_of(logits, targets, row.params.prompt_logprobs or 0)
         rows = []
         for t, v, tl, ti in zip(targets.tolist(), lp.tolist(), top_lp.tolist(), top_ids.tolist(), strict=True):
             entry = dict(zip(ti, tl, strict=True))
             entry[t] = v
             rows.append(entry)
-        out.append((span.scheduled, span.first_target, rows))
+        out.append((span.row, span.first_target, rows))
     return out
