@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine.context import Span, SpanLayout, forward_context
 from deepinfer.engine.rows import StepRow
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
@@ -113,40 +114,28 @@ class ModelRunner:
     def prepare(self, rows: Sequence[StepRow]) -> StepInputs:
         """Flatten the step's rows (decode rows first): token ids, positions, cache slots, block tables,
         logits rows."""
-        bs = self.block_size
+        layout = SpanLayout.of([(s.block_table, s.start, s.num_new_tokens) for s in rows], self.block_size)
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
         logits_rows: list[int] = []
         samplers: list[StepRow] = []
         sample_rows: list[int] = []
         spans: list[PromptLogprobSpan] = []
         pending_rows: list[int] = []
         pending_requests: list[str] = []
-        for s in rows:
-            start, n, end, table = s.start, s.num_new_tokens, s.end, s.block_table
+        for s, first_row in zip(rows, layout.starts, strict=False):
+            n = s.num_new_tokens
             ids.extend(s.token_ids)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            first_row = starts[-1]
             if s.pending_offset >= 0:
                 pending_rows.append(first_row + s.pending_offset)
                 pending_requests.append(s.request_id)
-            starts.append(first_row + n)
-            seq_lens.append(end)
-            tables.append(list(table))
             if s.prompt_targets:
                 count = len(s.prompt_targets)
-                spans.append(PromptLogprobSpan(s, len(logits_rows), count, start + 1))
+                spans.append(PromptLogprobSpan(s, len(logits_rows), count, s.start + 1))
                 logits_rows.extend(range(first_row, first_row + count))
             if s.samples:
                 samplers.append(s)
                 sample_rows.extend(range(len(logits_rows), len(logits_rows) + 1 + len(s.drafts)))
                 logits_rows.extend(range(first_row + n - 1 - len(s.drafts), first_row + n))
-        max_query_len = max(s.num_new_tokens for s in rows)
         dev = self.device
 
         def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -165,31 +154,17 @@ class ModelRunner:
         # features (dspark's hidden_layers): eager then.
         if (self.graphs is not None and not spans and not (has_floor or has_truncation or replaying)
                 and not self.hidden_layers):
-            bucket = self.graphs.bucket_for(len(ids), max_query_len)
+            bucket = self.graphs.bucket_for(len(ids), layout.max_query_len)
         graph = None
         if bucket is not None:
             assert self.graphs is not None
-            graph = self.graphs.stage(bucket, ids, positions, slots, seq_lens, starts, tables, state_slots)
+            graph = self.graphs.stage(bucket, ids, layout.positions, layout.slots, layout.seq_lens, layout.starts,
+                                      layout.tables, state_slots)
             input_ids, ctx = self.graphs.context(bucket)
         else:
-            width = max(len(t) for t in tables)
             input_ids = tensor(ids)
-            ctx = ForwardContext(
-                positions=tensor(positions),
-                slot_mapping=tensor(slots),
-                query_start_loc=tensor(starts, torch.int32),
-                seq_lens=tensor(seq_lens),
-                block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
-                num_decodes=sum(1 for s in rows if s.num_new_tokens == 1),
-                query_start_loc_host=starts,
-                seq_lens_host=seq_lens,
-                block_size=bs,
-                backends=self.backends,
-                max_query_len=max_query_len,
-            )
-            if state_slots is not None:
-                ctx.state_slots_host, ctx.state_slots = state_slots, tensor(state_slots)
-                ctx.write_floor_host = write_floors
+            ctx = forward_context(layout, block_size=self.block_size, backends=self.backends, device=dev,
+                                  state_slots=state_slots, write_floors=write_floors)
         if has_floor:
             ctx.visibility_floor_host = floors
             ctx.visibility_floor = tensor(floors)
@@ -308,37 +283,14 @@ class ModelRunner:
         idle = previous.elapsed_time(results.started) / 1000 if previous is not None else 0.0
         return busy, max(0.0, idle)
 
-    def span_context(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> ForwardContext:
+    def span_context(self, spans: Sequence[Span]) -> ForwardContext:
         """A ``ForwardContext`` over ``spans`` of ``(block table, first position, count)``: each a request
         computing positions ``[first, first + count)`` on its blocks, KV length ``first + count``. Spans of
         one position must come first (they are the context's decode rows). For drafters that run layers of
         their own over the main paging (``CommittedRows``); state slots, for models with per-request state,
         are the caller's to set (``DraftCache.rows``)."""
-        bs, dev = self.block_size, self.device
-        positions = [p for _, first, count in spans for p in range(first, first + count)]
-        slots = [table[p // bs] * bs + p % bs for table, first, count in spans for p in range(first, first + count)]
-        starts = [0]
-        for _, _, count in spans:
-            starts.append(starts[-1] + count)
-        seq_lens = [first + count for _, first, count in spans]
-        width = max((len(table) for table, _, _ in spans), default=1)
-        tables = [list(table) + [0] * (width - len(table)) for table, _, _ in spans]
-        num_decodes = 0
-        while num_decodes < len(spans) and spans[num_decodes][2] == 1:
-            num_decodes += 1
-        return ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=dev).reshape(len(spans), width),
-            num_decodes=num_decodes,
-            query_start_loc_host=starts,
-            seq_lens_host=seq_lens,
-            block_size=bs,
-            backends=self.backends,
-            max_query_len=max((count for _, _, count in spans), default=0),
-        )
+        return forward_context(SpanLayout.of(spans, self.block_size), block_size=self.block_size,
+                               backends=self.backends, device=self.device)
 
     @torch.inference_mode()
     def placeholder_step(self, num_tokens: int, tokens_per_request: int = 1) -> None:
@@ -346,32 +298,16 @@ class ModelRunner:
         ``tokens_per_request`` tokens (the last one shorter) at positions 0…, all writing the reserved
         scratch block 0: the step-cost profile times this (contents are garbage). With
         ``tokens_per_request = 1 + max_draft`` the rows are shaped like a verification step."""
-        dev, bs = self.device, self.block_size
         lengths = [tokens_per_request] * (num_tokens // tokens_per_request)
         if num_tokens % tokens_per_request:
             lengths.insert(0, num_tokens % tokens_per_request)  # a one-token request must lead (decode rows)
-        positions = [p for n in lengths for p in range(n)]
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        width = -(-max(lengths) // bs)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        ctx = ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor([p % bs for p in positions], dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lengths, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros(len(lengths), width, dtype=torch.int64, device=dev),
-            num_decodes=sum(1 for n in lengths if n == 1),
-            query_start_loc_host=starts,
-            seq_lens_host=lengths,
-            block_size=bs,
-            backends=self.backends,
-            max_query_len=max(lengths),
-        )
-        if self.stateful:  # reserved slot 0 and block 0 absorb the placeholder's state
-            ctx.state_slots_host, ctx.write_floor_host = [0] * len(lengths), [0] * len(lengths)
-            ctx.state_slots = torch.zeros(len(lengths), dtype=torch.int64, device=dev)
+        scratch = (0,) * -(-max(lengths) // self.block_size)  # block 0, as many times as the longest needs
+        # Reserved slot 0 absorbs the placeholder's per-request state, as block 0 its KV.
+        idle = [0] * len(lengths) if self.stateful else None
+        ctx = forward_context(SpanLayout.of([(scratch, 0, n) for n in lengths], self.block_size),
+                              block_size=self.block_size, backends=self.backends, device=self.device,
+                              state_slots=idle, write_floors=idle)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, ctx)
         self.model.compute_logits(hidden, ctx)
 
