@@ -21,7 +21,7 @@ IDLE_WAIT_S = 0.05
 if TYPE_CHECKING:
     from deepinfer.engine.request import Request
     from deepinfer.engine.rows import StepRow
-    from deepinfer.model.runner import StepInputs
+    from deepinfer.engine.runner import StepInputs
 
 
 class StructuredRuntime:

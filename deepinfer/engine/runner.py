@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.engine.context import Span, SpanLayout, forward_context
+from deepinfer.engine.graphs import DecodeGraphs, GraphStep
 from deepinfer.engine.rows import StepRow
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
-from deepinfer.model.graphs import DecodeGraphs, GraphStep
 from deepinfer.model.transfer import to_device, to_host
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
 from deepinfer.sampling.verify import VerifyBatch, VerifyResult, verify
@@ -104,7 +104,7 @@ class ModelRunner:
         self.stateful = False
         # Set by the engine when the drafter reads the main model's rows (MTP): results keep ``hidden``.
         self.keep_hidden = False
-        # Set by the engine when decode-shaped steps replay CUDA graphs (model/graphs.py).
+        # Set by the engine when decode-shaped steps replay CUDA graphs (engine/graphs.py).
         self.graphs: DecodeGraphs | None = None
         self._last_ready: torch.cuda.Event | None = None  # the previous step's end, for device_span
         # Set with ``keep_hidden`` when the drafter reads chosen layers' features (dspark, the model's
