@@ -12,10 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from deepinfer.engine.request import PENDING, Request, RequestStatus
 from deepinfer.engine.rows import StepRow
+from deepinfer.engine.speculation import Drafts
 from deepinfer.interfaces import CacheLayout, ReplayPlan, ReplayPlanner, SchedulePolicy
 from deepinfer.kv.blocks import KVCacheManager, PrefixHit
 
@@ -28,7 +29,8 @@ class ScheduledRequest:
     which goes to ``all_token_ids[token_slot]``. ``epoch`` is the request's epoch when scheduled.
     ``drafts``: draft tokens verified after the request's last token (speculative decoding); the
     row then computes ``1 + len(drafts)`` tokens and may commit up to that many. ``confidence`` /
-    ``raw_confidence``: the drafter's (calibrated / raw) confidences of those drafts, for statistics.
+    ``raw_confidence``: the drafter's (calibrated / raw) confidences of those drafts, for statistics;
+    ``draft_probs``: the distributions of the request's proposal (``Drafts.probs``).
     """
 
     request: Request
@@ -40,6 +42,7 @@ class ScheduledRequest:
     drafts: list[int] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
     raw_confidence: list[float] = field(default_factory=list)
+    draft_probs: Any = None
 
     @classmethod
     def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
@@ -110,15 +113,29 @@ class ReplayStart:
 
     def _plan(self, req: Request, computed: int, reason: Literal["prefill", "prefix_hit", "preempted"]
               ) -> ReplayPlan:
-        before, req.num_computed_tokens = req.num_computed_tokens, computed
-        try:
-            return self.planner.plan(req, self.layout, reason)
-        finally:
-            req.num_computed_tokens = before
+        """The planner's plan for ``req`` resuming from ``computed`` cached tokens, which it gets as
+        the ``num_computed_tokens`` of a frozen view (the request itself is not touched)."""
+        view = PlannedRequest(req.request_id, req.arrival_time, req.priority, req.num_prompt_tokens,
+                              req.num_output_tokens, computed)
+        return self.planner.plan(view, self.layout, reason)
 
 
-DraftPlanner = Callable[[Sequence[Request]], list[int]]
-"""Drafts to verify per decode request (speculative decoding), in the order given."""
+@dataclass(frozen=True)
+class PlannedRequest:
+    """What a replay planner sees of a request (a ``SchedulableRequest``): its fields now, with
+    ``num_computed_tokens`` the cached tokens the plan starts from."""
+
+    request_id: str
+    arrival_time: float
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+
+
+DraftPlanner = Callable[[Sequence[Request]], dict[str, Drafts]]
+"""The drafts each decode request verifies this step (speculative decoding), by request id: the
+granted prefix of its live proposal (possibly no token; requests without a proposal are absent)."""
 
 
 class Scheduler:
@@ -161,7 +178,8 @@ class Scheduler:
             num_new = self._chunk(req, budget)
             if num_new == 0:
                 break
-            verified = drafts.get(req.request_id, [])[:budget - num_new]
+            granted = drafts.get(req.request_id)
+            verified = list(granted.tokens[:budget - num_new]) if granted is not None else []
             num_new += len(verified)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
@@ -175,8 +193,10 @@ class Scheduler:
             else:
                 row = ScheduledRequest.of(req, req.num_computed_tokens, num_new - len(verified))
                 row.num_new_tokens, row.drafts = num_new, verified
-                row.confidence = req.draft_confidence[:len(verified)]
-                row.raw_confidence = req.draft_raw_confidence[:len(verified)]
+                if granted is not None:
+                    row.confidence = list(granted.confidence[:len(verified)])
+                    row.raw_confidence = list(granted.raw_confidence[:len(verified)])
+                    row.draft_probs = granted.probs
                 out.scheduled.append(row)
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
@@ -216,7 +236,7 @@ class Scheduler:
             block_table=tuple(self.kv.table(req.request_id)),
             params=req.params, seed=req.seed, counter=req.num_tokens, num_prompt_tokens=prompt,
             samples=s.samples, token_slot=s.token_slot, epoch=s.epoch, pending_offset=pending,
-            prompt_targets=targets, drafts=tuple(s.drafts), draft_probs=req.draft_probs,
+            prompt_targets=targets, drafts=tuple(s.drafts), draft_probs=s.draft_probs,
             visibility_floor=req.visibility_floor,
             truncation=req.truncation if start < req.truncation_end else None,
             state_slot=self.kv.state_slot(req.request_id) if stateful else None,
@@ -224,15 +244,12 @@ class Scheduler:
             grammar=req.grammar,
         )
 
-    def _plan_drafts(self, queue: Sequence[Request]) -> dict[str, list[int]]:
+    def _plan_drafts(self, queue: Sequence[Request]) -> dict[str, Drafts]:
         """The drafts each decode request verifies this step, from the draft planner."""
         if self.draft_planner is None:
             return {}
-        decoding = [r for r in queue if r.draft_tokens and r.num_computed_tokens == r.num_tokens - 1]
-        if not decoding:
-            return {}
-        granted = self.draft_planner(decoding)
-        return {r.request_id: r.draft_tokens[:n] for r, n in zip(decoding, granted, strict=True) if n > 0}
+        decoding = [r for r in queue if r.num_computed_tokens == r.num_tokens - 1]
+        return self.draft_planner(decoding) if decoding else {}
 
     def _awaits_drafts(self, req: Request) -> bool:
         """Under speculative decoding a request whose sampled tokens are still unread (an overlapped
@@ -292,8 +309,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.drop_pending()
-        req.clear_drafts()
-        req.epoch += 1
+        req.epoch += 1  # its drafts (Speculator.drafts_of) are stale from now on
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
