@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.outputs import FinishReason, RequestOutput
 from deepinfer.engine.request import PENDING, Request
 from deepinfer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from deepinfer.engine.speculation import CommittedSpan, Speculator
@@ -32,6 +31,7 @@ from deepinfer.engine.stats import EngineStats, StepTimer
 from deepinfer.interfaces import StepStats
 from deepinfer.model.runner import ModelRunner, StepInputs, StepResults, prompt_logprobs_of
 from deepinfer.model.transfer import to_device
+from deepinfer.outputs import FinishReason, RequestOutput
 from deepinfer.structured.runtime import StructuredRuntime
 from deepinfer.tokenizer import Tokenizer
 

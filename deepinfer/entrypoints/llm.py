@@ -12,8 +12,8 @@ from tqdm.auto import tqdm
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
 
 Prompt = str | list[int]
