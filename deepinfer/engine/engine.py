@@ -495,7 +495,15 @@ class LLMEngine:
         self.core.stream = value
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.executor.step()
+        """One executor step. If it raises (``KeyboardInterrupt`` included), every live request is
+        aborted and its blocks are freed (``EngineCore.abort_after_failed_step``) before the exception
+        propagates, so the next call starts clean."""
+        try:
+            outputs = self.executor.step()
+        except BaseException as exc:
+            aborted = self.core.abort_after_failed_step(f"aborted: an engine step raised {type(exc).__name__}")
+            logger.warning("an engine step raised %s; aborted %d live requests", type(exc).__name__, len(aborted))
+            raise
         if not self.core.has_work():
             self.runner.work_drained()
         return outputs

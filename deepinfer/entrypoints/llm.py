@@ -145,16 +145,24 @@ class LLM:
         return params
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        for req in requests:
-            self.engine.add(req)
         wanted = {r.request_id for r in requests}
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while len(done) < len(requests):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
+        try:
+            for req in requests:
+                self.engine.add(req)
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while len(done) < len(requests):
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in wanted:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            # Interrupted (Ctrl-C lands anywhere, a step raised): this call's unfinished requests are
+            # aborted so their blocks come back and the next call starts clean; the exception propagates.
+            for req in requests:
+                if req.request_id not in done:
+                    self.engine.abort(req.request_id)
+            raise
         return [done[r.request_id] for r in requests]
 
     def abort(self, request_id: str) -> bool:
