@@ -8,13 +8,18 @@ from typing import Any
 from deepinfer.structured.spec import GrammarSpec, parse_spec
 
 _INT64_MAX = 2**63 - 1
+# The OpenAI range, the same offline and in the server (``server/protocol.py``).
+MAX_TEMPERATURE = 2.0
+# Below this a temperature is greedy, as in the reference: dividing logits by a smaller one overflows float32.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. Invalid values raise ``ValueError`` naming the field.
 
-    ``temperature`` 0 means argmax. ``top_k`` −1 or 0 disables top-k; ``top_p`` in (0, 1];
+    ``temperature`` in [0, 2]; 0 (or anything below 1e-5, ``GREEDY_BELOW``) means argmax. ``top_k`` −1 or
+    0 disables top-k; ``top_p`` in (0, 1] (the top token is always kept, however small ``top_p``);
     ``min_p`` in [0, 1] keeps tokens whose probability is at least ``min_p`` × the top one.
     ``seed`` (alias ``seq_seed``) makes the request's draws a pure function of (seed, position), so
     the tokens never depend on the rest of the batch. ``priority``: lower is served first (with a
@@ -61,8 +66,8 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a number >= 0 (0 = greedy)")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -92,7 +97,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature 0, or one so small (< ``GREEDY_BELOW``) that it is argmax anyway."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_sorting(self) -> bool:

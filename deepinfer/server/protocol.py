@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.params import MAX_TEMPERATURE, SamplingParams
 
 MAX_LOGPROBS = 20
 
@@ -76,8 +76,8 @@ class _Sampling(_Body):
                 raise bad_request(f"{name} is not supported (only 0), got {value}", name)
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-        if self.temperature is not None and self.temperature > 2:
-            raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", "temperature")
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         structured: dict[str, Any] | None = None) -> SamplingParams:
