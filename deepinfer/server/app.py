@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.entrypoints.async_llm import AsyncLLM
-from deepinfer.errors import ChatOptionError
+from deepinfer.errors import ChatOptionError, ModelLoadError
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, ChatRequest, CompletionRequest, bad_request, parse_body
@@ -181,6 +181,12 @@ class _Delta:
         return hold
 
 
+def _internal_error(request_id: str) -> APIError:
+    """A 500 body that says where to look, never what went wrong inside (that is logged under the id)."""
+    return APIError(500, f"internal server error (request id {request_id}; the details are in the server log)",
+                    type="server_error", code="internal_error")
+
+
 def _finish_reason(out: RequestOutput) -> str | None:
     reason = out.outputs[0].finish_reason
     return None if reason is None else ("stop" if reason == "abort" else reason)
@@ -191,9 +197,48 @@ def _usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _check_error(out: RequestOutput) -> None:
+def _check_error(out: RequestOutput, params: SamplingParams) -> None:
+    refused = _grammar_refusal(out, params)
+    if refused is not None:
+        raise refused
     if out.outputs[0].finish_reason == "error":
         raise APIError(500, f"generation failed: {out.outputs[0].error}", type="server_error", code="engine_error")
+
+
+def _grammar_refusal(out: RequestOutput, params: SamplingParams) -> APIError | None:
+    """The 400 for a structured request whose grammar failed to compile (or timed out compiling): it
+    ends with ``finish_reason="error"`` before its first token. A later error is the engine's (500)."""
+    comp = out.outputs[0]
+    if params.grammar_spec is None or comp.finish_reason != "error" or comp.token_ids:
+        return None
+    return bad_request(f"response_format: {comp.error}", "response_format", "invalid_response_format")
+
+
+async def _first_output(gen: AsyncGenerator[RequestOutput, None], params: SamplingParams,
+                        release: Callable[[], None]) -> AsyncGenerator[RequestOutput, None]:
+    """A streaming structured request waits for its first output before anything is sent, so that a grammar
+    that fails to compile is a 400 (as without streaming), not a 200 stream with an error event. Returns a
+    generator that yields that output, then the rest (closing ``gen`` when it is closed)."""
+    try:
+        first = await anext(gen, None)
+        refused = None if first is None else _grammar_refusal(first, params)
+        if refused is not None:
+            raise refused
+    except BaseException:
+        release()
+        await gen.aclose()
+        raise
+
+    async def chained() -> AsyncGenerator[RequestOutput, None]:
+        try:
+            if first is not None:
+                yield first
+            async for out in gen:
+                yield out
+        finally:
+            await gen.aclose()
+
+    return chained()
 
 
 class _Formatter:
@@ -238,7 +283,7 @@ async def _last_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput | Non
     return last
 
 
-async def _final_output(gen: AsyncIterator[RequestOutput], request: Request,
+async def _final_output(gen: AsyncIterator[RequestOutput], request: Request, params: SamplingParams,
                         release: Callable[[], None]) -> RequestOutput | None:
     """A non-streaming request's checked final output (None: the client left), releasing its queue slot."""
     try:
@@ -246,7 +291,7 @@ async def _final_output(gen: AsyncIterator[RequestOutput], request: Request,
     finally:
         release()
     if final is not None:
-        _check_error(final)
+        _check_error(final, params)
     return final
 
 
@@ -310,16 +355,18 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        err = APIError(500, f"internal error: {exc!r}", type="server_error")
-        return JSONResponse(err.body(), status_code=500)
+        error_id = f"err-{uuid.uuid4().hex}"
+        logger.error("request %s (%s %s): unhandled error", error_id, request.method, request.url.path,
+                     exc_info=exc)
+        return JSONResponse(_internal_error(error_id).body(), status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if state.llm is not None and state.llm.is_running:
             return JSONResponse({"status": "ok"})
-        if state.load_error is not None:
-            return JSONResponse({"status": "failed", "error": repr(state.load_error)}, status_code=503)
+        if state.load_error is not None:  # the exception itself is in the server log, not in the answer
+            return JSONResponse({"status": "failed", "error": "the model failed to load; see the server log"},
+                                status_code=503)
         return JSONResponse({"status": "loading" if state.llm is None else "stopped"}, status_code=503)
 
     @app.get("/metrics")
@@ -369,7 +416,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
         if not body.stream:
-            final = await _final_output(gen, request, release)
+            final = await _final_output(gen, request, params, release)
             if final is None:
                 return Response(status_code=499)
             lp = fmt.completion_logprobs(final, 0, len(final.outputs[0].token_ids), 0) if want_lp else None
@@ -385,7 +432,9 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             return chunk(text, out, lp, finish)
 
         usage = _usage_chunk(body, request_id, "text_completion", created)
-        return _EventStream(_events(gen, params.stop, render, usage), release)
+        if params.grammar_spec is not None:
+            gen = await _first_output(gen, params, release)
+        return _EventStream(_events(gen, params.stop, render, usage, request_id=request_id), release)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -405,6 +454,8 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
                                                   **(body.chat_template_kwargs or {}))
         except ChatOptionError as exc:
             raise bad_request(str(exc), "chat_template_kwargs", "invalid_value") from exc
+        except ModelLoadError:
+            raise  # the model folder's template is broken: a 500 (logged), not the client's fault
         except (ValueError, TemplateError) as exc:
             raise bad_request(f"the chat template failed: {exc}", "messages", "invalid_messages") from exc
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -417,7 +468,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             return {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice]}
 
         if not body.stream:
-            final = await _final_output(gen, request, release)
+            final = await _final_output(gen, request, params, release)
             if final is None:
                 return Response(status_code=499)
             lp = fmt.chat_logprobs(final, 0, len(final.outputs[0].token_ids), top_n) if body.logprobs else None
@@ -438,7 +489,9 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         head = envelope("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None})
         usage = _usage_chunk(body, request_id, "chat.completion.chunk", created)
-        return _EventStream(_events(gen, params.stop, render, usage, head), release)
+        if params.grammar_spec is not None:
+            gen = await _first_output(gen, params, release)
+        return _EventStream(_events(gen, params.stop, render, usage, head, request_id=request_id), release)
 
     return app
 
@@ -454,7 +507,7 @@ def _usage_chunk(body: Any, request_id: str, obj: str, created: int
 
 async def _events(gen: AsyncGenerator[RequestOutput, None], stop: list[str], render: Callable[..., Any],
                   usage: Callable[[RequestOutput], dict[str, Any]] | None,
-                  head: dict[str, Any] | None = None) -> AsyncGenerator[str, None]:
+                  head: dict[str, Any] | None = None, *, request_id: str = "") -> AsyncGenerator[str, None]:
     """Server-sent events of one streaming request. ``render(out, text, first, last, finish, sent)``
     builds the chunk for the text that became safe to send (or None to send nothing); ``usage`` adds
     the final usage chunk; a generation error becomes an error event; the stream always ends with
@@ -474,8 +527,10 @@ async def _events(gen: AsyncGenerator[RequestOutput, None], stop: list[str], ren
                 yield _sse(payload)
             if out.finished and usage is not None:
                 yield _sse(usage(out))
-    except RuntimeError as exc:
-        yield _sse(APIError(500, str(exc), type="server_error").body())
+    except RuntimeError:
+        # The engine stopped (a failure, or a shutdown): the details go to the log, not to the client.
+        logger.exception("request %s: the stream failed", request_id)
+        yield _sse(_internal_error(request_id).body())
     finally:
         await gen.aclose()
     yield "data: [DONE]\n\n"

@@ -200,10 +200,14 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply to parse", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         loc = [str(p) for p in err["loc"]]
