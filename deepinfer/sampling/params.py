@@ -36,8 +36,8 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # also a str (one stop string) or None (none)
+    stop_token_ids: list[int] = field(default_factory=list)  # also None (none)
     ignore_eos: bool = False
     priority: int = 0
     seed: int | None = None
@@ -56,8 +56,16 @@ class SamplingParams:
                 )
             self.seed = self.seq_seed
         self.seq_seed = self.seed
+        # ``None`` means none (as in vLLM and the OpenAI API); a str is one stop string.
+        if self.stop is None:
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"SamplingParams.{name} must be a list (or None), got {getattr(self, name)!r:.80}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self._validate()
@@ -88,6 +96,8 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative ints")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "True or False")
         parse_spec(self.structured, self.so_args)  # the form only; the grammar compiles in the engine
 
     @property
