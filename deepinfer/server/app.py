@@ -14,6 +14,7 @@ disconnect), which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -21,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -37,11 +39,15 @@ from deepinfer.errors import ChatOptionError, ModelLoadError
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, ChatRequest, CompletionRequest, bad_request, parse_body
+from deepinfer.server.stops import StopHoldBack
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_QUEUE_LEN = 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this (a slow sender is a 408)
+DEFAULT_MAX_CONNECTIONS = 2048  # uvicorn's limit_concurrency: connections beyond it are answered 503
+TOKENIZE_THREADS = 4  # tokenization and chat-template rendering run on these, never on the event loop
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -49,11 +55,15 @@ class ServerState:
     """What the handlers share: the engine (once loaded), limits, metrics, the in-flight count."""
 
     def __init__(self, served_model_name: str, api_key: str | None, max_body_bytes: int,
-                 max_queue_len: int) -> None:
+                 max_queue_len: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_queue_len = max_queue_len
+        self.body_timeout_s = body_timeout_s
+        self.metrics_api_key: str | None = None  # /metrics is open unless set (``--metrics-api-key``)
+        # Prompts are tokenized and chat templates rendered here: a 1 MB prompt must not stall /health.
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="deepinfer-tokenize")
         self.metrics = ServerMetrics()
         self.llm: AsyncLLM | None = None
         self.load_error: BaseException | None = None
@@ -65,12 +75,18 @@ class ServerState:
         self.llm = llm
 
     def check_auth(self, request: Request) -> None:
-        if self.api_key is None:
+        """401 unless the request carries the ``/v1`` API key (when one is set)."""
+        self.check_key(request, self.api_key)
+
+    @staticmethod
+    def check_key(request: Request, key: str | None) -> None:
+        """401 unless the request's Bearer token is ``key`` (None: no key needed); constant-time compare."""
+        if key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not hmac.compare_digest(given, self.api_key.encode()):
+        if not hmac.compare_digest(given, key.encode()):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                            param=None, code="invalid_api_key")
 
@@ -92,16 +108,24 @@ class ServerState:
         self.inflight += 1
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
+    """The body, at most ``limit`` bytes (413 beyond), all of it within ``timeout_s`` seconds (408 otherwise:
+    a client that trickles its body must not hold a connection and a handler forever)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body has {length} bytes; the limit is {limit}", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the request body is over the limit of {limit} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout)",
+                       code="request_timeout") from None
     return b"".join(chunks)
 
 
@@ -153,7 +177,7 @@ class _Delta:
     cut (a partial stop string at the end, an incomplete UTF-8 character) is held back."""
 
     def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
+        self.holdback = StopHoldBack(stops) if stops else None
         self.sent = ""
         self.tokens = 0
 
@@ -163,22 +187,14 @@ class _Delta:
         if not out.finished:
             while end > len(self.sent) and text[end - 1] == "\ufffd":
                 end -= 1
-            end -= self._partial_stop(text[:end])
+            if self.holdback is not None:  # incremental: the cost of a chunk is its new characters
+                end -= self.holdback.advance(text[:end])
         delta = ""
         if end > len(self.sent) and text.startswith(self.sent):
             delta = text[len(self.sent):end]
             self.sent = text[:end]
         first, self.tokens = self.tokens, len(out.outputs[0].token_ids)
         return delta, first, self.tokens
-
-    def _partial_stop(self, text: str) -> int:
-        hold = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return hold
 
 
 def _internal_error(request_id: str) -> APIError:
@@ -313,12 +329,15 @@ async def _run_unless_disconnected(gen: AsyncIterator[RequestOutput], request: R
 
 
 def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+               metrics_api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_queue_len: int = DEFAULT_MAX_QUEUE_LEN, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                shutdown_engine: bool | None = None) -> FastAPI:
     """The app. ``llm`` is an ``AsyncLLM`` or a factory for one; a factory runs in a background
     thread at start-up (``/health`` answers 503 until it returns). ``shutdown_engine`` (default: only
-    when the app built the engine) shuts the engine down when the app stops."""
-    state = ServerState(served_model_name, api_key or None, max_body_bytes, max_queue_len)
+    when the app built the engine) shuts the engine down when the app stops. ``api_key`` guards ``/v1``;
+    ``/metrics`` is open (as in vLLM) unless ``metrics_api_key`` is set, then it needs that key."""
+    state = ServerState(served_model_name, api_key or None, max_body_bytes, max_queue_len, body_timeout_s)
+    state.metrics_api_key = metrics_api_key or None
     factory = None if isinstance(llm, AsyncLLM) else llm
     if isinstance(llm, AsyncLLM):
         state.attach(llm)
@@ -337,6 +356,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         if factory is not None:
             threading.Thread(target=load, name="deepinfer-load", daemon=True).start()
         yield
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if owns and state.llm is not None:
             await asyncio.get_running_loop().run_in_executor(None, state.llm.shutdown)
 
@@ -370,7 +390,8 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         return JSONResponse({"status": "loading" if state.llm is None else "stopped"}, status_code=503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        state.check_key(request, state.metrics_api_key)
         stats = None
         if state.llm is not None:
             stats = await state.llm.get_stats_async()
@@ -385,10 +406,17 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             data["max_model_len"] = state.llm.max_model_len
         return JSONResponse({"object": "list", "data": [data]})
 
-    def start(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, param: str, model: str,
-              request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    async def off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the tokenize pool (tokenization and template rendering are CPU work)."""
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    async def start(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, param: str, model: str,
+                    request_id: str) -> AsyncGenerator[RequestOutput, None]:
         try:
-            gen = llm.generate(prompt, params, request_id=request_id)
+            # ``generate`` tokenizes a text prompt and checks it against the model; the stream it returns
+            # is iterated on the loop (it is bound to the loop only when iteration starts).
+            gen = await off_loop(llm.generate, prompt, params, request_id=request_id)
         except ValueError as exc:
             raise bad_request(str(exc), param, "invalid_prompt") from exc
         state.check_model(model)
@@ -401,12 +429,13 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         state.check_auth(request)
-        body: CompletionRequest = parse_body(await read_body(request, state.max_body_bytes), CompletionRequest)
+        body: CompletionRequest = parse_body(await read_body(request, state.max_body_bytes, state.body_timeout_s),
+                                             CompletionRequest)
         params = body.to_sampling_params(16)
         prompt = body.the_prompt()
         llm = state.ready()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        gen = start(llm, prompt, params, "prompt", body.model, request_id)
+        gen = await start(llm, prompt, params, "prompt", body.model, request_id)
         fmt = _Formatter(llm)
         created = int(time.time())
         want_lp = body.logprobs is not None
@@ -439,7 +468,8 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         state.check_auth(request)
-        body: ChatRequest = parse_body(await read_body(request, state.max_body_bytes), ChatRequest)
+        body: ChatRequest = parse_body(await read_body(request, state.max_body_bytes, state.body_timeout_s),
+                                       ChatRequest)
         params = body.to_sampling_params(1)
         llm = state.ready()
         if body.max_tokens is None and body.max_completion_tokens is None:  # default: up to max_model_len
@@ -450,8 +480,8 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         try:
             # The tokenizer's own chat encoding makes the ids, as LLM.chat does: for tokenizer="deepseek-v4"
             # that is deepseek-recipe's V4 encoding, which is not encode(render(...)) (tokenizer_deepseek.py).
-            _, prompt = llm.tokenizer.encode_chat([m.as_dict() for m in body.messages],
-                                                  **(body.chat_template_kwargs or {}))
+            _, prompt = await off_loop(llm.tokenizer.encode_chat, [m.as_dict() for m in body.messages],
+                                       **(body.chat_template_kwargs or {}))
         except ChatOptionError as exc:
             raise bad_request(str(exc), "chat_template_kwargs", "invalid_value") from exc
         except ModelLoadError:
@@ -459,7 +489,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         except (ValueError, TemplateError) as exc:
             raise bad_request(f"the chat template failed: {exc}", "messages", "invalid_messages") from exc
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = start(llm, prompt, params, "messages", body.model, request_id)
+        gen = await start(llm, prompt, params, "messages", body.model, request_id)
         fmt = _Formatter(llm)
         created = int(time.time())
         top_n = body.top_logprobs or 0
@@ -537,12 +567,16 @@ async def _events(gen: AsyncGenerator[RequestOutput, None], stop: list[str], ren
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          api_key: str | None = None, config: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          max_queue_len: int = DEFAULT_MAX_QUEUE_LEN, log_level: str = "info", **overrides: Any) -> None:
-    """Load the model (errors surface here, before binding), then serve until interrupted."""
+          api_key: str | None = None, metrics_api_key: str | None = None, config: Any = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+          log_level: str = "info", **overrides: Any) -> None:
+    """Load the model (errors surface here, before binding), then serve until interrupted.
+    ``max_connections`` is uvicorn's ``limit_concurrency`` (connections and tasks beyond it get a 503)."""
     import uvicorn
 
     llm = AsyncLLM(model, config=config, **overrides)
     app = create_app(llm, served_model_name=served_model_name or model, api_key=api_key,
-                     max_body_bytes=max_body_bytes, max_queue_len=max_queue_len, shutdown_engine=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+                     metrics_api_key=metrics_api_key, max_body_bytes=max_body_bytes, max_queue_len=max_queue_len,
+                     body_timeout_s=body_timeout_s, shutdown_engine=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, limit_concurrency=max_connections)

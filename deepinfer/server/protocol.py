@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deepinfer.sampling.params import MAX_TEMPERATURE, SamplingParams
 
 MAX_LOGPROBS = 20
+# Stop strings per request and characters per stop string: the engine checks every stop against the text
+# after each token, and a stream holds back up to the longest one (server/stops.py).
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 512
 
 
 class APIError(Exception):
@@ -74,6 +78,13 @@ class _Sampling(_Body):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
                 raise bad_request(f"{name} is not supported (only 0), got {value}", name)
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_LENGTH:
+            raise bad_request(f"stop has a string of {longest} characters; at most {MAX_STOP_LENGTH} are allowed",
+                              "stop")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
