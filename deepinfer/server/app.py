@@ -31,6 +31,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepinfer.engine.outputs import RequestOutput
@@ -126,6 +127,9 @@ async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BOD
     except TimeoutError:
         raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout)",
                        code="request_timeout") from None
+    except ClientDisconnect:  # nobody reads the answer; this keeps a traceback out of the log
+        raise APIError(400, "the client disconnected before sending its whole body",
+                       code="client_disconnected") from None
     return b"".join(chunks)
 
 
@@ -176,8 +180,8 @@ class _Delta:
     """Turns cumulative outputs into stream deltas. While a request runs, text that could still be
     cut (a partial stop string at the end, an incomplete UTF-8 character) is held back."""
 
-    def __init__(self, stops: list[str]) -> None:
-        self.holdback = StopHoldBack(stops) if stops else None
+    def __init__(self, holdback: StopHoldBack | None) -> None:
+        self.holdback = holdback  # None: no stop strings
         self.sent = ""
         self.tokens = 0
 
@@ -435,6 +439,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         prompt = body.the_prompt()
         llm = state.ready()
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        holdback = StopHoldBack(params.stop) if body.stream and params.stop else None
         gen = await start(llm, prompt, params, "prompt", body.model, request_id)
         fmt = _Formatter(llm)
         created = int(time.time())
@@ -463,7 +468,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         usage = _usage_chunk(body, request_id, "text_completion", created)
         if params.grammar_spec is not None:
             gen = await _first_output(gen, params, release)
-        return _EventStream(_events(gen, params.stop, render, usage, request_id=request_id), release)
+        return _EventStream(_events(gen, holdback, render, usage, request_id=request_id), release)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -489,6 +494,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         except (ValueError, TemplateError) as exc:
             raise bad_request(f"the chat template failed: {exc}", "messages", "invalid_messages") from exc
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        holdback = StopHoldBack(params.stop) if body.stream and params.stop else None
         gen = await start(llm, prompt, params, "messages", body.model, request_id)
         fmt = _Formatter(llm)
         created = int(time.time())
@@ -521,7 +527,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         usage = _usage_chunk(body, request_id, "chat.completion.chunk", created)
         if params.grammar_spec is not None:
             gen = await _first_output(gen, params, release)
-        return _EventStream(_events(gen, params.stop, render, usage, head, request_id=request_id), release)
+        return _EventStream(_events(gen, holdback, render, usage, head, request_id=request_id), release)
 
     return app
 
@@ -535,14 +541,14 @@ def _usage_chunk(body: Any, request_id: str, obj: str, created: int
                         "usage": _usage(out)}
 
 
-async def _events(gen: AsyncGenerator[RequestOutput, None], stop: list[str], render: Callable[..., Any],
+async def _events(gen: AsyncGenerator[RequestOutput, None], holdback: StopHoldBack | None, render: Callable[..., Any],
                   usage: Callable[[RequestOutput], dict[str, Any]] | None,
                   head: dict[str, Any] | None = None, *, request_id: str = "") -> AsyncGenerator[str, None]:
     """Server-sent events of one streaming request. ``render(out, text, first, last, finish, sent)``
     builds the chunk for the text that became safe to send (or None to send nothing); ``usage`` adds
     the final usage chunk; a generation error becomes an error event; the stream always ends with
     ``[DONE]`` and closes the generator (which aborts the request if it is still running)."""
-    delta = _Delta(stop)
+    delta = _Delta(holdback)
     if head is not None:
         yield _sse(head)
     try:

@@ -1,68 +1,63 @@
-"""Incremental stop-string hold-back for streaming (an Aho–Corasick automaton over the stop strings).
+"""Incremental stop-string hold-back for streaming (one Knuth–Morris–Pratt matcher per stop string).
 
 While a request streams, text that could still turn out to start a stop string must not be sent yet:
 the engine cuts the final text at the first stop string, and a streamed prefix of it cannot be taken
 back. How much to hold is the length of the longest suffix of the text that is a prefix of some stop
 string. Checking every stop against the tail of the whole text on every chunk costs stops × length per
-chunk on the event loop; the automaton keeps that suffix as its state, so each chunk costs only its new
-characters, however many stop strings there are.
+chunk on the event loop; a KMP matcher keeps, per stop, the length of its longest prefix that the text
+ends with, so a chunk costs its new characters × the number of stops (bounded by the server's limits,
+``protocol.MAX_STOP_STRINGS``). Building costs the stops' total length in plain integer steps, cheap
+enough for the event loop. (An Aho–Corasick automaton would make a chunk independent of the number of
+stops, but its trie of up to 64 × 512 nodes took ~0.15 s of pure Python to build, which holds the GIL.)
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 
 
+def _prefix_function(s: str) -> list[int]:
+    """``pi[i]``: the length of the longest proper prefix of ``s[:i + 1]`` that is also its suffix."""
+    pi = [0] * len(s)
+    k = 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = pi[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        pi[i] = k
+    return pi
+
+
 class StopHoldBack:
-    """Feed the stable text of a stream as it grows; ``hold`` is how many of its last characters to keep
-    back (the longest suffix that is a prefix of a stop string). Building costs the total length of the
-    stop strings; ``advance`` costs the characters it is given (plus a re-feed if the text's already fed
-    prefix changed, which detokenization rarely does)."""
+    """Feed the stable text of a stream as it grows; ``advance`` says how many of its last characters to
+    keep back (the longest suffix that is a prefix of a stop string). If the already fed prefix of the
+    text changes (detokenization rarely rewrites earlier text), the new text is fed from the start."""
 
     def __init__(self, stops: Sequence[str]) -> None:
-        # Trie nodes: goto[node] maps a character to a child, depth[node] is the prefix length it spells.
-        self._goto: list[dict[str, int]] = [{}]
-        self._depth = [0]
-        for stop in stops:
-            node = 0
-            for ch in stop:
-                nxt = self._goto[node].get(ch)
-                if nxt is None:
-                    nxt = len(self._goto)
-                    self._goto[node][ch] = nxt
-                    self._goto.append({})
-                    self._depth.append(self._depth[node] + 1)
-                node = nxt
-        self._fail = [0] * len(self._goto)
-        order = deque(self._goto[0].values())  # breadth first: a node's failure link is set before its children's
-        while order:
-            node = order.popleft()
-            for ch, child in self._goto[node].items():
-                order.append(child)
-                self._fail[child] = self._next(self._fail[node], ch)
-        self._state = 0
+        self._stops = [s for s in dict.fromkeys(stops) if s]
+        self._pi = [_prefix_function(s) for s in self._stops]
+        self._matched = [0] * len(self._stops)  # per stop: the longest prefix of it the fed text ends with
         self._fed = ""
-        self.chars_fed = 0  # characters run through the automaton (what a chunk costs; for tests)
-
-    def _next(self, node: int, ch: str) -> int:
-        """The state after ``ch`` from ``node``: the longest trie prefix that is a suffix of (text + ch)."""
-        while True:
-            child = self._goto[node].get(ch)
-            if child is not None:
-                return child
-            if node == 0:
-                return 0
-            node = self._fail[node]
+        self.chars_fed = 0  # characters run through the matchers (what a chunk costs; for tests)
 
     def advance(self, text: str) -> int:
         """Take ``text`` (the stream's stable text so far, which normally extends the previous one) and
         return how many of its last characters to hold back."""
-        if not text.startswith(self._fed):  # the fed prefix changed: start over on the new text
-            self._state, self._fed = 0, ""
-        state = self._state
-        for ch in text[len(self._fed):]:
-            state = self._next(state, ch)
-        self.chars_fed += len(text) - len(self._fed)
-        self._state, self._fed = state, text
-        return self._depth[state]
+        if not text.startswith(self._fed):
+            self._matched = [0] * len(self._stops)
+            self._fed = ""
+        new = text[len(self._fed):]
+        for j, (stop, pi) in enumerate(zip(self._stops, self._pi, strict=True)):
+            k = self._matched[j]
+            for ch in new:
+                if k == len(stop):  # a whole stop string matched: continue from its longest border
+                    k = pi[k - 1]
+                while k and stop[k] != ch:
+                    k = pi[k - 1]
+                if stop[k] == ch:
+                    k += 1
+            self._matched[j] = k
+        self.chars_fed += len(new)
+        self._fed = text
+        return max(self._matched, default=0)
