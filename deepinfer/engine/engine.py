@@ -118,7 +118,7 @@ class LLMEngine:
                 self.model = model_cls(model_config, dtype=self.dtype, device=self.device,
                                        max_positions=self.max_model_len)
         except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError) as exc:
-            if isinstance(exc, ConfigError):
+            if isinstance(exc, ConfigError | ModelLoadError):  # already names what is wrong
                 raise
             # A field of the right type but an impossible value (or one missing): name the file, not a frame.
             missing = f"the field {exc} is missing" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"

@@ -2,13 +2,15 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers as
 server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once the model is loaded),
-``GET /metrics`` (Prometheus text). The ``/v1`` endpoints check the API key when one is set.
+``GET /metrics`` (Prometheus text). The ``/v1`` endpoints check the API key when one is set;
+``/metrics`` checks its own key only when one is set (``--metrics-api-key``).
 
-Order of checks for a generation request: API key (401) → body size (413) → JSON and fields (400)
-→ sampling values (400) → model loaded (503) → prompt against the model: tokenization, vocabulary,
-``max_model_len`` (400) → model name (404) → queue length (503). A client that disconnects aborts its
-request (streaming: the response task is cancelled; non-streaming: the handler polls for the
-disconnect), which frees its KV blocks.
+Order of checks for a generation request: API key (401) → body size and arrival time (413, 408) →
+JSON and fields (400) → sampling values and stop-string limits (400) → model loaded (503) → prompt
+against the model: tokenization (on a worker thread), vocabulary, ``max_model_len`` (400) → model name
+(404) → queue length (503); a structured request's grammar that fails to compile is a 400 too. A client
+that disconnects aborts its request (streaming: the response task is cancelled; non-streaming: the
+handler polls for the disconnect), which frees its KV blocks. Limits and their flags: docs/server.md.
 """
 
 from __future__ import annotations
@@ -56,13 +58,14 @@ class ServerState:
     """What the handlers share: the engine (once loaded), limits, metrics, the in-flight count."""
 
     def __init__(self, served_model_name: str, api_key: str | None, max_body_bytes: int,
-                 max_queue_len: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+                 max_queue_len: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 metrics_api_key: str | None = None) -> None:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_queue_len = max_queue_len
         self.body_timeout_s = body_timeout_s
-        self.metrics_api_key: str | None = None  # /metrics is open unless set (``--metrics-api-key``)
+        self.metrics_api_key = metrics_api_key  # /metrics is open unless set (``--metrics-api-key``)
         # Prompts are tokenized and chat templates rendered here: a 1 MB prompt must not stall /health.
         self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="deepinfer-tokenize")
         self.metrics = ServerMetrics()
@@ -340,8 +343,8 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
     thread at start-up (``/health`` answers 503 until it returns). ``shutdown_engine`` (default: only
     when the app built the engine) shuts the engine down when the app stops. ``api_key`` guards ``/v1``;
     ``/metrics`` is open (as in vLLM) unless ``metrics_api_key`` is set, then it needs that key."""
-    state = ServerState(served_model_name, api_key or None, max_body_bytes, max_queue_len, body_timeout_s)
-    state.metrics_api_key = metrics_api_key or None
+    state = ServerState(served_model_name, api_key or None, max_body_bytes, max_queue_len, body_timeout_s,
+                        metrics_api_key or None)
     factory = None if isinstance(llm, AsyncLLM) else llm
     if isinstance(llm, AsyncLLM):
         state.attach(llm)
