@@ -139,16 +139,22 @@ SECTION_OVERRIDES: dict[str, str] = {
 
 # The reference system's knobs that the core implements: env name -> (config path, converter).
 _CORE_KNOBS: dict[str, tuple[str, Any]] = {
-    "DEEPINFER_BATCH_INVARIANT": ("kernels.batch_invariant", lambda v: _truthy(v)),
-    "DEEPINFER_ENFORCE_EAGER": ("kernels.cuda_graphs", lambda v: not _truthy(v)),
+    "DEEPINFER_BATCH_INVARIANT": ("kernels.batch_invariant", lambda v: _flag(v)),
+    "DEEPINFER_ENFORCE_EAGER": ("kernels.cuda_graphs", lambda v: not _flag(v)),
     "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL": ("kernels.cuda_graph_interval", lambda v: _parse_scalar(v)),
     "DEEPINFER_DECODE_PERF_CACHE_DIR": ("scheduler.step_cost_cache_dir", lambda v: v),
     "DEEPINFER_DECODE_PERF_CACHE_TTL_SEC": ("scheduler.step_cost_cache_ttl_s", lambda v: _parse_scalar(v)),
-    "DEEPINFER_FORCE_LOAD_BALANCE": ("kernels.force_balanced_routing", lambda v: _truthy(v)),
+    "DEEPINFER_FORCE_LOAD_BALANCE": ("kernels.force_balanced_routing", lambda v: _flag(v)),
     "DEEPINFER_XGRAMMAR_TIMEOUT": ("sampling.grammar_timeout_s", lambda v: _parse_scalar(v)),
     "DEEPINFER_SO_BUILDER_CPUS": ("sampling.grammar_threads", lambda v: _parse_scalar(v)),
-    "DEEPINFER_XGRAMMAR_DISABLE_CACHE": ("sampling.grammar_cache", lambda v: not _truthy(v)),
+    "DEEPINFER_XGRAMMAR_DISABLE_CACHE": ("sampling.grammar_cache", lambda v: not _flag(v)),
 }
+
+# DEEPINFER_* variables read outside the config tree (the server key, the model cache, the GPU test device).
+OTHER_ENV = frozenset({"DEEPINFER_API_KEY", "DEEPINFER_METRICS_API_KEY", "DEEPINFER_CACHE_DIR",
+                       "DEEPINFER_GPU_TEST_DEVICE"})
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
 
 # Every knob the reference documents (reference/deepinfer.md §1.5). Those nobody maps give one warning.
 REFERENCE_KNOBS = frozenset((
@@ -171,10 +177,31 @@ REFERENCE_KNOBS = frozenset((
 ))
 
 _warned_knobs: set[str] = set()
+_warned_unknown: set[str] = set()
 
 
 def _truthy(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
+    return value.strip().lower() in _TRUE
+
+
+def _flag(value: str) -> bool:
+    """A boolean knob's value: one of 1/true/yes/on or 0/false/no/off (or empty), any case; anything else
+    is an error rather than a silent False."""
+    word = value.strip().lower()
+    if word not in _TRUE + _FALSE:
+        raise ValueError(f"expected a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE[:-1])}), got {value!r}")
+    return word in _TRUE
+
+
+def known_env_names(aliases: Mapping[str, str] | None = None) -> list[str]:
+    """Every ``DEEPINFER_*`` name deepinfer reads: the ``<SECTION>__<FIELD>`` form of each core config field,
+    the implemented and documented reference knobs, plugin aliases, and the variables outside the tree."""
+    names = {*_CORE_KNOBS, *OTHER_ENV, *(f"DEEPINFER_{k}" for k in REFERENCE_KNOBS), *(aliases or {})}
+    for section, info in EngineConfig.model_fields.items():
+        model = info.annotation
+        if isinstance(model, type) and issubclass(model, BaseModel):
+            names.update(f"DEEPINFER_{section.upper()}__{field.upper()}" for field in model.model_fields)
+    return sorted(names)
 
 
 def _parse_scalar(text: str) -> Any:
@@ -214,15 +241,28 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any], source: str, prefix:
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML or JSON config file into a nested dict."""
     file = Path(path)
+    if file.is_dir():
+        raise ConfigError(f"config file {str(file)!r} is a directory; give a YAML or JSON file")
     if not file.is_file():
         raise ConfigError(f"config file {str(file)!r} does not exist")
-    text = file.read_text()
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(file)!r} is not UTF-8 text (a binary file?): byte {exc.start}") from None
+    except OSError as exc:
+        raise ConfigError(f"config file {str(file)!r} cannot be read: {exc.strerror or exc}") from None
     is_json = file.suffix == ".json"
     try:
         data = json.loads(text) if is_json else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        kind = "JSON" if is_json else "YAML"
-        raise ConfigError(f"config file {str(file)!r} is not valid {kind}: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {str(file)!r} is nested too deeply") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"config file {str(file)!r} is not valid JSON: {exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"config file {str(file)!r} is not valid YAML: {problem}{where}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -248,12 +288,23 @@ def env_overrides(environ: Mapping[str, str], aliases: Mapping[str, str] | None 
             _set_path(tree, path, _parse_scalar(raw))
         elif name in _CORE_KNOBS:
             path, convert = _CORE_KNOBS[name]
-            _set_path(tree, path, convert(raw))
+            try:
+                value = convert(raw)
+            except ValueError as exc:
+                raise ConfigError(f"environment variable {name} (sets {path}): {exc}") from None
+            _set_path(tree, path, value)
         elif name in aliases:
             _set_path(tree, aliases[name], _parse_scalar(raw))
-        elif rest in REFERENCE_KNOBS and name not in _warned_knobs:
-            _warned_knobs.add(name)
-            logger.warning("%s is a reference-system knob that deepinfer does not implement; ignored", name)
+        elif rest in REFERENCE_KNOBS:
+            if name not in _warned_knobs:
+                _warned_knobs.add(name)
+                logger.warning("%s is a reference-system knob that deepinfer does not implement; ignored", name)
+        elif name not in OTHER_ENV and name not in _warned_unknown:
+            # A misspelt name would otherwise be dropped without a word (e.g. one underscore for two).
+            _warned_unknown.add(name)
+            close = difflib.get_close_matches(name, known_env_names(aliases), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else " (config fields are DEEPINFER_<SECTION>__<FIELD>)"
+            logger.warning("%s is not a deepinfer environment variable; ignored%s", name, hint)
     return tree
 
 

@@ -17,6 +17,11 @@ class ModelNotFoundError(DeepInferError, ValueError):
     """A model path or alias that does not resolve to a model folder."""
 
 
+class ModelLoadError(DeepInferError, ValueError):
+    """A model folder whose files are damaged or inconsistent (malformed ``config.json``, wrong types in it,
+    truncated or corrupt safetensors, a broken tokenizer or chat template); the message names the file."""
+
+
 class ChatOptionError(DeepInferError, ValueError):
     """A chat option (``chat_template_kwargs``) the tokenizer's chat encoding does not accept: an
     unknown key where the encoding has a fixed set, a reserved name, or a bad value."""

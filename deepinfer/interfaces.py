@@ -143,7 +143,9 @@ class StepContext(Protocol):
 
 
 class StepExecutor(Protocol):
-    """Runs one engine step and returns the outputs it produced (finished or streaming)."""
+    """Runs one engine step and returns the outputs it produced (finished or streaming). When ``step``
+    raises (an interrupt, a failing plugin), it first forgets the steps it has in flight, once the device
+    is done with them; the engine then aborts every live request (``EngineCore.abort_after_failed_step``)."""
 
     def step(self) -> list[RequestOutput]: ...
 

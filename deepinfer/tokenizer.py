@@ -12,11 +12,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jinja2.exceptions import TemplateError
+from jinja2.exceptions import SecurityError, TemplateError, TemplateSyntaxError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
-from deepinfer.errors import ChatOptionError
+from deepinfer.errors import ChatOptionError, ModelLoadError
 
 
 def _raise(message: str) -> None:
@@ -24,7 +24,31 @@ def _raise(message: str) -> None:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    """An optional JSON object file of the tokenizer folder ({} when absent; ``ModelLoadError`` naming it when
+    it is not a readable JSON object)."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ModelLoadError(f"{str(path)!r} is not valid JSON text: {exc}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{str(path)!r} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+# Texts longer than this are encoded with the GIL released (``Tokenizer.encode``).
+GIL_FREE_ENCODE_CHARS = 4096
+
+
+def check_unicode(text: str, what: str) -> None:
+    """``ValueError`` naming ``what`` and the position unless ``text`` encodes as UTF-8 (a lone surrogate
+    does not; the tokenizer would fail on it with a bare ``TypeError``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate {text[exc.start]!r} at character "
+                         f"{exc.start}") from None
 
 
 def _token_text(value: Any) -> str | None:
@@ -39,11 +63,23 @@ class Tokenizer:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        self._tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        path = folder / "tokenizer.json"
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises plain Exception for every parse failure
+            raise ModelLoadError(f"{str(path)!r} is not a valid tokenizer file: {exc}") from None
         config = _read_json(folder / "tokenizer_config.json")
         template_file = folder / "chat_template.jinja"
-        self.chat_template: str | None = (
-            template_file.read_text() if template_file.is_file() else config.get("chat_template"))
+        # Where the chat template comes from, for errors that name the file.
+        self.chat_template_source = str(template_file if template_file.is_file() else folder / "tokenizer_config.json")
+        try:
+            template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+        except UnicodeDecodeError:
+            raise ModelLoadError(f"{str(template_file)!r} is not UTF-8 text") from None
+        if template is not None and not isinstance(template, str):
+            raise ModelLoadError(f"{self.chat_template_source!r}: 'chat_template' must be a string (a list of "
+                                 f"named templates is not supported), got {type(template).__name__}")
+        self.chat_template: str | None = template
         self.special_tokens = {
             k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")
         }
@@ -61,7 +97,13 @@ class Tokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of ``text`` without added special tokens (chat templates carry their own)."""
+        """Token ids of ``text`` without added special tokens (chat templates carry their own).
+        ``ValueError`` for text that is not valid Unicode (a lone surrogate, e.g. from JSON ``"\\ud800"``)."""
+        check_unicode(text, "the text")
+        if len(text) > GIL_FREE_ENCODE_CHARS:
+            # ``encode_batch`` releases the GIL while it works (``encode`` holds it throughout), so a long
+            # prompt tokenized on a worker thread does not stall the server's event loop; same ids.
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_prompt(self, text: str) -> list[int]:
@@ -78,7 +120,7 @@ class Tokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> str:
         """The chat template applied to ``messages`` with the generation prompt on; ``options`` are extra
         template variables (``chat_template_kwargs``, e.g. ``enable_thinking`` for templates that read it);
         ``messages`` and ``add_generation_prompt`` are the renderer's own (``ChatOptionError``)."""
@@ -90,11 +132,21 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        template = env.from_string(self.chat_template)
         specials = {k: v for k, v in self.special_tokens.items() if v is not None}
-        return template.render(messages=messages, add_generation_prompt=True, **{**specials, **options})
+        # The template's own faults are the model folder's (ModelLoadError naming the file); a template that
+        # refuses these messages (``raise_exception``) stays a TemplateError, the caller's.
+        try:
+            template = env.from_string(self.chat_template)
+        except TemplateSyntaxError as exc:
+            raise ModelLoadError(f"{self.chat_template_source!r}: the chat template does not parse: "
+                                 f"{exc.message} (line {exc.lineno})") from None
+        try:
+            return template.render(messages=messages, add_generation_prompt=True, **{**specials, **options})
+        except SecurityError as exc:
+            raise ModelLoadError(f"{self.chat_template_source!r}: the chat template did something the jinja "
+                                 f"sandbox refuses: {exc}") from None
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> tuple[str, list[int]]:
         """The rendered chat prompt and its token ids (no special tokens added: the template has them)."""
         text = self.render_chat(messages, **options)
         return text, self.encode(text)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.errors import ChatOptionError, ConfigError
-from deepinfer.tokenizer import Tokenizer
+from deepinfer.tokenizer import Tokenizer, check_unicode
 
 NAME = "deepseek-v4"  # the model.tokenizer value that selects this tokenizer
 EXTRA_HINT = "install the extra: pip install 'deepinfer[deepseek]'"
@@ -72,7 +72,7 @@ class DeepseekV4Tokenizer(Tokenizer):
             self._encoding = recipe.DeepseekV4Encoding().with_tokenizer(tok)
         return self._encoding
 
-    def conversation(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> Any:
+    def conversation(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> Any:
         """``messages`` (OpenAI Chat Completions messages) as a recipe ``Conversation``.
 
         The recipe's own request conversion does the work, so tool calls, tool results and content
@@ -100,12 +100,14 @@ class DeepseekV4Tokenizer(Tokenizer):
             raise ValueError(f"messages: the DeepSeek-V4 chat encoding rejected them: {exc}") from exc
         return request.conversation
 
-    def render_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> str:
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> str:
         """The V4 prompt text of ``messages`` with the assistant turn opened (see the class docstring)."""
         return self._v4_encoding().render_conversation(self.conversation(messages, **options)).prompt
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]], **options: Any) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> tuple[str, list[int]]:
         """The V4 prompt text and the recipe's prompt encoding of it (no BOS added: the text has one)."""
         conv = self.conversation(messages, **options)
         encoding = self._v4_encoding()
-        return encoding.render_conversation(conv).prompt, list(encoding.encode(conv))
+        text = encoding.render_conversation(conv).prompt
+        check_unicode(text, "the chat prompt")  # before the recipe's tokenizer meets a lone surrogate
+        return text, list(encoding.encode(conv))

@@ -152,7 +152,7 @@ def test_health_is_503_until_the_model_is_loaded(tiny_llama_tok_dir: Path) -> No
             assert time.monotonic() < deadline
             time.sleep(0.01)
         status, body = status_body
-        assert status == 503 and body["status"] == "failed" and "no such model" in body["error"]
+        assert status == 503 and body["status"] == "failed" and "no such model" not in body["error"]  # logged only
     finally:
         srv.stop()
         failed.stop()

@@ -328,6 +328,33 @@ class EngineCore:
         self.pending.append(self.output_of(req))
         return True
 
+    def abort_after_failed_step(self, error: str) -> list[str]:
+        """Bring the core back to a clean state after a step raised (a ``KeyboardInterrupt``, a plugin
+        that failed) at any point between ``schedule`` and the end of ``process``; the executor has
+        already dropped its steps in flight. A half-done step leaves optimistic state that no later
+        ``process`` will resolve (pending tokens, advanced computed counts, steps counted in flight), so
+        every live request is finished with ``finish_reason="abort"`` and ``error``, every block and
+        state slot is released, including those of a request caught between the queues, and the prefix
+        cache forgets its hashes (a block registered for a step that never ran would be a wrong hit).
+        Their outputs are returned by the next step. Returns the aborted request ids."""
+        self.inflight.clear()
+        for req in self.awaiting_release.values():
+            self.scheduler.release_blocks(req)
+        self.awaiting_release.clear()
+        self.structured.unfilled.clear()
+        live = [*self.scheduler.running, *self.scheduler.waiting]
+        for req in live:
+            self._finish(req, "abort", error)
+            self.pending.append(self.output_of(req))
+        kv = self.scheduler.kv
+        for request_id in list(kv.tables):  # e.g. admitted (blocks taken) but not yet in ``running``
+            kv.forget(request_id)
+        for request_id in list(kv.slots):
+            kv.free(request_id)
+        kv.pool.clear_cache()
+        self.runner.work_drained()
+        return [r.request_id for r in live]
+
     def _step_stats(self, batch: SchedulerOutput, timer: StepTimer,
                     verifies: tuple[tuple[ScheduledRequest, int], ...]) -> StepStats:
         decode = sum(s.num_new_tokens for s in batch.scheduled if s.samples and s.num_new_tokens == 1 + len(s.drafts))

@@ -25,7 +25,7 @@ from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ReplayStart, Scheduler
 from deepinfer.engine.speculation import DraftCache, Speculator
 from deepinfer.engine.stats import EngineStats
-from deepinfer.errors import ConfigError
+from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.interfaces import CacheLayout, EngineInfo, ReplayPlan, RunRequirements, StepStats
 from deepinfer.kv.blocks import KVCacheManager
 from deepinfer.kv.fp8 import kv_storage_dtype
@@ -114,9 +114,17 @@ class LLMEngine:
         self.rank_experts = rank_experts(cfg, self.host)
         model_config = dict(self.hf_config, deepinfer_force_balanced_routing=cfg.kernels.force_balanced_routing,
                             deepinfer_expert_shard=self.rank_experts.shard if self.rank_experts else None)
-        with torch.device(self.device):
-            self.model = model_cls(model_config, dtype=self.dtype, device=self.device,
-                                   max_positions=self.max_model_len)
+        try:
+            with torch.device(self.device):
+                self.model = model_cls(model_config, dtype=self.dtype, device=self.device,
+                                       max_positions=self.max_model_len)
+        except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError) as exc:
+            if isinstance(exc, ConfigError | ModelLoadError):  # already names what is wrong
+                raise
+            # A field of the right type but an impossible value (or one missing): name the file, not a frame.
+            missing = f"the field {exc} is missing" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ModelLoadError(f"{str(self.model_path / 'config.json')!r}: a {model_cls.__name__} cannot be built "
+                                 f"from it ({missing})") from exc
         self.model.eval()
         if cfg.kernels.batch_invariant:  # RMSNorm statistics the same bits in any batch on CUDA too
             for module in self.model.modules():
@@ -497,7 +505,15 @@ class LLMEngine:
         self.core.stream = value
 
     def step(self) -> list[RequestOutput]:
-        outputs = self.executor.step()
+        """One executor step. If it raises (``KeyboardInterrupt`` included), every live request is
+        aborted and its blocks are freed (``EngineCore.abort_after_failed_step``) before the exception
+        propagates, so the next call starts clean."""
+        try:
+            outputs = self.executor.step()
+        except BaseException as exc:
+            aborted = self.core.abort_after_failed_step(f"aborted: an engine step raised {type(exc).__name__}")
+            logger.warning("an engine step raised %s; aborted %d live requests", type(exc).__name__, len(aborted))
+            raise
         if not self.core.has_work():
             self.runner.work_drained()
         return outputs

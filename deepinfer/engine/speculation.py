@@ -214,7 +214,8 @@ class Speculator:
             history=history.to(dev),
             positions=torch.tensor([r.num_tokens - 1 for r in requests], dtype=torch.int64, device=dev),
             seeds=torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev),
-            temperature=torch.tensor([r.params.temperature for r in requests], dtype=torch.float32, device=dev),
+            temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in requests],
+                                     dtype=torch.float32, device=dev),  # below GREEDY_BELOW: greedy (0)
             k=self.max_draft,
             rows=rows,
         )

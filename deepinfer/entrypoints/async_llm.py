@@ -107,12 +107,17 @@ class AsyncLLM:
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        text = None
         if isinstance(prompt, (list, tuple)):
             prompt = list(prompt)
         elif not isinstance(prompt, str):
             raise ValueError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        elif self.engine.tokenizer is not None:
+            # Tokenize outside the lock: the event loop takes it too (``_generate``, ``abort``), and a long
+            # prompt must not hold it (the server calls this on a worker thread).
+            text, prompt = prompt, self.engine.tokenizer.encode_prompt(prompt)
         with self._lock:
-            return self.engine.make_request(prompt, params)
+            return self.engine.make_request(prompt, params, text=text)
 
     def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                  request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:

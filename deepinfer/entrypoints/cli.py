@@ -107,7 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     serve.add_argument("--api-key", default=None, help="required Bearer key for /v1 (default: $DEEPINFER_API_KEY)")
     serve.add_argument("--max-queue-len", type=int, default=1024, help="requests in flight before 503")
+    serve.add_argument("--metrics-api-key", default=None,
+                       help="required Bearer key for /metrics (default: $DEEPINFER_METRICS_API_KEY; unset: open)")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+    serve.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                       help="seconds a request body may take to arrive (408 after; default 30)")
+    serve.add_argument("--max-connections", type=int, default=2048,
+                       help="concurrent connections before uvicorn answers 503 (its limit_concurrency; default 2048)")
     _common(serve)
     return parser
 
@@ -288,8 +294,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     overrides = set_flags_to_tree(args.set)
     model = str(args.model or overrides.get("model", {}).get("path") or DEFAULT_MODEL)
     serve(model, host=args.host, port=args.port, served_model_name=args.served_model_name,
-          api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY"), config=args.config,
-          max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes, **_tree_to_sections(overrides))
+          api_key=args.api_key or os.environ.get("DEEPINFER_API_KEY"),
+          metrics_api_key=args.metrics_api_key or os.environ.get("DEEPINFER_METRICS_API_KEY"), config=args.config,
+          max_queue_len=args.max_queue_len, max_body_bytes=args.max_body_bytes, body_timeout_s=args.body_timeout,
+          max_connections=args.max_connections, **_tree_to_sections(overrides))
     return 0
 
 

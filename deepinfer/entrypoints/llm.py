@@ -79,12 +79,29 @@ def create_engine(model: str | None, config: Any, overrides: Mapping[str, Any]) 
 
 
 def _as_prompt_list(prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]) -> list[Prompt]:
+    """``prompts`` as a list of prompts (str, or a list of token ids); ``ValueError`` naming the argument
+    for anything else (bytes are refused: their items are ints, but they are text, not token ids)."""
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a str, a list of token ids, or a list of those; got "
+                         f"{type(prompts).__name__}{_BYTES_HINT if isinstance(prompts, bytes | bytearray) else ''}")
     items = list(prompts)
     if items and all(isinstance(t, int) for t in items):
         return [list(items)]  # one prompt of token ids
-    return [p if isinstance(p, str) else list(p) for p in items]
+    out: list[Prompt] = []
+    for i, p in enumerate(items):
+        if isinstance(p, str):
+            out.append(p)
+        elif isinstance(p, (list, tuple)):
+            out.append(list(p))
+        else:
+            raise ValueError(f"prompts[{i}] must be a str or a list of token ids, got {type(p).__name__}"
+                             f"{_BYTES_HINT if isinstance(p, bytes | bytearray) else ''}")
+    return out
+
+
+_BYTES_HINT = " (bytes are not taken as token ids: decode them to str, or pass a list of ints)"
 
 
 class LLM:
@@ -126,7 +143,16 @@ class LLM:
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError(f"chat() needs a tokenizer; {str(self.engine.model_path)!r} has none")
-        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(f"messages must be a non-empty list of {{'role', 'content'}} mappings (or a list of "
+                             f"such lists), got {messages!r:.80}")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        for i, conv in enumerate(conversations):
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, Mapping) for m in conv):
+                raise ValueError(f"messages: conversation {i} must be a list of {{'role', 'content'}} mappings, "
+                                 f"got {conv!r:.80}")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise ValueError(f"chat_template_kwargs must be a mapping, got {type(chat_template_kwargs).__name__}")
         options = dict(chat_template_kwargs or {})
         encoded = [tokenizer.encode_chat([dict(m) for m in conv], **options) for conv in conversations]
         params = self._params_for(len(encoded), sampling_params)
@@ -141,22 +167,37 @@ class LLM:
             return [SamplingParams() for _ in range(n)]
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
+        if not isinstance(sampling_params, (list, tuple)):
+            hint = " (build one with SamplingParams(**...))" if isinstance(sampling_params, Mapping) else ""
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}{hint}")
         params = list(sampling_params)
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(p).__name__}")
         if len(params) != n:
             raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
         return params
 
     def _run(self, requests: list[Request], use_tqdm: bool) -> list[RequestOutput]:
-        for req in requests:
-            self.engine.add(req)
         wanted = {r.request_id for r in requests}
         done: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req") as bar:
-            while len(done) < len(requests):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        bar.update(1)
+        try:
+            for req in requests:
+                self.engine.add(req)
+            with tqdm(total=len(requests), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while len(done) < len(requests):
+                    for out in self.engine.step():
+                        if out.finished and out.request_id in wanted:
+                            done[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            # Interrupted (Ctrl-C lands anywhere, a step raised): this call's unfinished requests are
+            # aborted so their blocks come back and the next call starts clean; the exception propagates.
+            for req in requests:
+                if req.request_id not in done:
+                    self.engine.abort(req.request_id)
+            raise
         return [done[r.request_id] for r in requests]
 
     def teacher_force(self, sequences: Sequence[Sequence[int]], *, top_k: int = 32,

@@ -80,6 +80,13 @@ class BlockPool:
                 else:
                     self.free_queue[b] = None
 
+    def clear_cache(self) -> None:
+        """Forget every prefix hash (blocks stay where they are, anonymous). After a failed step the
+        engine cannot tell which registered blocks that step was still to write, so none may be hit."""
+        for b in self.cached.values():
+            self.block_hash[b] = None
+        self.cached.clear()
+
     def register(self, block_id: int, block_hash: bytes) -> None:
         """Record that ``block_id`` holds the full block ``block_hash``."""
         if not self.enable_prefix_caching or self.block_hash[block_id] is not None:

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.errors import ModelNotFoundError
+from deepinfer.errors import ModelLoadError, ModelNotFoundError
 from deepinfer.model.gguf_convert import convert_gguf_to_hf
 
 logger = logging.getLogger(__name__)
@@ -112,6 +112,8 @@ def resolve_model_path(model: str | os.PathLike[str]) -> Path:
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
         return path.resolve()
+    if path.is_dir() and (path / "config.json").is_dir():
+        raise ModelLoadError(f"{str(path / 'config.json')!r} is a directory, not the model's JSON config file")
     alias = str(model).strip().lower()
     if alias in MODEL_ALIASES:
         return _build_alias(alias)

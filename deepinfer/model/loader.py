@@ -17,6 +17,7 @@ drafter skips the MTP layers', ``model.mtp_weight``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
@@ -27,27 +28,73 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from deepinfer.errors import ModelNotFoundError
+from deepinfer.errors import ModelLoadError, ModelNotFoundError
 
 logger = logging.getLogger(__name__)
 
 
+# config.json fields the models read as numbers; a present, non-null value of another type is refused here
+# with the file named, rather than failing somewhere inside a model's constructor.
+_INT_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "vocab_size", "max_position_embeddings", "num_nextn_predict_layers", "n_routed_experts",
+               "num_experts_per_tok", "moe_intermediate_size", "sliding_window")
+_FLOAT_FIELDS = ("rms_norm_eps", "rope_theta")
+
+
+def read_json_file(path: Path) -> Any:
+    """A JSON file of a model folder; ``ModelLoadError`` naming the file when it is not readable JSON."""
+    if path.is_dir():
+        raise ModelLoadError(f"{str(path)!r} is a directory, not a JSON file")
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ModelLoadError(f"{str(path)!r} is not UTF-8 text (a binary file?): byte {exc.start}") from None
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{str(path)!r} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ModelLoadError(f"{str(path)!r} is nested too deeply to parse") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{str(path)!r} cannot be read: {exc.strerror or exc}") from None
+
+
 def read_hf_config(folder: Path) -> dict:
-    """``config.json`` of a model folder."""
+    """``config.json`` of a model folder: a JSON object whose ``architectures`` is a list of names and whose
+    common numeric fields are numbers (``ModelLoadError`` naming the file and field otherwise)."""
     path = folder / "config.json"
-    if not path.is_file():
+    if not path.exists():
         raise ModelNotFoundError(f"model folder {str(folder)!r} has no config.json")
-    return json.loads(path.read_text())
+    config = read_json_file(path)
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{str(path)!r} must hold a JSON object, got {type(config).__name__}")
+    archs = config.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ModelLoadError(f"{str(path)!r}: 'architectures' must be a list of class names, got {archs!r}")
+    for key in _INT_FIELDS:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ModelLoadError(f"{str(path)!r}: {key!r} must be an integer, got {value!r}")
+    for key in _FLOAT_FIELDS:
+        value = config.get(key)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise ModelLoadError(f"{str(path)!r}: {key!r} must be a number, got {value!r}")
+    return config
 
 
 def safetensors_files(folder: Path) -> list[Path]:
     """The weight files of a folder: those the index names, else every ``*.safetensors``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        data = read_json_file(index)
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise ModelLoadError(f"{str(index)!r} must hold a 'weight_map' object of tensor name → file name")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{str(index)!r} names weight files that are not in the folder: {missing[:3]}")
         return [folder / n for n in names]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -80,7 +127,9 @@ def iter_safetensors(folder: Path, dtype: torch.dtype | None = None, *, expert_i
     those routed experts are read, renamed to their rows, of the tensors ``shards(name)`` accepts (all
     when None). ``report`` counts what was read."""
     for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        # Errors of the file itself (a bad header, a truncated body) name it; the consumer's own exceptions
+        # never enter this generator, so only safetensors' and the OS's are translated.
+        with _damaged_file(file), safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 if skip is not None and skip(name):
                     continue
@@ -88,6 +137,17 @@ def iter_safetensors(folder: Path, dtype: torch.dtype | None = None, *, expert_i
                 for out_name, tensor in _read(f, name, expert_ids if sharded else None, report):
                     cast = dtype is not None and tensor.is_floating_point()
                     yield out_name, tensor.to(dtype) if cast else tensor
+
+
+@contextlib.contextmanager
+def _damaged_file(file: Path) -> Iterator[None]:
+    """Turn safetensors' and the OS's errors about ``file`` into a ``ModelLoadError`` that names it."""
+    try:
+        yield
+    except SafetensorError as exc:
+        raise ModelLoadError(f"{str(file)!r} is not a valid safetensors file (truncated or corrupt?): {exc}") from None
+    except OSError as exc:
+        raise ModelLoadError(f"{str(file)!r} cannot be read: {exc.strerror or exc}") from None
 
 
 def _read(f: Any, name: str, expert_ids: Sequence[int] | None,
@@ -127,13 +187,18 @@ def load_checkpoint(model: nn.Module, folder: Path, dtype: torch.dtype, *,
     checkpoint's full precision. ``dtype`` is the model dtype, kept for the signature's sake."""
     del dtype
     report = LoadReport()
-    loaded = model.load_weights(iter_safetensors(folder, expert_ids=getattr(model, "expert_ids", None),
-                                                 shards=getattr(model, "shards_weight", None), skip=skip,
-                                                 report=report))
+    try:
+        loaded = model.load_weights(iter_safetensors(folder, expert_ids=getattr(model, "expert_ids", None),
+                                                     shards=getattr(model, "shards_weight", None), skip=skip,
+                                                     report=report))
+    except ModelLoadError:
+        raise
+    except ValueError as exc:  # a model's own check: a weight of a wrong shape or name
+        raise ModelLoadError(f"the checkpoint in {str(folder)!r} does not match its config.json: {exc}") from None
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ValueError(f"checkpoint {str(folder)!r} is missing {len(missing)} weights: {shown}")
+        raise ModelLoadError(f"checkpoint {str(folder)!r} is missing {len(missing)} weights: {shown}")
     return report
 
 

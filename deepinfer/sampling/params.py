@@ -8,13 +8,18 @@ from typing import Any
 from deepinfer.structured.spec import GrammarSpec, parse_spec
 
 _INT64_MAX = 2**63 - 1
+# The OpenAI range, the same offline and in the server (``server/protocol.py``).
+MAX_TEMPERATURE = 2.0
+# Below this a temperature is greedy, as in the reference: dividing logits by a smaller one overflows float32.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """Per-request sampling settings. Invalid values raise ``ValueError`` naming the field.
 
-    ``temperature`` 0 means argmax. ``top_k`` −1 or 0 disables top-k; ``top_p`` in (0, 1];
+    ``temperature`` in [0, 2]; 0 (or anything below 1e-5, ``GREEDY_BELOW``) means argmax. ``top_k`` −1 or
+    0 disables top-k; ``top_p`` in (0, 1] (the top token is always kept, however small ``top_p``);
     ``min_p`` in [0, 1] keeps tokens whose probability is at least ``min_p`` × the top one.
     ``seed`` (alias ``seq_seed``) makes the request's draws a pure function of (seed, position), so
     the tokens never depend on the rest of the batch. ``priority``: lower is served first (with a
@@ -31,8 +36,8 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     max_tokens: int = 16
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # also a str (one stop string) or None (none)
+    stop_token_ids: list[int] = field(default_factory=list)  # also None (none)
     ignore_eos: bool = False
     priority: int = 0
     seed: int | None = None
@@ -51,8 +56,16 @@ class SamplingParams:
                 )
             self.seed = self.seq_seed
         self.seq_seed = self.seed
+        # ``None`` means none (as in vLLM and the OpenAI API); a str is one stop string.
+        if self.stop is None:
+            self.stop = []
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        for name in ("stop", "stop_token_ids"):
+            if not isinstance(getattr(self, name), (list, tuple)):
+                raise ValueError(f"SamplingParams.{name} must be a list (or None), got {getattr(self, name)!r:.80}")
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
         self._validate()
@@ -61,8 +74,8 @@ class SamplingParams:
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
 
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise bad("temperature", "a number >= 0 (0 = greedy)")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad("temperature", f"a number in [0, {MAX_TEMPERATURE:g}] (below {GREEDY_BELOW:g}: greedy)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -83,6 +96,8 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative ints")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "True or False")
         parse_spec(self.structured, self.so_args)  # the form only; the grammar compiles in the engine
 
     @property
@@ -92,7 +107,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: temperature 0, or one so small (< ``GREEDY_BELOW``) that it is argmax anyway."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_sorting(self) -> bool:

@@ -104,7 +104,7 @@ def sample_sorted(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
     keep = (top_k.unsqueeze(-1) <= 0) | (ranks < top_k.unsqueeze(-1))
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep &= mass_before < top_p.unsqueeze(-1)
+    keep &= (mass_before < top_p.unsqueeze(-1)) | (ranks == 0)  # the top token survives any top_p
     probs = _min_p_filter(probs * keep, min_p, probs[:, 0])
     picked = inverse_cdf(probs, u)
     return order.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
@@ -119,7 +119,7 @@ def filtered_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch
     probs = torch.softmax(values, dim=-1)
     ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
     keep = (top_k.unsqueeze(-1) <= 0) | (ranks < top_k.unsqueeze(-1))
-    keep &= (torch.cumsum(probs, dim=-1) - probs) < top_p.unsqueeze(-1)
+    keep &= ((torch.cumsum(probs, dim=-1) - probs) < top_p.unsqueeze(-1)) | (ranks == 0)  # as sample_sorted
     probs = _min_p_filter(probs * keep, min_p, probs[:, 0])
     probs = probs / probs.sum(dim=-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, probs)

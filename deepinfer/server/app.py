@@ -2,18 +2,21 @@
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream: true`` answers as
 server-sent events), ``GET /v1/models``, ``GET /health`` (200 only once the model is loaded),
-``GET /metrics`` (Prometheus text). The ``/v1`` endpoints check the API key when one is set.
+``GET /metrics`` (Prometheus text). The ``/v1`` endpoints check the API key when one is set;
+``/metrics`` checks its own key only when one is set (``--metrics-api-key``).
 
-Order of checks for a generation request: API key (401) → body size (413) → JSON and fields (400)
-→ sampling values (400) → model loaded (503) → prompt against the model: tokenization, vocabulary,
-``max_model_len`` (400) → model name (404) → queue length (503). A client that disconnects aborts its
-request (streaming: the response task is cancelled; non-streaming: the handler polls for the
-disconnect), which frees its KV blocks.
+Order of checks for a generation request: API key (401) → body size and arrival time (413, 408) →
+JSON and fields (400) → sampling values and stop-string limits (400) → model loaded (503) → prompt
+against the model: tokenization (on a worker thread), vocabulary, ``max_model_len`` (400) → model name
+(404) → queue length (503); a structured request's grammar that fails to compile is a 400 too. A client
+that disconnects aborts its request (streaming: the response task is cancelled; non-streaming: the
+handler polls for the disconnect), which frees its KV blocks. Limits and their flags: docs/server.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -21,6 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any
@@ -29,19 +33,24 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2.exceptions import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from deepinfer.entrypoints.async_llm import AsyncLLM
-from deepinfer.errors import ChatOptionError
+from deepinfer.errors import ChatOptionError, ModelLoadError
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, ChatRequest, CompletionRequest, bad_request, parse_body
+from deepinfer.server.stops import StopHoldBack
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 DEFAULT_MAX_QUEUE_LEN = 1024
+DEFAULT_BODY_TIMEOUT_S = 30.0  # the whole body must arrive within this (a slow sender is a 408)
+DEFAULT_MAX_CONNECTIONS = 2048  # uvicorn's limit_concurrency: connections beyond it are answered 503
+TOKENIZE_THREADS = 4  # tokenization and chat-template rendering run on these, never on the event loop
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 
 
@@ -49,11 +58,16 @@ class ServerState:
     """What the handlers share: the engine (once loaded), limits, metrics, the in-flight count."""
 
     def __init__(self, served_model_name: str, api_key: str | None, max_body_bytes: int,
-                 max_queue_len: int) -> None:
+                 max_queue_len: int, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+                 metrics_api_key: str | None = None) -> None:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
         self.max_queue_len = max_queue_len
+        self.body_timeout_s = body_timeout_s
+        self.metrics_api_key = metrics_api_key  # /metrics is open unless set (``--metrics-api-key``)
+        # Prompts are tokenized and chat templates rendered here: a 1 MB prompt must not stall /health.
+        self.tokenize_pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="deepinfer-tokenize")
         self.metrics = ServerMetrics()
         self.llm: AsyncLLM | None = None
         self.load_error: BaseException | None = None
@@ -65,12 +79,18 @@ class ServerState:
         self.llm = llm
 
     def check_auth(self, request: Request) -> None:
-        if self.api_key is None:
+        """401 unless the request carries the ``/v1`` API key (when one is set)."""
+        self.check_key(request, self.api_key)
+
+    @staticmethod
+    def check_key(request: Request, key: str | None) -> None:
+        """401 unless the request's Bearer token is ``key`` (None: no key needed); constant-time compare."""
+        if key is None:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not hmac.compare_digest(given, self.api_key.encode()):
+        if not hmac.compare_digest(given, key.encode()):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                            param=None, code="invalid_api_key")
 
@@ -92,16 +112,27 @@ class ServerState:
         self.inflight += 1
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> bytes:
+    """The body, at most ``limit`` bytes (413 beyond), all of it within ``timeout_s`` seconds (408 otherwise:
+    a client that trickles its body must not hold a connection and a handler forever)."""
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise APIError(413, f"the request body has {length} bytes; the limit is {limit}", code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"the request body is over the limit of {limit} bytes", code="request_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"the request body is over the limit of {limit} bytes",
+                                   code="request_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout)",
+                       code="request_timeout") from None
+    except ClientDisconnect:  # nobody reads the answer; this keeps a traceback out of the log
+        raise APIError(400, "the client disconnected before sending its whole body",
+                       code="client_disconnected") from None
     return b"".join(chunks)
 
 
@@ -152,8 +183,8 @@ class _Delta:
     """Turns cumulative outputs into stream deltas. While a request runs, text that could still be
     cut (a partial stop string at the end, an incomplete UTF-8 character) is held back."""
 
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
+    def __init__(self, holdback: StopHoldBack | None) -> None:
+        self.holdback = holdback  # None: no stop strings
         self.sent = ""
         self.tokens = 0
 
@@ -163,7 +194,8 @@ class _Delta:
         if not out.finished:
             while end > len(self.sent) and text[end - 1] == "\ufffd":
                 end -= 1
-            end -= self._partial_stop(text[:end])
+            if self.holdback is not None:  # incremental: the cost of a chunk is its new characters
+                end -= self.holdback.advance(text[:end])
         delta = ""
         if end > len(self.sent) and text.startswith(self.sent):
             delta = text[len(self.sent):end]
@@ -171,14 +203,11 @@ class _Delta:
         first, self.tokens = self.tokens, len(out.outputs[0].token_ids)
         return delta, first, self.tokens
 
-    def _partial_stop(self, text: str) -> int:
-        hold = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(text)), hold, -1):
-                if text.endswith(stop[:k]):
-                    hold = k
-                    break
-        return hold
+
+def _internal_error(request_id: str) -> APIError:
+    """A 500 body that says where to look, never what went wrong inside (that is logged under the id)."""
+    return APIError(500, f"internal server error (request id {request_id}; the details are in the server log)",
+                    type="server_error", code="internal_error")
 
 
 def _finish_reason(out: RequestOutput) -> str | None:
@@ -191,9 +220,48 @@ def _usage(out: RequestOutput) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _check_error(out: RequestOutput) -> None:
+def _check_error(out: RequestOutput, params: SamplingParams) -> None:
+    refused = _grammar_refusal(out, params)
+    if refused is not None:
+        raise refused
     if out.outputs[0].finish_reason == "error":
         raise APIError(500, f"generation failed: {out.outputs[0].error}", type="server_error", code="engine_error")
+
+
+def _grammar_refusal(out: RequestOutput, params: SamplingParams) -> APIError | None:
+    """The 400 for a structured request whose grammar failed to compile (or timed out compiling): it
+    ends with ``finish_reason="error"`` before its first token. A later error is the engine's (500)."""
+    comp = out.outputs[0]
+    if params.grammar_spec is None or comp.finish_reason != "error" or comp.token_ids:
+        return None
+    return bad_request(f"response_format: {comp.error}", "response_format", "invalid_response_format")
+
+
+async def _first_output(gen: AsyncGenerator[RequestOutput, None], params: SamplingParams,
+                        release: Callable[[], None]) -> AsyncGenerator[RequestOutput, None]:
+    """A streaming structured request waits for its first output before anything is sent, so that a grammar
+    that fails to compile is a 400 (as without streaming), not a 200 stream with an error event. Returns a
+    generator that yields that output, then the rest (closing ``gen`` when it is closed)."""
+    try:
+        first = await anext(gen, None)
+        refused = None if first is None else _grammar_refusal(first, params)
+        if refused is not None:
+            raise refused
+    except BaseException:
+        release()
+        await gen.aclose()
+        raise
+
+    async def chained() -> AsyncGenerator[RequestOutput, None]:
+        try:
+            if first is not None:
+                yield first
+            async for out in gen:
+                yield out
+        finally:
+            await gen.aclose()
+
+    return chained()
 
 
 class _Formatter:
@@ -238,7 +306,7 @@ async def _last_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput | Non
     return last
 
 
-async def _final_output(gen: AsyncIterator[RequestOutput], request: Request,
+async def _final_output(gen: AsyncIterator[RequestOutput], request: Request, params: SamplingParams,
                         release: Callable[[], None]) -> RequestOutput | None:
     """A non-streaming request's checked final output (None: the client left), releasing its queue slot."""
     try:
@@ -246,7 +314,7 @@ async def _final_output(gen: AsyncIterator[RequestOutput], request: Request,
     finally:
         release()
     if final is not None:
-        _check_error(final)
+        _check_error(final, params)
     return final
 
 
@@ -268,12 +336,15 @@ async def _run_unless_disconnected(gen: AsyncIterator[RequestOutput], request: R
 
 
 def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+               metrics_api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_queue_len: int = DEFAULT_MAX_QUEUE_LEN, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                shutdown_engine: bool | None = None) -> FastAPI:
     """The app. ``llm`` is an ``AsyncLLM`` or a factory for one; a factory runs in a background
     thread at start-up (``/health`` answers 503 until it returns). ``shutdown_engine`` (default: only
-    when the app built the engine) shuts the engine down when the app stops."""
-    state = ServerState(served_model_name, api_key or None, max_body_bytes, max_queue_len)
+    when the app built the engine) shuts the engine down when the app stops. ``api_key`` guards ``/v1``;
+    ``/metrics`` is open (as in vLLM) unless ``metrics_api_key`` is set, then it needs that key."""
+    state = ServerState(served_model_name, api_key or None, max_body_bytes, max_queue_len, body_timeout_s,
+                        metrics_api_key or None)
     factory = None if isinstance(llm, AsyncLLM) else llm
     if isinstance(llm, AsyncLLM):
         state.attach(llm)
@@ -292,6 +363,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         if factory is not None:
             threading.Thread(target=load, name="deepinfer-load", daemon=True).start()
         yield
+        state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
         if owns and state.llm is not None:
             await asyncio.get_running_loop().run_in_executor(None, state.llm.shutdown)
 
@@ -310,20 +382,23 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        err = APIError(500, f"internal error: {exc!r}", type="server_error")
-        return JSONResponse(err.body(), status_code=500)
+        error_id = f"err-{uuid.uuid4().hex}"
+        logger.error("request %s (%s %s): unhandled error", error_id, request.method, request.url.path,
+                     exc_info=exc)
+        return JSONResponse(_internal_error(error_id).body(), status_code=500)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if state.llm is not None and state.llm.is_running:
             return JSONResponse({"status": "ok"})
-        if state.load_error is not None:
-            return JSONResponse({"status": "failed", "error": repr(state.load_error)}, status_code=503)
+        if state.load_error is not None:  # the exception itself is in the server log, not in the answer
+            return JSONResponse({"status": "failed", "error": "the model failed to load; see the server log"},
+                                status_code=503)
         return JSONResponse({"status": "loading" if state.llm is None else "stopped"}, status_code=503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        state.check_key(request, state.metrics_api_key)
         stats = None
         if state.llm is not None:
             stats = await state.llm.get_stats_async()
@@ -338,10 +413,17 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             data["max_model_len"] = state.llm.max_model_len
         return JSONResponse({"object": "list", "data": [data]})
 
-    def start(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, param: str, model: str,
-              request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    async def off_loop(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` on the tokenize pool (tokenization and template rendering are CPU work)."""
+        return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool,
+                                                                functools.partial(fn, *args, **kwargs))
+
+    async def start(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, param: str, model: str,
+                    request_id: str) -> AsyncGenerator[RequestOutput, None]:
         try:
-            gen = llm.generate(prompt, params, request_id=request_id)
+            # ``generate`` tokenizes a text prompt and checks it against the model; the stream it returns
+            # is iterated on the loop (it is bound to the loop only when iteration starts).
+            gen = await off_loop(llm.generate, prompt, params, request_id=request_id)
         except ValueError as exc:
             raise bad_request(str(exc), param, "invalid_prompt") from exc
         state.check_model(model)
@@ -354,12 +436,14 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         state.check_auth(request)
-        body: CompletionRequest = parse_body(await read_body(request, state.max_body_bytes), CompletionRequest)
+        body: CompletionRequest = parse_body(await read_body(request, state.max_body_bytes, state.body_timeout_s),
+                                             CompletionRequest)
         params = body.to_sampling_params(16)
         prompt = body.the_prompt()
         llm = state.ready()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        gen = start(llm, prompt, params, "prompt", body.model, request_id)
+        holdback = StopHoldBack(params.stop) if body.stream and params.stop else None
+        gen = await start(llm, prompt, params, "prompt", body.model, request_id)
         fmt = _Formatter(llm)
         created = int(time.time())
         want_lp = body.logprobs is not None
@@ -369,7 +453,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
                     "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
 
         if not body.stream:
-            final = await _final_output(gen, request, release)
+            final = await _final_output(gen, request, params, release)
             if final is None:
                 return Response(status_code=499)
             lp = fmt.completion_logprobs(final, 0, len(final.outputs[0].token_ids), 0) if want_lp else None
@@ -385,12 +469,15 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             return chunk(text, out, lp, finish)
 
         usage = _usage_chunk(body, request_id, "text_completion", created)
-        return _EventStream(_events(gen, params.stop, render, usage), release)
+        if params.grammar_spec is not None:
+            gen = await _first_output(gen, params, release)
+        return _EventStream(_events(gen, holdback, render, usage, request_id=request_id), release)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         state.check_auth(request)
-        body: ChatRequest = parse_body(await read_body(request, state.max_body_bytes), ChatRequest)
+        body: ChatRequest = parse_body(await read_body(request, state.max_body_bytes, state.body_timeout_s),
+                                       ChatRequest)
         params = body.to_sampling_params(1)
         llm = state.ready()
         if body.max_tokens is None and body.max_completion_tokens is None:  # default: up to max_model_len
@@ -401,14 +488,17 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         try:
             # The tokenizer's own chat encoding makes the ids, as LLM.chat does: for tokenizer="deepseek-v4"
             # that is deepseek-recipe's V4 encoding, which is not encode(render(...)) (tokenizer_deepseek.py).
-            _, prompt = llm.tokenizer.encode_chat([m.as_dict() for m in body.messages],
-                                                  **(body.chat_template_kwargs or {}))
+            _, prompt = await off_loop(llm.tokenizer.encode_chat, [m.as_dict() for m in body.messages],
+                                       **(body.chat_template_kwargs or {}))
         except ChatOptionError as exc:
             raise bad_request(str(exc), "chat_template_kwargs", "invalid_value") from exc
+        except ModelLoadError:
+            raise  # the model folder's template is broken: a 500 (logged), not the client's fault
         except (ValueError, TemplateError) as exc:
             raise bad_request(f"the chat template failed: {exc}", "messages", "invalid_messages") from exc
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        gen = start(llm, prompt, params, "messages", body.model, request_id)
+        holdback = StopHoldBack(params.stop) if body.stream and params.stop else None
+        gen = await start(llm, prompt, params, "messages", body.model, request_id)
         fmt = _Formatter(llm)
         created = int(time.time())
         top_n = body.top_logprobs or 0
@@ -417,7 +507,7 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
             return {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice]}
 
         if not body.stream:
-            final = await _final_output(gen, request, release)
+            final = await _final_output(gen, request, params, release)
             if final is None:
                 return Response(status_code=499)
             lp = fmt.chat_logprobs(final, 0, len(final.outputs[0].token_ids), top_n) if body.logprobs else None
@@ -438,7 +528,9 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         head = envelope("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""},
                                                   "logprobs": None, "finish_reason": None})
         usage = _usage_chunk(body, request_id, "chat.completion.chunk", created)
-        return _EventStream(_events(gen, params.stop, render, usage, head), release)
+        if params.grammar_spec is not None:
+            gen = await _first_output(gen, params, release)
+        return _EventStream(_events(gen, holdback, render, usage, head, request_id=request_id), release)
 
     return app
 
@@ -452,14 +544,14 @@ def _usage_chunk(body: Any, request_id: str, obj: str, created: int
                         "usage": _usage(out)}
 
 
-async def _events(gen: AsyncGenerator[RequestOutput, None], stop: list[str], render: Callable[..., Any],
+async def _events(gen: AsyncGenerator[RequestOutput, None], holdback: StopHoldBack | None, render: Callable[..., Any],
                   usage: Callable[[RequestOutput], dict[str, Any]] | None,
-                  head: dict[str, Any] | None = None) -> AsyncGenerator[str, None]:
+                  head: dict[str, Any] | None = None, *, request_id: str = "") -> AsyncGenerator[str, None]:
     """Server-sent events of one streaming request. ``render(out, text, first, last, finish, sent)``
     builds the chunk for the text that became safe to send (or None to send nothing); ``usage`` adds
     the final usage chunk; a generation error becomes an error event; the stream always ends with
     ``[DONE]`` and closes the generator (which aborts the request if it is still running)."""
-    delta = _Delta(stop)
+    delta = _Delta(holdback)
     if head is not None:
         yield _sse(head)
     try:
@@ -474,20 +566,26 @@ async def _events(gen: AsyncGenerator[RequestOutput, None], stop: list[str], ren
                 yield _sse(payload)
             if out.finished and usage is not None:
                 yield _sse(usage(out))
-    except RuntimeError as exc:
-        yield _sse(APIError(500, str(exc), type="server_error").body())
+    except RuntimeError:
+        # The engine stopped (a failure, or a shutdown): the details go to the log, not to the client.
+        logger.exception("request %s: the stream failed", request_id)
+        yield _sse(_internal_error(request_id).body())
     finally:
         await gen.aclose()
     yield "data: [DONE]\n\n"
 
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, served_model_name: str | None = None,
-          api_key: str | None = None, config: Any = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-          max_queue_len: int = DEFAULT_MAX_QUEUE_LEN, log_level: str = "info", **overrides: Any) -> None:
-    """Load the model (errors surface here, before binding), then serve until interrupted."""
+          api_key: str | None = None, metrics_api_key: str | None = None, config: Any = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_queue_len: int = DEFAULT_MAX_QUEUE_LEN,
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_connections: int = DEFAULT_MAX_CONNECTIONS,
+          log_level: str = "info", **overrides: Any) -> None:
+    """Load the model (errors surface here, before binding), then serve until interrupted.
+    ``max_connections`` is uvicorn's ``limit_concurrency`` (connections and tasks beyond it get a 503)."""
     import uvicorn
 
     llm = AsyncLLM(model, config=config, **overrides)
     app = create_app(llm, served_model_name=served_model_name or model, api_key=api_key,
-                     max_body_bytes=max_body_bytes, max_queue_len=max_queue_len, shutdown_engine=True)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+                     metrics_api_key=metrics_api_key, max_body_bytes=max_body_bytes, max_queue_len=max_queue_len,
+                     body_timeout_s=body_timeout_s, shutdown_engine=True)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, limit_concurrency=max_connections)

@@ -13,9 +13,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from deepinfer.sampling.params import SamplingParams
+from deepinfer.sampling.params import MAX_TEMPERATURE, SamplingParams
 
 MAX_LOGPROBS = 20
+# Stop strings per request and characters per stop string: the engine checks every stop against the text
+# after each token, and a stream holds back up to the longest one (server/stops.py).
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 512
 
 
 class APIError(Exception):
@@ -74,10 +78,17 @@ class _Sampling(_Body):
             value = getattr(self, name)
             if value not in (None, 0, 0.0):
                 raise bad_request(f"{name} is not supported (only 0), got {value}", name)
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise bad_request(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > MAX_STOP_LENGTH:
+            raise bad_request(f"stop has a string of {longest} characters; at most {MAX_STOP_LENGTH} are allowed",
+                              "stop")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
-        if self.temperature is not None and self.temperature > 2:
-            raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        if self.temperature is not None and not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise bad_request(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", "temperature")
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         structured: dict[str, Any] | None = None) -> SamplingParams:
@@ -200,10 +211,14 @@ def parse_body(raw: bytes, model: type[_Body]) -> Any:
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"the request body is not valid JSON: {exc}", code="invalid_json") from exc
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply to parse", code="invalid_json") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
     try:
         return model.model_validate(data)
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply", code="invalid_json") from None
     except ValidationError as exc:
         err = exc.errors(include_url=False)[0]
         loc = [str(p) for p in err["loc"]]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,24 +78,37 @@ class OverlapExecutor:
         self.inflight: _InFlight | None = None
 
     def step(self) -> list[Any]:
-        scheduled = self.context.schedule()
         launched = None
-        if not scheduled.is_empty:
-            previous = self.inflight
-            with self.guard.launching():
-                prepared = self.context.prepare(scheduled, previous.scheduled if previous else None)
-            future = self.device.submit(self._device_step, prepared, previous.future if previous else None)
-            launched = _InFlight(scheduled, future)
-        if self.inflight is None:
-            outputs = self.context.process(None, None)
-        else:
-            results = self.inflight.future.result()
-            with self.guard.reading():
-                outputs = self.context.process(self.inflight.scheduled, results)
+        try:
+            scheduled = self.context.schedule()
+            if not scheduled.is_empty:
+                previous = self.inflight
+                with self.guard.launching():
+                    prepared = self.context.prepare(scheduled, previous.scheduled if previous else None)
+                future = self.device.submit(self._device_step, prepared, previous.future if previous else None)
+                launched = _InFlight(scheduled, future)
+            if self.inflight is None:
+                outputs = self.context.process(None, None)
+            else:
+                results = self.inflight.future.result()
+                with self.guard.reading():
+                    outputs = self.context.process(self.inflight.scheduled, results)
+        except BaseException:
+            self._drop_inflight(launched)
+            raise
         self.inflight = launched
         if launched is None:
             self.timeline.mark_drained()
         return outputs
+
+    def _drop_inflight(self, launched: _InFlight | None) -> None:
+        """A step raised (an interrupt, a failing plugin): wait until the device has finished the steps
+        it was given, whatever they raise, and forget them; the engine then aborts their requests
+        (``EngineCore.abort_after_failed_step``), whose blocks the device no longer touches."""
+        pending = [f.future for f in (self.inflight, launched) if f is not None]
+        self.inflight = None
+        wait(pending)
+        self.timeline.mark_drained()
 
     def _device_step(self, prepared: Any, previous: Future | None) -> Any:
         # The worker runs steps in order, so the previous step is complete here.
