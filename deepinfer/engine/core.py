@@ -242,6 +242,7 @@ class EngineCore:
         if reason == "error" and error is None and req.grammar is not None:
             error = req.grammar.error  # set by the grammar that refused a token (``_stop_reason``)
         req.finish(reason, error)
+        self.runner.release_request(req.request_id)
         in_flight = self.inflight[req.request_id] > 0
         self.scheduler.finish(req, release=not in_flight)
         if in_flight:
