@@ -148,6 +148,8 @@ _CORE_KNOBS: dict[str, tuple[str, Any]] = {
     "DEEPINFER_XGRAMMAR_TIMEOUT": ("sampling.grammar_timeout_s", lambda v: _parse_scalar(v)),
     "DEEPINFER_SO_BUILDER_CPUS": ("sampling.grammar_threads", lambda v: _parse_scalar(v)),
     "DEEPINFER_XGRAMMAR_DISABLE_CACHE": ("sampling.grammar_cache", lambda v: not _truthy(v)),
+    # The reference's ring is window + this many tokens (cache_engine); ours is window + cache.max_backtrack.
+    "DEEPINFER_MAX_BACKTRACKING_TOKENS": ("cache.max_backtrack", lambda v: _parse_scalar(v)),
 }
 
 # Every knob the reference documents (reference/deepinfer.md §1.5). Those nobody maps give one warning.

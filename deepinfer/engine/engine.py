@@ -251,6 +251,9 @@ class LLMEngine:
         if plugin is None:
             return None
         cfg = plugin.config
+        if int(cfg.max_draft) == 0:  # DEEPINFER_USE_NEXTN_DECODE=0: the reference's "no speculation"
+            logger.info("plugins.spec_decode.max_draft is 0: speculative decoding is off")
+            return None
         drafter = cfg.drafter
         runs_mtp = hasattr(self.model, "mtp_hidden") and hasattr(self.model, "bind_mtp_cache")
         if drafter == "auto":

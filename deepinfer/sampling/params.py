@@ -154,6 +154,10 @@ class SamplingParams:
         fields = {"stop_token_ids": self.stop_token_ids, "logit_bias": sorted(self.logit_bias or {}),
                   "allowed_token_ids": self.allowed_token_ids or [], "golden_token_ids": self.golden_token_ids or [],
                   "eos_id": [] if self.eos_id is None else [self.eos_id]}
+        spec = self.grammar_spec
+        if spec is not None:
+            fields["so_args['trigger_token_ids'/'bound_token_id']"] = [*spec.trigger,
+                                                                     *([] if spec.bound is None else [spec.bound])]
         return {name: ids for name, ids in fields.items() if ids}
 
     @property
