@@ -175,7 +175,7 @@ def test_verified_tokens_follow_the_penalized_target():
         d = int(drafts[i])
         rows.append(_row(f"r{i}", p, prompt, output, first_row=2 * i, drafts=(d,)))
         params.append(p)
-        for target, logit_row, seen in ((q0, logits[2 * i], output), (q1, logits[2 * i + 1], output + [d])):
+        for target, logit_row, seen in ((q0, logits[2 * i], output), (q1, logits[2 * i + 1], [*output, d])):
             adjusted = torch.tensor(reference_adjust(logit_row.tolist(), prompt, seen, p, len(seen), set()))
             target.append(torch.softmax(adjusted.double() / p.temperature, dim=-1))
     state = PenaltyState(v, CPU)
