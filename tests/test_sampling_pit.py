@@ -8,8 +8,8 @@ which one KS test checks. This complements the chi-square tests (tests/test_samp
 tests/test_verify.py), which need many draws from one distribution. The targets here are written
 independently of the sampler (``_expected``, ``reference_adjust``: plain Python per token).
 
-The default variants draw a few thousand tokens (seconds on two cores); the ``slow`` ones 40,000 over a
-larger vocabulary. The KS threshold is p > 1e-3 (with fixed seeds, one run is deterministic).
+The default variants draw 2,000 tokens over 24 (seconds on two cores); the ``slow`` ones 20,000 over 64
+(minutes: the independent targets are Python loops). The KS threshold is p > 1e-3 (with fixed seeds, one run is deterministic).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from deepinfer.sampling.sampler import SamplingBatch, sample
 from deepinfer.sampling.verify import verify
 
 CPU = torch.device("cpu")
-SIZES = [pytest.param((2000, 24), id="quick"), pytest.param((40000, 200), id="long", marks=pytest.mark.slow)]
+SIZES = [pytest.param((2000, 24), id="quick"), pytest.param((20000, 64), id="long", marks=pytest.mark.slow)]
 
 
 def ks_uniform_p_value(u: torch.Tensor) -> float:
@@ -120,7 +120,6 @@ def _penalized(n: int, v: int, gen: torch.Generator):
 @pytest.mark.parametrize("size", SIZES)
 def test_penalized_draws_follow_the_penalized_target(size):
     n, v = size
-    n = min(n, 8000)  # the reference is a Python loop per token; 8,000 rows suffice for the long variant
     gen = torch.Generator().manual_seed(29)
     logits, rows, params, q = _penalized(n, v, gen)
     state = PenaltyState(v, CPU)
@@ -142,8 +141,8 @@ def test_verified_tokens_follow_the_target_with_accepted_and_rejected_drafts(siz
     q0 = torch.stack([_expected(logits[2 * i], p) for i, p in enumerate(params)])
     q1 = torch.stack([_expected(logits[2 * i + 1], p) for i, p in enumerate(params)])
     probs = None
-    if draft_kind == "smoothed":  # drafts from a different distribution p, reported to the verifier
-        p = torch.softmax(torch.randn(n, v, generator=gen) * 1.5, dim=-1)
+    if draft_kind == "smoothed":  # drafts from a different distribution p (half q0, half noise), reported
+        p = 0.5 * q0.float() + 0.5 * torch.softmax(torch.randn(n, v, generator=gen) * 1.5, dim=-1)
         drafts = torch.multinomial(p, 1, generator=gen).squeeze(1)
         probs = p.unsqueeze(1)
     else:  # one-hot drafts: a likely token half the time, an arbitrary one otherwise
