@@ -9,7 +9,8 @@ tests/test_verify.py), which need many draws from one distribution. The targets 
 independently of the sampler (``_expected``, ``reference_adjust``: plain Python per token).
 
 The default variants draw 2,000 tokens over 24 (seconds on two cores); the ``slow`` ones 20,000 over 64
-(minutes: the independent targets are Python loops). The KS threshold is p > 1e-3 (with fixed seeds, one run is deterministic).
+(minutes: the independent targets are Python loops). The KS threshold is p > 1e-3 (with fixed seeds, one
+run is deterministic).
 """
 
 from __future__ import annotations
