@@ -134,6 +134,17 @@ def deepinfer_config_aliases() -> Mapping[str, str]:
     config is validated (a module-level function is enough; instances are not built yet)."""
 
 
+@hookspec
+def deepinfer_drafter_trainers() -> Mapping[str, Any]:
+    """Drafter trainers by drafter name, for ``deepinfer train-drafter --drafter NAME``. Called for every
+    installed plugin, enabled or not (a staticmethod, like ``deepinfer_config_aliases``). A trainer is
+    called as ``trainer(model, *, output, minutes, device, engine_overrides, recipe)``: ``model`` a folder or
+    alias, ``output`` the weights file (None: the plugin's cache for ``auto``), ``minutes`` the training
+    budget (None: the recipe's steps), ``device`` ``cpu``/``cuda`` (None: the engine's default),
+    ``engine_overrides`` ``LLM`` keyword overrides for the target, ``recipe`` field overrides of the
+    plugin's training recipe; it returns the path of the weights it wrote."""
+
+
 # --------------------------------------------------------------------------------------------- observers
 
 

@@ -44,7 +44,8 @@ class CacheLayout:
 @dataclass(frozen=True)
 class EngineInfo:
     """Facts resolved before plugins are built, for ``deepinfer_validate_config`` and observers.
-    ``seed`` is the engine seed (``sampling.seed``), for weights a plugin initializes at random."""
+    ``seed`` is the engine seed (``sampling.seed``), for weights a plugin initializes at random;
+    ``model_path`` the model folder (for plugins that key caches by the target, e.g. a trained drafter)."""
 
     architecture: str
     num_layers: int
@@ -57,6 +58,7 @@ class EngineInfo:
     dtype: str
     world_size: int
     seed: int = 0
+    model_path: str = ""
 
 
 @dataclass(frozen=True)
@@ -415,7 +417,7 @@ class ForwardContext:
     and must not rewrite paged entries); all three are None for other models.
 
     ``max_query_len`` bounds the query tokens of every request in the step (0: not stated). A step
-    replayed from a CUDA graph (``model/graphs.py``) states the graph's bound, and its host lists and
+    replayed from a CUDA graph (``engine/graphs.py``) states the graph's bound, and its host lists and
     ``num_decodes`` are the capture's, not the step's: a ``graph_safe`` backend that serves requests of
     up to ``max_query_len`` query tokens must then read only the device tensors. Its ``T`` rows are then
     the graph's bucket, and only the first ``num_real_tokens`` (a 0-d int64 device tensor) belong to the

@@ -64,19 +64,40 @@ def discover_plugins() -> dict[str, InstalledPlugin]:
     return found
 
 
-def config_aliases(installed: Mapping[str, InstalledPlugin]) -> dict[str, str]:
-    """Env-name → config-path aliases from every installed plugin (``deepinfer_config_aliases``)."""
-    aliases: dict[str, str] = {}
+def _static_offers(installed: Mapping[str, InstalledPlugin], hook: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """``(plugin name, what it offers)`` for a hook answered before any plugin is built (a staticmethod)."""
+    offers = []
     for plugin in installed.values():
         obj = plugin.load()
-        func = getattr(obj, "deepinfer_config_aliases", None)
+        func = getattr(obj, hook, None)
         if func is None:
             continue
         if inspect.isclass(obj) and not isinstance(inspect.getattr_static(obj, func.__name__),
                                                    (staticmethod, classmethod)):
-            raise PluginError(f"plugin {plugin.name!r}: deepinfer_config_aliases must be a staticmethod")
-        aliases.update(func())
+            raise PluginError(f"plugin {plugin.name!r}: {hook} must be a staticmethod")
+        offers.append((plugin.name, func()))
+    return offers
+
+
+def config_aliases(installed: Mapping[str, InstalledPlugin]) -> dict[str, str]:
+    """Env-name → config-path aliases from every installed plugin (``deepinfer_config_aliases``)."""
+    aliases: dict[str, str] = {}
+    for _, offered in _static_offers(installed, "deepinfer_config_aliases"):
+        aliases.update(offered)
     return aliases
+
+
+def drafter_trainers(installed: Mapping[str, InstalledPlugin]) -> dict[str, Any]:
+    """Drafter name → trainer from every installed plugin (``deepinfer_drafter_trainers``); a name offered
+    by two plugins is an error naming both."""
+    trainers: dict[str, Any] = {}
+    owners: dict[str, str] = {}
+    for plugin, offered in _static_offers(installed, "deepinfer_drafter_trainers"):
+        for name, trainer in offered.items():
+            if name in owners:
+                raise PluginError(f"plugins {owners[name]!r} and {plugin!r} both offer a trainer for drafter {name!r}")
+            trainers[name], owners[name] = trainer, plugin
+    return trainers
 
 
 def _plugin_hooks(obj: Any) -> list[str]:

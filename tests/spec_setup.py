@@ -42,6 +42,28 @@ def write_oracle_file(folder: Path, prompts: list[list[int]], outputs: list[list
     return str(path)
 
 
+class WithDrafts:
+    """A request seen with the proposal its engine's speculator keeps for it (``Speculator.drafts_of``;
+    drafts no longer live on the request): ``draft_tokens``, ``draft_confidence`` and
+    ``draft_raw_confidence`` (lists, empty without a proposal) and ``draft_probs`` (``[n, V]``, or None
+    for one-hot drafts or none); every other attribute is the request's own."""
+
+    def __init__(self, request: Any, drafts: Any) -> None:
+        self._request = request
+        self.draft_tokens = list(drafts.tokens) if drafts is not None else []
+        self.draft_confidence = list(drafts.confidence) if drafts is not None else []
+        self.draft_raw_confidence = list(drafts.raw_confidence) if drafts is not None else []
+        self.draft_probs = drafts.probs if drafts is not None else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+def running_with_drafts(engine: Any) -> list[WithDrafts]:
+    """The engine's running requests, each with its current drafts (``WithDrafts``)."""
+    return [WithDrafts(r, engine.speculator.drafts_of(r)) for r in engine.scheduler.running]
+
+
 def known_mtp_drafts(monkeypatch: pytest.MonkeyPatch, sequences: list[list[int]], vocab: int) -> None:
     """Let the MTP drafter run (it writes its cache rows) but propose the known greedy continuation of
     ``sequences`` with planted corruptions: some drafts are accepted, others rolled back."""
@@ -65,7 +87,7 @@ def check_drafts_every_step(engine: Any, k: int, reference: Callable[[list[int],
     checked = 0
     while engine.has_unfinished():
         engine.step()
-        for req in engine.scheduler.running:
+        for req in running_with_drafts(engine):
             if req.num_computed_tokens != req.num_tokens - 1:
                 assert not req.draft_tokens  # mid-prefill: nothing to draft yet
                 continue

@@ -15,7 +15,7 @@ import pytest
 import torch
 from abort_drills import run_with_staged_aborts
 from safetensors.torch import load_file, save_file
-from spec_setup import check_drafts_every_step, known_mtp_drafts
+from spec_setup import check_drafts_every_step, known_mtp_drafts, running_with_drafts
 from test_deepseek_v4 import BLOCK, VOCAB, build, greedy, make_llm, prompts, request_ctx
 
 from deepinfer import LLM, SamplingParams
@@ -157,7 +157,7 @@ def test_drafts_do_not_depend_on_the_batch_or_reused_slots(with_mtp):
             engine.add(req)
         while engine.has_unfinished():
             engine.step()
-            for req in engine.scheduler.running:
+            for req in running_with_drafts(engine):
                 if req.draft_tokens:
                     seen[owner[req.request_id], req.num_tokens] = list(req.draft_tokens)
         return seen

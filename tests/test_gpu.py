@@ -78,16 +78,21 @@ def force_tokens(llm: LLM, forced: dict[tuple[int, ...], Sequence[int]]) -> None
     """Patch ``llm`` so a request whose prompt is a key of ``forced`` gets ``forced[prompt][i]`` as
     its i-th output token, whatever the sampler chose (past the end of the list the sampler's token
     stays). The logits are untouched: only the token appended to the sequence is replaced."""
-    runner = llm.engine.runner
-    execute = runner.execute
+    runner, engine = llm.engine.runner, llm.engine
+    execute, add = runner.execute, engine.add
+    prompts: dict[str, tuple[int, ...]] = {}  # step rows name their request; its prompt is noted here
+
+    def add_noting(request: Any) -> None:
+        prompts[request.request_id] = tuple(request.prompt_token_ids)
+        add(request)
 
     def execute_forced(inputs: Any, fill: Any = None) -> Any:
         results = execute(inputs, fill)
         if results.sampled is not None:
             tokens = results.sampled.tokens.clone()
             for row, s in enumerate(results.samplers):
-                teacher = forced.get(tuple(s.request.prompt_token_ids), ())
-                i = s.token_slot - s.request.num_prompt_tokens  # this step produces output token i
+                teacher = forced.get(prompts[s.request_id], ())
+                i = s.token_slot - s.num_prompt_tokens  # this step produces output token i
                 if i < len(teacher):
                     tokens[row] = teacher[i]
             results.sampled = SampleResult(tokens, results.sampled.token_logprobs, results.sampled.top_logprobs,
@@ -97,6 +102,7 @@ def force_tokens(llm: LLM, forced: dict[tuple[int, ...], Sequence[int]]) -> None
         return results
 
     runner.execute = execute_forced
+    engine.add = add_noting
 
 
 def teacher_forced_logits(folder: Path, prompts: list[list[int]], forced: list[list[int]], *, dtype: str,

@@ -15,8 +15,8 @@ from test_deepseek_v3 import _build, _prompts
 from deepinfer import LLM
 from deepinfer.config import build_config
 from deepinfer.engine.cost import CurveCache, StepCost
+from deepinfer.engine.graphs import DecodeGraphs, graph_buckets, pack_step
 from deepinfer.interfaces import ForwardContext
-from deepinfer.model.graphs import DecodeGraphs, graph_buckets, pack_step
 
 
 def test_buckets_are_1_2_4_then_every_interval_tokens():

@@ -38,8 +38,7 @@ def reference_adjust(logits: list[float], prompt: list[int], output: list[int], 
 
 def _row(rid: str, p: SamplingParams, prompt: list[int], output: list[int], first_row: int = 0,
          drafts: tuple[int, ...] = (), epoch: int = 0, banned: frozenset[int] = frozenset({0})) -> PenaltyRow:
-    tokens = prompt + output
-    return PenaltyRow(rid, epoch, p, tokens, len(prompt), len(tokens), first_row, len(output), drafts, banned)
+    return PenaltyRow(rid, epoch, p, prompt, output, first_row, len(output), drafts, banned)
 
 
 PARAMS = [

@@ -62,7 +62,7 @@ def record_logits(llm) -> list[tuple[list[str], torch.Tensor]]:
 
     def prepare_and_note(*args, **kwargs):
         inputs = prepare(*args, **kwargs)
-        pending.append([s.request.request_id for s in inputs.samplers])
+        pending.append([s.request_id for s in inputs.samplers])
         return inputs
 
     def compute_and_keep(hidden, ctx):

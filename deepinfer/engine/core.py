@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.engine.outputs import FinishReason, RequestOutput
-from deepinfer.engine.request import PENDING, Request
+from deepinfer.engine.request import Request
+from deepinfer.engine.runner import ModelRunner, StepInputs, StepResults, prompt_logprobs_of
 from deepinfer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from deepinfer.engine.speculation import CommittedSpan, Speculator
 from deepinfer.engine.stats import EngineStats, StepTimer
 from deepinfer.interfaces import StepStats
-from deepinfer.model.runner import ModelRunner, StepInputs, StepResults, prompt_logprobs_of
 from deepinfer.model.transfer import to_device
 from deepinfer.structured.runtime import StructuredRuntime
 from deepinfer.tokenizer import Tokenizer
@@ -92,23 +92,20 @@ class EngineCore:
         timer = StepTimer()
         with timer.phase("schedule"):
             self._poll_grammars()
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule()  # advances the requests and emits the step's rows
             for s in batch.scheduled:
-                req = s.request
-                req.num_computed_tokens = s.start + s.num_new_tokens
-                self.inflight[req.request_id] += 1
-                if s.samples:
-                    s.token_slot = req.num_tokens
-                    req.all_token_ids.append(PENDING)
-                    req.num_pending += 1
+                self.inflight[s.request.request_id] += 1
         return Scheduled(batch, timer)
 
     def prepare(self, scheduled: Scheduled, previous: Scheduled | None = None) -> Prepared:
         """Tensors for ``scheduled``; ``previous`` is the step whose sampled tokens are still unread."""
         with scheduled.timer.phase("prepare"):
-            inputs = self.runner.prepare(scheduled.batch, self.scheduler.kv.table)
-            scheduled.sampler_rows = {s.request.request_id: i for i, s in enumerate(inputs.samplers)}
-            self.structured.attach(inputs)  # grammar bitmasks of structured rows, filled when their tokens are known
+            inputs = self.runner.prepare(scheduled.batch.rows)
+            scheduled.sampler_rows = {row.request_id: i for i, row in enumerate(inputs.samplers)}
+            requests = {s.request.request_id: s.request for s in scheduled.batch.scheduled}
+            # Grammar bitmasks of structured rows, filled when their tokens are known; a row whose request
+            # was preempted or finished since (a newer epoch) is left unfilled.
+            self.structured.attach(inputs, lambda row: requests[row.request_id].epoch == row.epoch)
             if not inputs.pending_rows:
                 return Prepared(inputs, scheduled.timer)
             assert previous is not None, "a pending input token needs the step that sampled it"
@@ -148,12 +145,15 @@ class EngineCore:
         verifies = []
         with scheduled.timer.phase("process"):
             live = [s for s in batch.scheduled if s.request.epoch == s.epoch]
+            of_row = {s.request.request_id: s for s in batch.scheduled}
             if results.prompt_spans:
-                for s, first, rows in prompt_logprobs_of(results):
+                for row, first, rows in prompt_logprobs_of(results):
+                    s = of_row[row.request_id]
                     if s.request.epoch == s.epoch and s.request.prompt_logprobs is not None:
                         s.request.prompt_logprobs[first:first + len(rows)] = rows
             sampled = []
-            for i, (s, tokens) in enumerate(zip(results.samplers, emitted, strict=True)):
+            for i, (row, tokens) in enumerate(zip(results.samplers, emitted, strict=True)):
+                s = of_row[row.request_id]
                 req = s.request
                 if req.epoch != s.epoch:
                     continue  # preempted or finished since this step was scheduled
@@ -243,6 +243,8 @@ class EngineCore:
             error = req.grammar.error  # set by the grammar that refused a token (``_stop_reason``)
         req.finish(reason, error)
         self.runner.release_request(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         in_flight = self.inflight[req.request_id] > 0
         self.scheduler.finish(req, release=not in_flight)
         if in_flight:
@@ -279,7 +281,7 @@ class EngineCore:
         for i, tok, lp, top_lp, top_ids in zip(row_of, flat_tokens, lps.index_select(0, index).tolist(),
                                                src.top_logprobs.index_select(0, index).tolist(),
                                                src.top_ids.index_select(0, index).tolist(), strict=True):
-            n = results.samplers[i].request.params.logprobs or 0
+            n = results.samplers[i].params.logprobs or 0
             entry = dict(zip(top_ids[:n], top_lp[:n], strict=True))
             entry[tok] = lp
             logprob_rows[i].append(entry)

@@ -19,8 +19,10 @@ from deepinfer.config import EngineConfig, build_config
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.cost import CurveCache, StepCost, time_call
 from deepinfer.engine.executor import SyncExecutor
+from deepinfer.engine.graphs import DecodeGraphs
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
+from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ReplayStart, Scheduler
 from deepinfer.engine.speculation import DraftCache, Speculator
 from deepinfer.engine.stats import EngineStats
@@ -31,11 +33,9 @@ from deepinfer.kv.fp8 import kv_storage_dtype
 from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_kv_dtype, num_blocks_for, state_bytes
 from deepinfer.kv.state import has_state, num_state_slots_for
 from deepinfer.model.assets import resolve_model_path
-from deepinfer.model.graphs import DecodeGraphs
 from deepinfer.model.layers.norm import BATCH_INVARIANT_CUDA_ROWS, RMSNorm
 from deepinfer.model.loader import LoadReport, init_dummy, load_checkpoint, read_hf_config
 from deepinfer.model.registry import resolve_architecture
-from deepinfer.model.runner import ModelRunner
 from deepinfer.parallel.sizes import current_rank, parallel_sizes, rank_experts
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
 from deepinfer.sampling.params import SamplingParams
@@ -138,6 +138,7 @@ class LLMEngine:
             has_mtp=self.model_has_mtp,
             max_draft=max_draft,
             seed=cfg.sampling.seed,
+            model_path=str(self.model_path),
             device=self.device.type,
             dtype=str(self.dtype).removeprefix("torch."),
             world_size=world_size,
@@ -205,7 +206,7 @@ class LLMEngine:
         # a misspelt name fails at start-up rather than when it is first needed.
         replay = self.host.select("deepinfer_replay_planners", cfg.cache.replay, "cache.replay")
         if self.num_state_slots:
-            self.runner.state_slot, self.runner.write_floor = self.kv.state_slot, self.kv.write_floor
+            self.runner.stateful = True  # rows carry state slots and write floors (Scheduler._row)
         # A prefix hit (or a preempted request's surviving blocks) restores paged entries but not the
         # state rings: recompute from the replay planner's first token; the planner may also bound that
         # replay or truncate YoCo prefills (ARCHITECTURE §6, scheduler.ReplayStart).
@@ -346,7 +347,7 @@ class LLMEngine:
         return cost
 
     def _decode_graphs(self, backends: Mapping[str, Any], world_size: int) -> DecodeGraphs | None:
-        """CUDA graphs for decode-shaped steps (``model/graphs.py``), captured now; None when the run is
+        """CUDA graphs for decode-shaped steps (``engine/graphs.py``), captured now; None when the run is
         not on CUDA, ``kernels.cuda_graphs`` is off, or something in the step cannot be captured (then
         a warning names it and the GPU runs eagerly)."""
         k = self.config.kernels

@@ -67,16 +67,6 @@ class Request:
         self.visibility_floor = 0
         self.truncation: ReplayPlan | None = None
         self.truncation_end = 0
-        self.clear_drafts()
-
-    def clear_drafts(self) -> None:
-        """Forget the drafts proposed after the last committed token (speculative decoding):
-        ``draft_tokens``, the ``draft_confidence`` the plan ranks them by (calibrated), the drafter's
-        ``draft_raw_confidence`` and ``draft_probs`` (``[k, V]`` on the device, None = one-hot)."""
-        self.draft_tokens: list[int] = []
-        self.draft_confidence: list[float] = []
-        self.draft_raw_confidence: list[float] = []
-        self.draft_probs = None
 
     # SchedulableRequest view ------------------------------------------------------------------------
     @property
@@ -112,7 +102,6 @@ class Request:
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         self.drop_pending()
-        self.clear_drafts()
         self.epoch += 1
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason

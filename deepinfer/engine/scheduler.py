@@ -12,9 +12,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
-from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.request import PENDING, Request, RequestStatus
+from deepinfer.engine.rows import StepRow
+from deepinfer.engine.speculation import Drafts
 from deepinfer.interfaces import CacheLayout, ReplayPlan, ReplayPlanner, SchedulePolicy
 from deepinfer.kv.blocks import KVCacheManager, PrefixHit
 
@@ -27,7 +29,8 @@ class ScheduledRequest:
     which goes to ``all_token_ids[token_slot]``. ``epoch`` is the request's epoch when scheduled.
     ``drafts``: draft tokens verified after the request's last token (speculative decoding); the
     row then computes ``1 + len(drafts)`` tokens and may commit up to that many. ``confidence`` /
-    ``raw_confidence``: the drafter's (calibrated / raw) confidences of those drafts, for statistics.
+    ``raw_confidence``: the drafter's (calibrated / raw) confidences of those drafts, for statistics;
+    ``draft_probs``: the distributions of the request's proposal (``Drafts.probs``).
     """
 
     request: Request
@@ -39,6 +42,7 @@ class ScheduledRequest:
     drafts: list[int] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
     raw_confidence: list[float] = field(default_factory=list)
+    draft_probs: Any = None
 
     @classmethod
     def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
@@ -47,10 +51,13 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    """The step's batch: decode rows (one new token) first, then prefill chunks."""
+    """The step's batch: decode rows (one new token) first, then prefill chunks. ``scheduled`` is the
+    engine's view (with the requests); ``rows`` the same rows as plain data, in the same order, for
+    the runner."""
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    rows: tuple[StepRow, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -106,15 +113,29 @@ class ReplayStart:
 
     def _plan(self, req: Request, computed: int, reason: Literal["prefill", "prefix_hit", "preempted"]
               ) -> ReplayPlan:
-        before, req.num_computed_tokens = req.num_computed_tokens, computed
-        try:
-            return self.planner.plan(req, self.layout, reason)
-        finally:
-            req.num_computed_tokens = before
+        """The planner's plan for ``req`` resuming from ``computed`` cached tokens, which it gets as
+        the ``num_computed_tokens`` of a frozen view (the request itself is not touched)."""
+        view = PlannedRequest(req.request_id, req.arrival_time, req.priority, req.num_prompt_tokens,
+                              req.num_output_tokens, computed)
+        return self.planner.plan(view, self.layout, reason)
 
 
-DraftPlanner = Callable[[Sequence[Request]], list[int]]
-"""Drafts to verify per decode request (speculative decoding), in the order given."""
+@dataclass(frozen=True)
+class PlannedRequest:
+    """What a replay planner sees of a request (a ``SchedulableRequest``): its fields now, with
+    ``num_computed_tokens`` the cached tokens the plan starts from."""
+
+    request_id: str
+    arrival_time: float
+    priority: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_computed_tokens: int
+
+
+DraftPlanner = Callable[[Sequence[Request]], dict[str, Drafts]]
+"""The drafts each decode request verifies this step (speculative decoding), by request id: the
+granted prefix of its live proposal (possibly no token; requests without a proposal are absent)."""
 
 
 class Scheduler:
@@ -146,6 +167,7 @@ class Scheduler:
     # ------------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
+        """Pick the step's batch, advance its requests optimistically (``advance``) and emit its rows."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         scheduled_ids: set[str] = set()
@@ -156,7 +178,8 @@ class Scheduler:
             num_new = self._chunk(req, budget)
             if num_new == 0:
                 break
-            verified = drafts.get(req.request_id, [])[:budget - num_new]
+            granted = drafts.get(req.request_id)
+            verified = list(granted.tokens[:budget - num_new]) if granted is not None else []
             num_new += len(verified)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
@@ -170,8 +193,10 @@ class Scheduler:
             else:
                 row = ScheduledRequest.of(req, req.num_computed_tokens, num_new - len(verified))
                 row.num_new_tokens, row.drafts = num_new, verified
-                row.confidence = req.draft_confidence[:len(verified)]
-                row.raw_confidence = req.draft_raw_confidence[:len(verified)]
+                if granted is not None:
+                    row.confidence = list(granted.confidence[:len(verified)])
+                    row.raw_confidence = list(granted.raw_confidence[:len(verified)])
+                    row.draft_probs = granted.probs
                 out.scheduled.append(row)
                 scheduled_ids.add(req.request_id)
                 budget -= num_new
@@ -179,17 +204,57 @@ class Scheduler:
             budget = self._admit(out, budget)
         # Single-token decode rows first: the runner batches them together.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        out.rows = tuple(self.advance(s) for s in out.scheduled)
         return out
 
-    def _plan_drafts(self, queue: Sequence[Request]) -> dict[str, list[int]]:
+    def advance(self, s: ScheduledRequest) -> StepRow:
+        """Advance a scheduled request *optimistically* and return its step row: its computed count
+        moves past the step's tokens, and a row that samples gets a ``PENDING`` token at ``token_slot``,
+        so the next step can be scheduled before this one's results are read."""
+        req = s.request
+        req.num_computed_tokens = s.start + s.num_new_tokens
+        if s.samples:
+            s.token_slot = req.num_tokens
+            req.all_token_ids.append(PENDING)
+            req.num_pending += 1
+        return self._row(s)
+
+    def _row(self, s: ScheduledRequest) -> StepRow:
+        """The plain-data copy of an advanced row (``StepRow``)."""
+        req, start, end = s.request, s.start, s.start + s.num_new_tokens
+        known = end - len(s.drafts)  # the request's own tokens; the drafts follow
+        first_pending = req.num_tokens - req.num_pending
+        pending = first_pending - start if req.num_pending and known > first_pending else -1
+        prompt = req.num_prompt_tokens
+        targets: tuple[int, ...] = ()
+        if req.params.prompt_logprobs is not None and start < prompt - 1:
+            targets = tuple(req.prompt_token_ids[start + 1:min(end, prompt - 1) + 1])
+        stateful = self.kv.num_state_slots > 0
+        # Logits processing rebuilds a request's device counts from these (copied for such rows only).
+        processing = s.samples and req.params.processes_logits
+        return StepRow(
+            request_id=req.request_id, start=start, num_new_tokens=s.num_new_tokens,
+            token_ids=(*req.all_token_ids[start:known], *s.drafts),
+            block_table=tuple(self.kv.table(req.request_id)),
+            params=req.params, seed=req.seed, counter=req.num_tokens, num_prompt_tokens=prompt,
+            samples=s.samples, token_slot=s.token_slot, epoch=s.epoch, pending_offset=pending,
+            prompt_targets=targets, drafts=tuple(s.drafts), draft_probs=s.draft_probs,
+            visibility_floor=req.visibility_floor,
+            truncation=req.truncation if start < req.truncation_end else None,
+            state_slot=self.kv.state_slot(req.request_id) if stateful else None,
+            write_floor=self.kv.write_floor(req.request_id) if stateful else 0,
+            grammar=req.grammar,
+            prompt_token_ids=tuple(req.prompt_token_ids) if processing else (),
+            output_token_ids=tuple(req.all_token_ids[prompt:first_pending]) if processing else (),
+            banned_eos=req.banned_eos_ids if processing else frozenset(),
+        )
+
+    def _plan_drafts(self, queue: Sequence[Request]) -> dict[str, Drafts]:
         """The drafts each decode request verifies this step, from the draft planner."""
         if self.draft_planner is None:
             return {}
-        decoding = [r for r in queue if r.draft_tokens and r.num_computed_tokens == r.num_tokens - 1]
-        if not decoding:
-            return {}
-        granted = self.draft_planner(decoding)
-        return {r.request_id: r.draft_tokens[:n] for r, n in zip(decoding, granted, strict=True) if n > 0}
+        decoding = [r for r in queue if r.num_computed_tokens == r.num_tokens - 1]
+        return self.draft_planner(decoding) if decoding else {}
 
     def _awaits_drafts(self, req: Request) -> bool:
         """Under speculative decoding a request whose sampled tokens are still unread (an overlapped
@@ -249,8 +314,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.drop_pending()
-        req.clear_drafts()
-        req.epoch += 1
+        req.epoch += 1  # its drafts (Speculator.drafts_of) are stale from now on
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1

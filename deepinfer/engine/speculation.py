@@ -3,8 +3,9 @@
 The decisions come from plugins: a ``Drafter`` proposes draft tokens after every step that committed
 tokens, and a ``VerificationPlan`` grants each decode request a number of drafts to verify. This
 module holds the glue: it caps drafts at what a request may still emit, asks the plan (budget, then
-split), hands the drafter its inputs and stores each request's proposal, and feeds decode-step times
-to the step-cost model. Verification itself is ``sampling/verify.py``; the rollback of rejected
+split), hands the drafter its inputs and keeps each request's proposal (``Drafts``, by request id and
+epoch: the proposal lives here, not on the request, and reaches the step rows through the plan), and
+feeds decode-step times to the step-cost model. Verification itself is ``sampling/verify.py``; the rollback of rejected
 positions is the core's ``process`` (a request's computed length goes back to its last accepted
 token, so the next step overwrites their KV).
 
@@ -21,23 +22,45 @@ in place of the final hidden state.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.engine.request import Request
-from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.interfaces import CommittedRows, Drafter, DraftInputs, ForwardContext, StepCostModel, VerificationPlan
 
 MIN_CONFIDENCE = 1e-6  # a real draft never has confidence 0, which marks "no draft" for plans
 SCRATCH_TABLE = (0,)  # block 0 is never handed out (kv/pools.py): rows that must not land anywhere write it
 SCRATCH_SLOT = 0  # nor is state slot 0 (kv/state.py): the per-request state of such rows
 
+if TYPE_CHECKING:
+    from deepinfer.engine.scheduler import SchedulerOutput
+
 
 def room(req: Request) -> int:
     """Drafts that can still matter for ``req``: it emits at most 1 + drafts tokens, within
     ``max_tokens`` and the model length (may be ≤ 0)."""
     return min(req.params.max_tokens - req.num_output_tokens, req.max_total_tokens - req.num_tokens) - 1
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """A request's proposal after its last committed token (speculative decoding): draft ``tokens``,
+    the ``confidence`` the plan ranks them by (calibrated), the drafter's ``raw_confidence``, and
+    ``probs``, the drafter's distributions ``[k, V]`` on the device (None: one-hot). ``epoch``: the
+    request's epoch when proposed; a preempted or finished request's proposal is stale."""
+
+    epoch: int
+    tokens: tuple[int, ...] = ()
+    confidence: tuple[float, ...] = ()
+    raw_confidence: tuple[float, ...] = ()
+    probs: torch.Tensor | None = None
+
+    def granted(self, n: int) -> Drafts:
+        """The first ``n`` drafts (the plan's grant); ``probs`` stay whole (rows read their first ``n``)."""
+        return replace(self, tokens=self.tokens[:n], confidence=self.confidence[:n],
+                       raw_confidence=self.raw_confidence[:n])
 
 
 @dataclass(frozen=True)
@@ -132,31 +155,46 @@ class Speculator:
         self.max_draft = max_draft
         self.device = device
         self.cache = cache  # set when the drafter reads the committed rows (MTP): DraftInputs.rows
+        self.proposals: dict[str, Drafts] = {}  # request id -> its newest proposal
+
+    def drafts_of(self, req: Request) -> Drafts | None:
+        """``req``'s live proposal (None when it has none, or only one from before it was preempted)."""
+        drafts = self.proposals.get(req.request_id)
+        return drafts if drafts is not None and drafts.epoch == req.epoch else None
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's proposal."""
+        self.proposals.pop(request_id, None)
 
     @staticmethod
-    def draft_limit(req: Request) -> int:
-        """Drafts ``req`` may verify: it emits at most 1 + drafts tokens, within ``max_tokens`` and the
-        model length."""
-        return max(0, min(len(req.draft_tokens), room(req)))
+    def draft_limit(req: Request, drafts: Drafts) -> int:
+        """Drafts ``req`` may verify of its proposal ``drafts``: it emits at most 1 + drafts tokens,
+        within ``max_tokens`` and the model length."""
+        return max(0, min(len(drafts.tokens), room(req)))
 
-    def plan_drafts(self, requests: Sequence[Request]) -> list[int]:
-        """Drafts each decode request verifies this step (the scheduler's ``DraftPlanner``)."""
-        confidence = torch.zeros(len(requests), self.max_draft)
+    def plan_drafts(self, requests: Sequence[Request]) -> dict[str, Drafts]:
+        """The drafts each decode request verifies this step (the scheduler's ``DraftPlanner``): the
+        plan's grant over the requests with a proposal, in the order given."""
+        proposed = [(r, d) for r in requests if (d := self.drafts_of(r)) is not None and d.tokens]
+        if not proposed:
+            return {}
+        confidence = torch.zeros(len(proposed), self.max_draft)
         limits = []
-        for i, req in enumerate(requests):
-            n = min(self.draft_limit(req), self.max_draft)
+        for i, (req, drafts) in enumerate(proposed):
+            n = min(self.draft_limit(req, drafts), self.max_draft)
             limits.append(n)
             if n:
-                confidence[i, :n] = torch.tensor(req.draft_confidence[:n])
+                confidence[i, :n] = torch.tensor(drafts.confidence[:n])
         # Synchronous steps see the newest confidences on the host, so budget and split use the same.
         total = self.plan.budget(confidence, self.cost)
         granted = self.plan.split(confidence, total).tolist()
-        return [min(int(g), n) for g, n in zip(granted, limits, strict=True)]
+        return {req.request_id: drafts.granted(min(int(g), n))
+                for (req, drafts), g, n in zip(proposed, granted, limits, strict=True)}
 
     def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
                 hidden: torch.Tensor | None = None) -> None:
-        """Ask the drafter for the next drafts of ``requests`` (each just committed tokens) and store
-        them on the requests. With a ``cache``, ``spans`` (every live row of the step) and ``hidden``
+        """Ask the drafter for the next drafts of ``requests`` (each just committed tokens) and keep
+        them (``drafts_of``). With a ``cache``, ``spans`` (every live row of the step) and ``hidden``
         (the step's final hidden states) become ``DraftInputs.rows``, and the drafter runs even with
         no request to draft for (its cache rows must still be written). Reads the proposal on the host
         (deliberate: the scheduler needs it)."""
@@ -190,10 +228,9 @@ class Speculator:
         for i, req in enumerate(requests):
             row = tokens[i][:self.max_draft if chain is None else chain.caps[i]]
             n = row.index(-1) if -1 in row else len(row)
-            req.draft_tokens = row[:n]
-            req.draft_confidence = confidence[i][:n]
-            req.draft_raw_confidence = raw_confidence[i][:n]
-            req.draft_probs = proposal.probs[i, :n] if proposal.probs is not None and n else None
+            probs = proposal.probs[i, :n] if proposal.probs is not None and n else None
+            self.proposals[req.request_id] = Drafts(req.epoch, tuple(row[:n]), tuple(confidence[i][:n]),
+                                                    tuple(raw_confidence[i][:n]), probs)
 
     def _committed_rows(self, requests: Sequence[Request], spans: Sequence[CommittedSpan], hidden: torch.Tensor,
                         chain: DraftChain) -> CommittedRows | None:

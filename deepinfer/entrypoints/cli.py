@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import yaml
+
 from deepinfer.config import build_config, set_flags_to_tree
 from deepinfer.errors import DeepInferError
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
@@ -88,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_workload_flags(ab)
     _common(ab)
 
+    train = sub.add_parser("train-drafter", help="train a drafter on the model's own replies (self-distillation)")
+    train.add_argument("--model", default=None, help=f"HF folder or alias (default {DEFAULT_MODEL})")
+    train.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                       help="an engine override for the target, e.g. --set plugins.cpu.enabled=true (repeatable)")
+    train.add_argument("--drafter", default="dspark", help="the drafter to train (a plugin offers its trainer)")
+    train.add_argument("--minutes", type=float, default=None, help="training budget (default: the recipe's steps)")
+    train.add_argument("--device", choices=["cpu", "cuda"], default=None)
+    train.add_argument("--output", default=None, help="weights file (default: the cache dspark_weights=auto reads)")
+    train.add_argument("--recipe", action="append", default=[], metavar="FIELD=VALUE",
+                       help="override a field of the training recipe, e.g. --recipe steps=500 (repeatable)")
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the 'serve' extra)")
     serve.add_argument("--model", default=None, help=f"HF folder or alias (default {DEFAULT_MODEL})")
     serve.add_argument("--host", default="127.0.0.1")
@@ -242,6 +254,29 @@ def cmd_ab(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_train_drafter(args: argparse.Namespace) -> int:
+    from deepinfer.plugins import drafter_trainers
+
+    trainers = drafter_trainers(discover_plugins())
+    if args.drafter not in trainers:
+        known = ", ".join(sorted(trainers)) or "none (install plugins/spec_decode)"
+        print(f"deepinfer train-drafter: no installed plugin trains {args.drafter!r}; trainers: {known}",
+              file=sys.stderr)
+        return 2
+    recipe = {}
+    for item in args.recipe:
+        name, sep, value = item.partition("=")
+        if not sep:
+            print(f"deepinfer train-drafter: --recipe takes FIELD=VALUE, got {item!r}", file=sys.stderr)
+            return 2
+        recipe[name] = yaml.safe_load(value)
+    overrides = _tree_to_sections(set_flags_to_tree(args.set))
+    path = trainers[args.drafter](args.model or DEFAULT_MODEL, output=args.output, minutes=args.minutes,
+                                  device=args.device, engine_overrides=overrides, recipe=recipe)
+    print(f"drafter weights: {path}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
 
@@ -259,7 +294,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "plugins": cmd_plugins, "bench": cmd_bench,
-            "ab": cmd_ab, "serve": cmd_serve}
+            "ab": cmd_ab, "serve": cmd_serve, "train-drafter": cmd_train_drafter}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

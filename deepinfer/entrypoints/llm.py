@@ -14,6 +14,8 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
+from deepinfer.engine.teacher import TeacherForcing, teacher_force
+from deepinfer.errors import DeepInferError
 from deepinfer.sampling.params import SamplingParams
 
 Prompt = str | list[int]
@@ -156,6 +158,18 @@ class LLM:
                         done[out.request_id] = out
                         bar.update(1)
         return [done[r.request_id] for r in requests]
+
+    def teacher_force(self, sequences: Sequence[Sequence[int]], *, top_k: int = 32,
+                      layers: Sequence[int] = (), max_tokens: int = 4096,
+                      use_tqdm: bool = False) -> list[TeacherForcing]:
+        """The model's ``top_k`` next-token logits at every position of each token sequence, and the inputs
+        of ``layers`` (``deepinfer.engine.teacher``), with nothing else in flight; for drafter training and
+        evaluation. Not available for ranks (``expert_parallel_size`` > 1)."""
+        if not isinstance(self.engine, LLMEngine):
+            raise DeepInferError("teacher_force runs in a single-process engine (expert_parallel_size = 1)")
+        with tqdm(total=len(sequences), desc="teacher-force", disable=not use_tqdm, unit="seq") as bar:
+            return teacher_force(self.engine, sequences, top_k=top_k, layers=layers, max_tokens=max_tokens,
+                                 progress=bar.update)
 
     def abort(self, request_id: str) -> bool:
         """Abort a queued or running request; it finishes with ``finish_reason="abort"``."""

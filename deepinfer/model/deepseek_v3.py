@@ -293,7 +293,7 @@ def in_main_layer(name: str, num_layers: int) -> bool:
 def count_routed_tokens(stats: torch.Tensor, ids: torch.Tensor, ctx: ForwardContext) -> None:
     """Add the experts each row chose (``ids [T, k]``) to ``stats [n_routed]`` (int64), in place and
     without a host sync. Under a CUDA graph's replay only the first ``ctx.num_real_tokens`` rows count:
-    the rest pad the step to its bucket (``model/graphs.py``)."""
+    the rest pad the step to its bucket (``engine/graphs.py``)."""
     flat = ids.reshape(-1)
     if ctx.num_real_tokens is None:
         weights = torch.ones_like(flat)

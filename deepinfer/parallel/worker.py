@@ -42,11 +42,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepinfer.engine.context import SpanLayout, forward_context
 from deepinfer.engine.cost import StepCost
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
-from deepinfer.interfaces import ForwardContext, RankLoad, Topology
+from deepinfer.interfaces import RankLoad, Topology
 from deepinfer.parallel.balancer import ExpertBalancer
 from deepinfer.parallel.messages import StepReply, TokenDelta
 from deepinfer.parallel.moe import attach_expert_parallel, ep_capable_layers
@@ -166,11 +167,9 @@ class Rank:
         if not self.layers:
             return
         ids = torch.zeros(0, dtype=torch.int64, device=self.device)
-        ctx = ForwardContext(positions=ids, slot_mapping=ids,
-                             query_start_loc=torch.zeros(1, dtype=torch.int32, device=self.device),
-                             seq_lens=ids, block_tables=torch.zeros(0, 1, dtype=torch.int64, device=self.device),
-                             num_decodes=0, query_start_loc_host=[0], seq_lens_host=[],
-                             block_size=self.engine.config.cache.block_size, backends=self.engine.runner.backends)
+        block_size = self.engine.config.cache.block_size
+        ctx = forward_context(SpanLayout.of([], block_size), block_size=block_size,
+                              backends=self.engine.runner.backends, device=self.device)
         with torch.inference_mode():
             self.engine.model.forward(ids, ctx)
 

@@ -44,19 +44,17 @@ from deepinfer.sampling.params import SamplingParams
 class PenaltyRow:
     """One sampling request of a step, as the penalty state reads it (plain data, no engine objects).
 
-    ``token_ids`` is the request's prompt then output (only read when its slot is rebuilt), of which the
-    first ``num_known`` are known on the host and the first ``num_prompt`` are the prompt.
-    ``first_row`` is its first row among the step's sampled logits rows; it owns ``1 + len(drafts)``
-    of them. ``output_index`` is the output index of the token its first row produces.
+    ``prompt_token_ids`` and ``output_token_ids`` (the output tokens known on the host) are read only
+    when the request's slot is rebuilt. ``first_row`` is its first row among the step's sampled logits
+    rows; it owns ``1 + len(drafts)`` of them. ``output_index`` is the output index of the token its first row produces.
     ``banned_eos`` are the tokens ``first_n_token_no_eos`` bans.
     """
 
     request_id: str
     epoch: int
     params: SamplingParams
-    token_ids: Sequence[int]
-    num_prompt: int
-    num_known: int
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
     first_row: int
     output_index: int
     drafts: Sequence[int]
@@ -185,11 +183,11 @@ class PenaltyState:
             slot, rebuild = self._slot(row)
             if rebuild:
                 resets.append(slot)
-                outputs = row.token_ids[row.num_prompt:row.num_known]
+                outputs = list(row.output_token_ids)
                 count_slot.extend([slot] * len(outputs))
                 count_token.extend(outputs)
                 if p.repetition_penalty != 1:
-                    prompt = sorted(set(row.token_ids[:row.num_prompt]))
+                    prompt = sorted(set(row.prompt_token_ids))
                     seen_slot.extend([slot] * len(prompt))
                     seen_token.extend(prompt)
                 self._has_bias.discard(slot)

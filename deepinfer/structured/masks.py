@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,7 @@ from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of,
 from deepinfer.structured.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
-    from deepinfer.engine.scheduler import ScheduledRequest
+    from deepinfer.engine.rows import StepRow
 
 # How long the device waits for the host to fill a step's masks before it reports a stuck engine.
 MASK_WAIT_S = 600.0
@@ -31,16 +32,20 @@ MASK_WAIT_S = 600.0
 class StepMasks:
     """Bitmasks of the structured rows of one step.
 
-    ``entries`` pairs each structured scheduled row with its first row among the step's sampled rows.
-    A row that verifies drafts (speculative decoding) owns ``1 + len(drafts)`` rows: the positions
-    after its committed tokens and after each draft prefix (``TokenMatcher.fill_draft_masks``).
-    ``rows`` lists every masked row. A row whose request finished or was preempted since the step was
-    scheduled is left all-allowed: its tokens are discarded in ``process`` anyway.
+    ``entries`` pairs each structured step row (``engine/rows.py``; its ``grammar`` handle holds the
+    matcher) with its first row among the step's sampled rows. A row that verifies drafts (speculative
+    decoding) owns ``1 + len(drafts)`` rows: the positions after its committed tokens and after each
+    draft prefix (``TokenMatcher.fill_draft_masks``). ``rows`` lists every masked row. ``live(row)``
+    (the engine's) tells whether the row's request is still in the epoch it was scheduled in; a row
+    whose request finished or was preempted since is left all-allowed: its tokens are discarded in
+    ``process`` anyway.
     """
 
-    def __init__(self, compiler: GrammarCompiler, num_rows: int, entries: list[tuple[ScheduledRequest, int]]) -> None:
+    def __init__(self, compiler: GrammarCompiler, num_rows: int, entries: list[tuple[StepRow, int]],
+                 live: Callable[[StepRow], bool]) -> None:
         self.compiler = compiler
         self.entries = entries
+        self.live = live
         self.rows = [first + j for s, first in entries for j in range(1 + len(s.drafts))]
         self.bitmask = compiler.allocate_bitmask(num_rows)
         self._pending = list(range(len(entries)))
@@ -58,13 +63,12 @@ class StepMasks:
         waiting = []
         for i in self._pending:
             s, first = self.entries[i]
-            req = s.request
-            if req.epoch != s.epoch:
+            if not self.live(s):
                 continue  # dead row: its result will be dropped
-            matcher = req.grammar.matcher if req.grammar is not None else None
+            matcher = s.grammar.matcher if s.grammar is not None else None
             if matcher is None:
-                raise RuntimeError(f"request {req.request_id} was scheduled before its grammar was ready")
-            if matcher.num_accepted != s.token_slot - req.num_prompt_tokens:
+                raise RuntimeError(f"request {s.request_id} was scheduled before its grammar was ready")
+            if matcher.num_accepted != s.token_slot - s.num_prompt_tokens:
                 waiting.append(i)  # the tokens before this row are still on the device
                 continue
             if s.drafts:

@@ -9,7 +9,7 @@ previous tokens were known (the overlapped executor's phase 4).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING
 
@@ -20,7 +20,8 @@ IDLE_WAIT_S = 0.05
 
 if TYPE_CHECKING:
     from deepinfer.engine.request import Request
-    from deepinfer.model.runner import StepInputs
+    from deepinfer.engine.rows import StepRow
+    from deepinfer.engine.runner import StepInputs
 
 
 class StructuredRuntime:
@@ -47,17 +48,19 @@ class StructuredRuntime:
             return
         wait([r.grammar.future for r in waiting], timeout=timeout_s, return_when=FIRST_COMPLETED)
 
-    def attach(self, inputs: StepInputs) -> None:
-        """Give ``inputs`` the masks of its structured sampler rows and fill the rows that can be filled."""
+    def attach(self, inputs: StepInputs, live: Callable[[StepRow], bool]) -> None:
+        """Give ``inputs`` the masks of its structured sampler rows (those whose step row has a grammar
+        handle) and fill the rows that can be filled; ``live(row)``: the row's request is still in the
+        epoch it was scheduled in (``StepMasks``)."""
         entries, row = [], 0
         for s in inputs.samplers:  # a row verifying drafts owns 1 + len(drafts) sampled rows
-            if s.request.grammar is not None:
+            if s.grammar is not None:
                 entries.append((s, row))
             row += 1 + len(s.drafts)
         if not entries:
             return
-        compiler = entries[0][0].request.grammar.compiler
-        masks = StepMasks(compiler, row, entries)
+        compiler = entries[0][0].grammar.compiler
+        masks = StepMasks(compiler, row, entries, live)
         inputs.grammar = masks
         self.masked_rows += len(masks.rows)
         if not self._fill(masks):

@@ -1,8 +1,9 @@
 """The core's reference backends in plain torch: correct on CPU and GPU, the oracle for kernels.
 
 Attention over the paged cache: decode rows (one query each) are gathered into one padded batch and
-answered by one SDPA call; prefill chunks are answered one request at a time, in blocks of query rows
-against only the keys each block can see (window-banded on sliding layers). GQA is handled by
+answered by one SDPA call, and so are requests with a few query tokens past a cached context
+(verification rows, ``FEW_QUERY_ROWS``); prefill chunks are answered one request at a time, in blocks
+of query rows against only the keys each block can see (window-banded on sliding layers). GQA is handled by
 folding each KV head's query group into the query-length axis, so K/V are never repeated.
 """
 
@@ -20,6 +21,9 @@ ALL_KV_DTYPES = frozenset({"auto", "bf16", "fp8"})
 # Query rows per attention call in prefill: a block's mask and scores are [rows, visible keys], so a long
 # prompt never builds an L×L mask (sliding layers: rows × (rows + window − 1); full layers: rows × L).
 PREFILL_QUERY_ROWS = 1024
+# Requests with at most this many query tokens past a cached context (verification rows: the last token
+# and its drafts) are answered together in one padded SDPA call, like decode rows, instead of one call each.
+FEW_QUERY_ROWS = 16
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
@@ -95,10 +99,40 @@ class TorchAttentionBackend:
         if nd:
             out[:nd] = self._decode(q[:nd], kv_cache, ctx, scale, window)
         starts, lens = ctx.query_start_loc_host, ctx.seq_lens_host
+        few = [i for i in range(nd, len(lens)) if starts[i + 1] - starts[i] <= min(FEW_QUERY_ROWS, lens[i] - 1)]
+        if few:
+            self._few_queries(q, out, kv_cache, ctx, few, scale, window)
+        taken = set(few)
         for i in range(nd, len(lens)):
-            lo, hi = starts[i], starts[i + 1]
-            out[lo:hi] = self._prefill(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, ctx, i, scale, window)
+            if i not in taken:
+                lo, hi = starts[i], starts[i + 1]
+                out[lo:hi] = self._prefill(q[lo:hi], k[lo:hi], v[lo:hi], kv_cache, ctx, i, scale, window)
         return out
+
+    def _few_queries(self, q: torch.Tensor, out: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                     ctx: ForwardContext, rows: list[int], scale: float, window: int) -> None:
+        """Requests ``rows`` (each a few queries past a cached context; this step's K/V are already in the
+        cache) in one padded SDPA call over their gathered blocks; writes their outputs into ``out``."""
+        starts, lens = ctx.query_start_loc_host, ctx.seq_lens_host
+        counts = [starts[i + 1] - starts[i] for i in rows]
+        width = max(counts)
+        dev = q.device
+        # Row j of request r is query starts[r] + j (clamped to its last query for the padding rows).
+        offsets = torch.arange(width, device=dev)
+        first = torch.tensor([starts[i] for i in rows], dtype=torch.int64, device=dev)
+        n = torch.tensor(counts, dtype=torch.int64, device=dev)
+        index = first.unsqueeze(1) + torch.minimum(offsets, n.unsqueeze(1) - 1)
+        seq_lens = torch.tensor([lens[i] for i in rows], dtype=torch.int64, device=dev)
+        query_pos = seq_lens.unsqueeze(1) - n.unsqueeze(1) + torch.minimum(offsets, n.unsqueeze(1) - 1)
+        max_len = max(lens[i] for i in rows)
+        picked = torch.tensor(rows, dtype=torch.int64, device=dev)
+        table = ctx.block_tables.index_select(0, picked)[:, : -(-max_len // ctx.block_size)]
+        k, v = gather_kv(kv_cache, table, q.dtype)
+        floor = 0 if ctx.visibility_floor is None else ctx.visibility_floor.index_select(0, picked).unsqueeze(-1)
+        mask = _visible(query_pos, k.shape[1], window, floor)
+        answer = _grouped_sdpa(q[index], k, v, mask, scale)  # [R, width, Hq, D]
+        valid = offsets < n.unsqueeze(1)
+        out[index[valid]] = answer[valid]
 
     def _decode(self, q: torch.Tensor, kv_cache: tuple[torch.Tensor, ...], ctx: ForwardContext,
                 scale: float, window: int) -> torch.Tensor:

@@ -330,7 +330,7 @@ def test_tiny_v4_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path)
     from tiny_models import record_logits
 
     from deepinfer import SamplingParams
-    from deepinfer.model.graphs import DecodeGraphs
+    from deepinfer.engine.graphs import DecodeGraphs
 
     build("v4-yarn", tmp_path)
     batch = prompts([3, 29, 12], seed=23)  # windows of the CSA (4) and HCA (8) compressors close while decoding

@@ -29,8 +29,12 @@ class SpecDecodeConfig(BaseModel):
     first-order Markov correction; ``dspark_noise_token_id`` the filler of the block after the last
     token (None: the last vocabulary id); ``dspark_confidence_temperature`` the sigmoid temperature of
     the confidence head, one value or one per draft position (the reference's
-    ``DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE``, a comma list); ``dspark_weights`` a safetensors
-    file in the README's layout (None: random weights from the engine seed).
+    ``DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE``, a comma list); ``dspark_weights``: ``auto`` (the
+    drafter trained for this target by ``deepinfer train-drafter``'s default recipe, cached under
+    ``$DEEPINFER_CACHE_DIR/drafters``; trained on first use, with a progress bar), a safetensors file in
+    the README's layout, or ``random`` (weights from the engine seed: acceptance near zero; for tests and
+    mechanism benchmarks); ``dspark_auto_recipe`` overrides fields of the recipe ``auto`` trains with
+    (``drafter_training.Recipe``: e.g. ``{"prompts": 200, "steps": 1000}``; part of the cache key).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -52,7 +56,8 @@ class SpecDecodeConfig(BaseModel):
     dspark_markov_rank: int = Field(default=32, ge=1)
     dspark_noise_token_id: int | None = Field(default=None, ge=0)
     dspark_confidence_temperature: float | list[float] = 1.0
-    dspark_weights: str | None = None
+    dspark_weights: str = "auto"
+    dspark_auto_recipe: dict[str, Any] | None = None
 
     @field_validator("plan", mode="before")
     @classmethod

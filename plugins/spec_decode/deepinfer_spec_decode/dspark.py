@@ -23,15 +23,27 @@ the distribution reported so verification stays lossless). The raw confidence of
 final norm, ``e_i`` the Markov embedding of its previous token and ``T_i`` the position's
 ``dspark_confidence_temperature``; the plugin calibrates it and the ``varlen`` plan ranks by it.
 
-**Weights** (``dspark_weights``, one safetensors file, names without a prefix; ``H`` the main model's
-hidden size, ``L`` the number of target layers, ``I`` the intermediate size, ``r`` the Markov rank,
-``V`` the vocabulary): ``main_proj.weight [H, H·L]``, ``main_norm.weight [H]``, per block ``b``:
-``layers.{b}.attn_norm.weight [H]``, ``layers.{b}.qkv.weight [3H, H]`` (q, k, v stacked),
-``layers.{b}.o.weight [H, H]``, ``layers.{b}.mlp_norm.weight [H]``, ``layers.{b}.gate_up.weight [2I, H]``
-(gate, up stacked), ``layers.{b}.down.weight [H, I]``; ``norm.weight [H]``,
-``markov_head.embed.weight [V, r]``, ``markov_head.head.weight [V, r]``, ``confidence_head.proj.weight
-[1, H + r]``, ``confidence_head.proj.bias [1]``. Without a file the weights are random from the engine
-seed (acceptance then is near zero). ``save_weights`` writes this layout.
+**Draft vocabulary.** A trained drafter may propose from a subset of the target's vocabulary
+(``d2t``, draft id → target id, as EAGLE-3's map): its output head is then the target's LM head rows
+of those tokens (``Vd`` rows instead of ``V``: for SmolLM2 8,192 of 49,152, for Gemma-3 far fewer of
+262k), its Markov head scores ``Vd`` tokens, and a previous token outside the subset embeds through
+one extra row. Drafts are mapped back to target ids and their distributions reported over the whole
+vocabulary (zero outside the subset), so verification stays lossless: a token outside is simply never
+proposed.
+
+**Weights** (``dspark_weights``: ``auto``, a file or ``random``; one safetensors file, names without a
+prefix; ``H`` the main model's hidden size, ``L`` the number of target layers, ``I`` the intermediate
+size, ``r`` the Markov rank, ``V`` the vocabulary or ``Vd`` the draft vocabulary):
+``main_proj.weight [H, H·L]``, ``main_norm.weight [H]``, per block ``b``: ``layers.{b}.attn_norm.weight
+[H]``, ``layers.{b}.qkv.weight [3H, H]`` (q, k, v stacked), ``layers.{b}.o.weight [H, H]``,
+``layers.{b}.mlp_norm.weight [H]``, ``layers.{b}.gate_up.weight [2I, H]`` (gate, up stacked),
+``layers.{b}.down.weight [H, I]``; ``norm.weight [H]``, ``markov_head.embed.weight [V, r]`` (``[Vd + 1,
+r]`` with a draft vocabulary), ``markov_head.head.weight [V or Vd, r]``, ``confidence_head.proj.weight
+[1, H + r]``, ``confidence_head.proj.bias [1]``, and with a draft vocabulary ``d2t [Vd]`` (int64, distinct
+target ids). ``auto`` reads the drafter ``deepinfer train-drafter`` trained for this target and recipe
+(``drafter_training``, ``drafter_cache``; trained on first use); ``random`` fills random weights from
+the engine seed (acceptance then is near zero; for tests and mechanism benchmarks). ``save_weights``
+writes this layout.
 
 Where this differs from the reference: the context is the last committed row only (the reference keeps
 a sliding window of projected target keys in a ring cache per drafter layer), and the drafter's blocks
@@ -40,7 +52,7 @@ are dense (no MoE, no hyper-connections).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,9 +118,9 @@ class DSparkBlock(nn.Module):
 class MarkovHead(nn.Module):
     """First-order Markov correction: ``head(embed(previous token))`` added to a draft's logits."""
 
-    def __init__(self, vocab: int, rank: int, **kw: Any) -> None:
+    def __init__(self, vocab: int, rank: int, *, extra_rows: int = 0, **kw: Any) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, rank, **kw)
+        self.embed = nn.Embedding(vocab + extra_rows, rank, **kw)  # extra row: tokens outside a draft vocabulary
         self.head = nn.Linear(rank, vocab, bias=False, **kw)
 
 
@@ -124,15 +136,56 @@ class DSparkNetwork(nn.Module):
     """The drafter's weights (layout in the module docstring) and its one-pass block forward."""
 
     def __init__(self, hidden: int, num_targets: int, vocab: int, *, num_layers: int, heads: int,
-                 intermediate: int, markov_rank: int, dtype: torch.dtype, device: torch.device) -> None:
+                 intermediate: int, markov_rank: int, dtype: torch.dtype, device: torch.device,
+                 draft_vocab_size: int | None = None) -> None:
         super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
+        self.vocab = vocab
         self.main_proj = nn.Linear(hidden * num_targets, hidden, bias=False, **kw)
         self.main_norm = RMSNorm(hidden, EPS, **kw)
         self.layers = nn.ModuleList(DSparkBlock(hidden, heads, intermediate, **kw) for _ in range(num_layers))
         self.norm = RMSNorm(hidden, EPS, **kw)
-        self.markov_head = MarkovHead(vocab, markov_rank, **kw)
+        reduced = draft_vocab_size is not None
+        self.markov_head = MarkovHead(draft_vocab_size or vocab, markov_rank, extra_rows=int(reduced), **kw)
         self.confidence_head = ConfidenceHead(hidden + markov_rank, **kw)
+        # Draft id → target id (a buffer saved with the weights, filled by ``load_weights`` or
+        # ``set_draft_vocab``), or None for the whole vocabulary.
+        d2t = torch.arange(draft_vocab_size, dtype=torch.int64, device=device) if reduced else None
+        self.register_buffer("d2t", d2t)
+        self.t2d: torch.Tensor | None = None  # target id → draft id (draft_vocab_size where outside), derived
+
+    @property
+    def draft_vocab_size(self) -> int:
+        """Tokens the drafter can propose (the target's vocabulary unless reduced)."""
+        return self.vocab if self.d2t is None else self.d2t.shape[0]
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        """Use the target ids ``d2t [Vd]`` (distinct, in the target's vocabulary) as the draft vocabulary."""
+        assert self.d2t is not None and d2t.shape == self.d2t.shape, "the network was sized for another vocabulary"
+        self.d2t.copy_(d2t)
+        self._derive_t2d()
+
+    def _derive_t2d(self) -> None:
+        if self.d2t is None:
+            return
+        t2d = torch.full((self.vocab,), self.d2t.shape[0], dtype=torch.int64, device=self.d2t.device)
+        t2d[self.d2t] = torch.arange(self.d2t.shape[0], device=self.d2t.device)
+        self.t2d = t2d
+
+    def head_of(self, lm_head: torch.Tensor) -> nn.Parameter:
+        """The drafter's output head: the target's LM head ``[V, H]`` (shared, never trained), or its rows of
+        the draft vocabulary. A frozen parameter, so a GEMM backend may pack it once."""
+        self._derive_t2d()
+        head = lm_head.detach() if self.d2t is None else lm_head.detach().index_select(0, self.d2t)
+        return nn.Parameter(head, requires_grad=False)
+
+    def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target ids → draft ids (``draft_vocab_size``, the Markov head's extra row, where outside)."""
+        return tokens if self.t2d is None else self.t2d[tokens]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids → target ids."""
+        return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
     def block(self, features: torch.Tensor, embedded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``features [B, H·L]`` of each request's last committed row and the ``embedded [B, k, H]`` block
@@ -144,31 +197,37 @@ class DSparkNetwork(nn.Module):
         return x, self.norm(x)
 
 
-def draft_block(logits: torch.Tensor, hidden: torch.Tensor, last_tokens: torch.Tensor, markov: MarkovHead,
-                confidence_head: ConfidenceHead, confidence_temperature: torch.Tensor, temperature: torch.Tensor,
-                seeds: torch.Tensor, positions: torch.Tensor, report_probs: bool
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Drafts from a block's ``logits [B, k, V]`` (float32) with the first-order Markov correction, in order.
+def draft_block(logits: torch.Tensor, hidden: torch.Tensor, last_tokens: torch.Tensor, network: DSparkNetwork,
+                confidence_temperature: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                positions: torch.Tensor, report_probs: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Drafts from a block's ``logits [B, k, Vd]`` (float32, over the draft vocabulary) with the first-order
+    Markov correction, in order.
 
     ``hidden [B, k, H]`` the block rows before the final norm, ``last_tokens [B]`` the golden tokens,
     ``confidence_temperature [k]`` the sigmoid temperatures, ``temperature``/``seeds [B]`` the
     requests' sampling settings and ``positions [B]`` their last tokens' positions (draft ``i`` lands
-    at ``position + 1 + i``). Returns ``tokens [B, k]`` int64, the distributions they were drawn from
-    ``[B, k, V]`` (None unless ``report_probs``) and the raw confidences ``[B, k]`` float32 in (0, 1)."""
-    batch, k, vocab = logits.shape
+    at ``position + 1 + i``). Returns ``tokens [B, k]`` int64 target ids, the distributions they were
+    drawn from over the target's vocabulary ``[B, k, V]`` (zero outside the draft vocabulary; None unless
+    ``report_probs``) and the raw confidences ``[B, k]`` float32 in (0, 1)."""
+    batch, k, _ = logits.shape
+    markov, confidence_head = network.markov_head, network.confidence_head
     tokens = torch.empty(batch, k, dtype=torch.int64, device=logits.device)
     confidence = torch.empty(batch, k, dtype=torch.float32, device=logits.device)
-    probs = torch.empty(batch, k, vocab, dtype=torch.float32, device=logits.device) if report_probs else None
-    previous = last_tokens
+    probs = (torch.zeros(batch, k, network.vocab, dtype=torch.float32, device=logits.device)
+             if report_probs else None)
+    previous = network.to_draft_ids(last_tokens)
     for i in range(k):
         embedding = markov.embed(previous)
         corrected = logits[:, i] + markov.head(embedding).float()
         draft, dist, _ = choose_drafts(corrected, temperature, seeds, positions + 1 + i)
         z = confidence_head.proj(torch.cat([hidden[:, i], embedding], dim=-1)).float().squeeze(-1)
         confidence[:, i] = torch.sigmoid((z / confidence_temperature[i]).clamp(-LOGIT_CLAMP, LOGIT_CLAMP))
-        tokens[:, i] = draft
+        tokens[:, i] = network.to_target_ids(draft)
         if probs is not None:
-            probs[:, i] = dist
+            if network.d2t is None:
+                probs[:, i] = dist
+            else:
+                probs[:, i].index_copy_(-1, network.d2t, dist)
         previous = draft
     return tokens, probs, confidence
 
@@ -181,6 +240,7 @@ class DSparkDrafter:
         self.model = model
         self.network = network
         self.noise_token_id = noise_token_id
+        self.head = network.head_of(lm_head_of(model))
         device = model.embed_tokens.weight.device
         self.confidence_temperature = torch.tensor(confidence_temperature, dtype=torch.float32, device=device)
 
@@ -198,12 +258,18 @@ class DSparkDrafter:
         block_ids = torch.full((batch, k), self.noise_token_id, dtype=torch.int64, device=dev)
         block_ids[:, 0] = inputs.last_tokens
         before_norm, normed = self.network.block(features, self.model.embed_tokens(block_ids))
-        logits = self.model.compute_logits(normed.reshape(batch * k, -1), rows.ctx).reshape(batch, k, -1)
+        logits = rows.ctx.backends["linear"].linear(normed.reshape(batch * k, -1), self.head)
         report = bool((inputs.temperature > 0).any())  # one read: whether distributions are reported at all
         tokens, probs, confidence = draft_block(
-            logits, before_norm, inputs.last_tokens, self.network.markov_head, self.network.confidence_head,
+            logits.float().reshape(batch, k, -1), before_norm, inputs.last_tokens, self.network,
             self.confidence_temperature, inputs.temperature, inputs.seeds, inputs.positions, report)
         return DraftProposal(tokens, probs, confidence)
+
+
+def lm_head_of(model: Any) -> torch.Tensor:
+    """The model's LM head weight ``[V, H]`` (its embedding table when tied)."""
+    head = getattr(model, "lm_head", None)
+    return model.embed_tokens.weight if head is None else head
 
 
 def target_layers(config: SpecDecodeConfig, num_layers: int) -> list[int]:
@@ -224,8 +290,10 @@ def check_config(config: SpecDecodeConfig, info: EngineInfo) -> None:
                           f"({info.vocab_size})")
 
 
-def build_network(model: Any, config: SpecDecodeConfig, num_targets: int) -> DSparkNetwork:
-    """An unfilled network sized for ``model`` (its hidden size, vocabulary, dtype and device)."""
+def build_network(model: Any, config: SpecDecodeConfig, num_targets: int,
+                  draft_vocab_size: int | None = None) -> DSparkNetwork:
+    """An unfilled network sized for ``model`` (its hidden size, vocabulary, dtype and device), proposing
+    from a draft vocabulary of ``draft_vocab_size`` tokens (None: the whole vocabulary)."""
     weight = model.embed_tokens.weight
     hidden = weight.shape[1]
     heads = config.dspark_num_heads
@@ -234,15 +302,21 @@ def build_network(model: Any, config: SpecDecodeConfig, num_targets: int) -> DSp
                           "into heads of an even size")
     return DSparkNetwork(hidden, num_targets, model.vocab_size, num_layers=config.dspark_num_layers, heads=heads,
                          intermediate=config.dspark_intermediate_size or 2 * hidden,
-                         markov_rank=config.dspark_markov_rank, dtype=weight.dtype, device=weight.device)
+                         markov_rank=config.dspark_markov_rank, dtype=weight.dtype, device=weight.device,
+                         draft_vocab_size=draft_vocab_size)
 
 
-def load_weights(network: DSparkNetwork, path: str | Path) -> None:
-    """Fill ``network`` from a safetensors file in the documented layout (every tensor, exact shapes)."""
+def _read_file(path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
     try:
-        state = load_file(str(path), device=str(network.main_proj.weight.device))
+        return load_file(str(path), device=str(device))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"plugins.spec_decode.dspark_weights: cannot read {str(path)!r}: {exc}") from None
+
+
+def load_weights(network: DSparkNetwork, path: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Fill ``network`` from a safetensors file in the documented layout (every tensor, exact shapes;
+    ``state``: the file's tensors when already read)."""
+    state = _read_file(path, network.main_proj.weight.device) if state is None else state
     expected = network.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -253,6 +327,12 @@ def load_weights(network: DSparkNetwork, path: str | Path) -> None:
         raise ConfigError(f"plugins.spec_decode.dspark_weights: {str(path)!r} does not fit the drafter "
                           f"configured for this model ({detail})")
     network.load_state_dict(state)
+    if network.d2t is not None:
+        d2t = network.d2t
+        if d2t.min() < 0 or d2t.max() >= network.vocab or torch.unique(d2t).numel() != d2t.numel():
+            raise ConfigError(f"plugins.spec_decode.dspark_weights: {str(path)!r} has a d2t map that is not a set of "
+                              f"distinct ids in [0, {network.vocab})")
+        network.set_draft_vocab(d2t.clone())
 
 
 def save_weights(network: DSparkNetwork, path: str | Path) -> None:
@@ -260,18 +340,29 @@ def save_weights(network: DSparkNetwork, path: str | Path) -> None:
     save_file({name: t.detach().contiguous().cpu() for name, t in network.state_dict().items()}, str(path))
 
 
-def build_dspark(model: Any, info: EngineInfo, config: SpecDecodeConfig) -> DSparkDrafter:
-    """The ``dspark`` drafter for ``model``: weights from ``dspark_weights`` or random from the engine seed;
-    the model is told to capture the target layers (the engine then keeps them for the drafter)."""
+def build_dspark(model: Any, info: EngineInfo, config: SpecDecodeConfig,
+                 auto_weights: Callable[[], Path] | None = None) -> DSparkDrafter:
+    """The ``dspark`` drafter for ``model``: weights from ``dspark_weights`` — a file, ``random`` (from the
+    engine seed) or ``auto`` (``auto_weights()`` gives the path of this target's trained drafter, training
+    it on first use) — and the model told to capture the target layers (the engine then keeps them for
+    the drafter)."""
     if not callable(getattr(model, "capture_hidden", None)):
         raise ConfigError(f"plugins.spec_decode.drafter='dspark' needs a model that can capture layer features; "
                           f"{info.architecture} cannot; choose 'ngram'")
     layers = target_layers(config, info.num_layers)
-    network = build_network(model, config, len(layers))
-    if config.dspark_weights:
-        load_weights(network, config.dspark_weights)
-    else:
+    source = config.dspark_weights
+    if source == "auto":
+        if auto_weights is None:
+            raise ConfigError("plugins.spec_decode.dspark_weights='auto' needs the plugin's drafter cache")
+        source = str(auto_weights())
+    if source == "random":
+        network = build_network(model, config, len(layers))
         init_dummy(network, info.seed)
+    else:
+        state = _read_file(source, model.embed_tokens.weight.device)
+        d2t = state.get("d2t")
+        network = build_network(model, config, len(layers), None if d2t is None else int(d2t.shape[0]))
+        load_weights(network, source, state)
     network.eval()
     try:
         model.capture_hidden(layers)

@@ -9,6 +9,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.interfaces import Drafter, EngineInfo, StepStats
 from deepinfer_spec_decode.calibration import CalibratedDrafter, IsotonicCalibrator
 from deepinfer_spec_decode.config import SpecDecodeConfig
+from deepinfer_spec_decode.drafter_cache import auto_drafter, train_dspark
 from deepinfer_spec_decode.dspark import build_dspark, check_config
 from deepinfer_spec_decode.mtp import MTPDrafter
 from deepinfer_spec_decode.ngram import NgramDrafter
@@ -34,6 +35,10 @@ class Plugin:
                 "DEEPINFER_ENABLE_MTP_VARLEN": "plugins.spec_decode.plan",
                 "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE": "plugins.spec_decode.dspark_confidence_temperature"}
 
+    @staticmethod
+    def deepinfer_drafter_trainers() -> dict[str, Any]:
+        return {"dspark": train_dspark}
+
     def _calibrated(self, drafter: Drafter) -> Drafter:
         return drafter if self.config.calibration == "off" else CalibratedDrafter(drafter, self.calibrator)
 
@@ -52,7 +57,8 @@ class Plugin:
 
     def _dspark(self, *, model: Any, info: EngineInfo) -> Drafter:
         # Asks the model to capture the target layers; the engine sees that and keeps them (runner.hidden_layers).
-        return self._calibrated(build_dspark(model, info, self.config))
+        return self._calibrated(build_dspark(model, info, self.config,
+                                             auto_weights=lambda: auto_drafter(info, self.config)))
 
     @hookimpl
     def deepinfer_drafters(self) -> dict[str, Any]:

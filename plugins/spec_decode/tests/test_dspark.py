@@ -11,7 +11,7 @@ import pytest
 import torch
 from abort_drills import assert_preempted_then_aborts_free_every_block
 from deepinfer_spec_decode.config import SpecDecodeConfig
-from deepinfer_spec_decode.dspark import ConfidenceHead, DSparkDrafter, MarkovHead, draft_block, save_weights
+from deepinfer_spec_decode.dspark import DSparkDrafter, DSparkNetwork, draft_block, save_weights
 from test_deepseek_v3 import CONFIGS as DEEPSEEK_CONFIGS
 from test_deepseek_v3 import _build as build_deepseek
 from tiny_models import save_tiny
@@ -28,7 +28,8 @@ KV_BYTES = 1 << 22  # a small pool: allocating the default one dominates a tiny 
 
 
 def _spec(plan: str = "fixed", **extra) -> dict:
-    return {"spec_decode": {"enabled": True, "drafter": "dspark", "plan": plan, "max_draft": K, **extra}}
+    return {"spec_decode": {"enabled": True, "drafter": "dspark", "plan": plan, "max_draft": K,
+                            "dspark_weights": "random", **extra}}
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -141,9 +142,14 @@ def test_weights_round_trip_through_the_safetensors_layout(llama_dir, tmp_path):
         _llm(llama_dir, _spec(dspark_weights=str(path), dspark_markov_rank=8))
 
 
+def _hand_made_network(draft_vocab_size: int | None = None) -> DSparkNetwork:
+    return DSparkNetwork(2, 1, 4, num_layers=1, heads=1, intermediate=4, markov_rank=2, dtype=torch.float32,
+                         device=torch.device("cpu"), draft_vocab_size=draft_vocab_size)
+
+
 def test_markov_correction_and_confidence_head_on_a_hand_made_block():
-    markov = MarkovHead(4, 2)
-    head = ConfidenceHead(2 + 2)
+    network = _hand_made_network()
+    markov, head = network.markov_head, network.confidence_head
     with torch.no_grad():
         # e(0) = [1, 0], e(1) = [0, 1], e(2) = [0, 0], e(3) = [1, 1]; correction adds 3·e₀ to token 2, 5·e₁ to token 3.
         markov.embed.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [1.0, 1.0]]))
@@ -156,7 +162,7 @@ def test_markov_correction_and_confidence_head_on_a_hand_made_block():
     hidden = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [2.0, 2.0]]])
     temps = torch.tensor([1.0, 0.5, 0.1])
     zero = torch.zeros(1, dtype=torch.int64)
-    tokens, probs, confidence = draft_block(logits, hidden, zero, markov, head, temps, torch.zeros(1), zero,
+    tokens, probs, confidence = draft_block(logits, hidden, zero, network, temps, torch.zeros(1), zero,
                                             torch.tensor([10]), report_probs=True)
     assert tokens.tolist() == [[2, 1, 3]]
     # z = w·[h, e] + b: 0.5 + 2 + 0.25 = 2.75 (T 1); −1 + 0.25 = −0.75 (T 0.5); −1 + 1 + 0.25 = 0.25 (T 0.1)
@@ -186,3 +192,8 @@ def test_config_checks_and_the_reference_temperature_knob(llama_dir, monkeypatch
     monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", ",".join(["0.5"] * K))
     llm = _llm(llama_dir, _spec())
     assert _dspark(llm).confidence_temperature.tolist() == [0.5] * K
+
+
+def test_auto_weights_need_a_tokenizer(llama_dir):
+    with pytest.raises(ConfigError, match="needs its tokenizer"):
+        _llm(llama_dir, _spec(dspark_weights="auto"))

@@ -15,7 +15,7 @@ from abort_drills import run_with_staged_aborts
 from deepinfer_spec_decode.mtp import choose_drafts
 from safetensors import safe_open
 from safetensors.torch import save_file
-from spec_setup import check_drafts_every_step, known_mtp_drafts
+from spec_setup import check_drafts_every_step, known_mtp_drafts, running_with_drafts
 from test_deepseek_v3 import _build as build_deepseek
 from test_deepseek_v3_mtp import _mtp_checkpoint
 from test_sampling import _chi_square_p
@@ -191,7 +191,7 @@ def test_sampling_requests_get_drafts_drawn_from_the_reported_probs(with_mtp):
     seen = 0
     while engine.has_unfinished():
         engine.step()
-        for req in (r for r in engine.scheduler.running if r.draft_tokens):
+        for req in (r for r in running_with_drafts(engine) if r.draft_tokens):
             probs, n = req.draft_probs, len(req.draft_tokens)
             if probs is None:  # only a batch of greedy requests reports no distribution (one-hot)
                 assert req.params.greedy

@@ -1,8 +1,9 @@
 """The step runner: a scheduled batch → tensors → forward → logits → sampled tokens.
 
-Inputs are built on the host from the requests' tokens and block tables and copied to the device
-once per step. Only the rows that need logits go through the LM head: the last row of every request
-that samples, plus every prompt row of requests that asked for prompt logprobs. A request that
+Inputs are built on the host from the step's rows (``engine/rows.py``: plain data the scheduler
+emits; the runner never sees the engine's requests) and copied to the device once per step. Only the
+rows that need logits go through the LM head: the last row of every request that samples, plus every
+prompt row of requests that asked for prompt logprobs. A request that
 verifies drafts (speculative decoding) sends all its rows; when any does, the step verifies instead of
 sampling (``sampling/verify.py``), and requests without drafts sample exactly as they would alone.
 """
@@ -10,15 +11,16 @@ sampling (``sampling/verify.py``), and requests without drafts sample exactly as
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from deepinfer.engine.context import Span, SpanLayout, forward_context
+from deepinfer.engine.graphs import DecodeGraphs, GraphStep
+from deepinfer.engine.rows import StepRow
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
-from deepinfer.model.graphs import DecodeGraphs, GraphStep
 from deepinfer.model.transfer import to_device, to_host
 from deepinfer.sampling.penalties import PenaltyRow, PenaltyState, PenaltyStep
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
@@ -30,7 +32,7 @@ from deepinfer.structured.masks import StepMasks
 class PromptLogprobSpan:
     """Logits rows ``[lo, lo + count)`` of one request score prompt tokens from ``first_target``."""
 
-    scheduled: ScheduledRequest
+    row: StepRow
     lo: int
     count: int
     first_target: int
@@ -43,7 +45,7 @@ class StepInputs:
     input_ids: torch.Tensor
     ctx: ForwardContext
     logits_indices: torch.Tensor
-    samplers: list[ScheduledRequest]
+    samplers: list[StepRow]
     sample_rows: torch.Tensor
     sampling: SamplingBatch | None
     prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
@@ -65,7 +67,7 @@ class StepInputs:
 class StepResults:
     """Device results of a step; the host reads them once, in ``process``."""
 
-    samplers: list[ScheduledRequest]
+    samplers: list[StepRow]
     sampled: SampleResult | None
     prompt_spans: list[PromptLogprobSpan]
     prompt_logits: torch.Tensor | None
@@ -100,13 +102,13 @@ class ModelRunner:
         self.backends = backends
         self.block_size = block_size
         self.device = device
-        # Set by the engine for models with per-request state (kv/state.py): a request's state slot,
-        # and the positions below which its blocks are shared (exact replay must not rewrite them).
-        self.state_slot: Callable[[str], int] | None = None
-        self.write_floor: Callable[[str], int] | None = None
+        # Set by the engine for models with per-request state (kv/state.py): the contexts then carry each
+        # row's state slot and write floor (the positions below which its blocks are shared: exact replay
+        # must not rewrite them).
+        self.stateful = False
         # Set by the engine when the drafter reads the main model's rows (MTP): results keep ``hidden``.
         self.keep_hidden = False
-        # Set by the engine when decode-shaped steps replay CUDA graphs (model/graphs.py).
+        # Set by the engine when decode-shaped steps replay CUDA graphs (engine/graphs.py).
         self.graphs: DecodeGraphs | None = None
         self._last_ready: torch.cuda.Event | None = None  # the previous step's end, for device_span
         # Set with ``keep_hidden`` when the drafter reads chosen layers' features (dspark, the model's
@@ -115,89 +117,60 @@ class ModelRunner:
         # Device-side token counts and biases of requests that process logits, built by the first such one.
         self.penalties: PenaltyState | None = None
 
-    def prepare(self, sched: SchedulerOutput, block_table: Callable[[str], list[int]]) -> StepInputs:
-        """Flatten the batch: token ids, positions, cache slots, block tables, logits rows."""
-        bs = self.block_size
+    def prepare(self, rows: Sequence[StepRow]) -> StepInputs:
+        """Flatten the step's rows (decode rows first): token ids, positions, cache slots, block tables,
+        logits rows."""
+        layout = SpanLayout.of([(s.block_table, s.start, s.num_new_tokens) for s in rows], self.block_size)
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
         logits_rows: list[int] = []
-        samplers: list[ScheduledRequest] = []
+        samplers: list[StepRow] = []
         sample_rows: list[int] = []
         spans: list[PromptLogprobSpan] = []
         pending_rows: list[int] = []
         pending_requests: list[str] = []
-        for s in sched.scheduled:
-            req, start, n = s.request, s.start, s.num_new_tokens
-            table = block_table(req.request_id)
-            end = start + n
-            ids.extend(req.all_token_ids[start:end - len(s.drafts)] + s.drafts)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            first_row = starts[-1]
-            if req.num_pending and end - len(s.drafts) > req.num_tokens - req.num_pending:
-                pending_rows.append(first_row + req.num_tokens - req.num_pending - start)
-                pending_requests.append(req.request_id)
-            starts.append(first_row + n)
-            seq_lens.append(end)
-            tables.append(table)
-            if req.params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
-                count = min(end, req.num_prompt_tokens - 1) - start
-                spans.append(PromptLogprobSpan(s, len(logits_rows), count, start + 1))
+        for s, first_row in zip(rows, layout.starts, strict=False):
+            n = s.num_new_tokens
+            ids.extend(s.token_ids)
+            if s.pending_offset >= 0:
+                pending_rows.append(first_row + s.pending_offset)
+                pending_requests.append(s.request_id)
+            if s.prompt_targets:
+                count = len(s.prompt_targets)
+                spans.append(PromptLogprobSpan(s, len(logits_rows), count, s.start + 1))
                 logits_rows.extend(range(first_row, first_row + count))
             if s.samples:
                 samplers.append(s)
                 sample_rows.extend(range(len(logits_rows), len(logits_rows) + 1 + len(s.drafts)))
                 logits_rows.extend(range(first_row + n - 1 - len(s.drafts), first_row + n))
-        max_query_len = max(s.num_new_tokens for s in sched.scheduled)
         dev = self.device
 
         def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return to_device(values, dtype, dev)  # never waits for the device (launch path)
 
         # Bounded replay: restore floors, and the YoCo truncation of chunks of a truncated prefill.
-        floors = [s.request.visibility_floor for s in sched.scheduled]
-        truncations = [s.request.truncation if s.start < s.request.truncation_end else None for s in sched.scheduled]
+        floors = [s.visibility_floor for s in rows]
+        truncations = [s.truncation for s in rows]
         has_floor, has_truncation = any(floors), any(t is not None for t in truncations)
         state_slots = write_floors = None
-        if self.state_slot is not None and self.write_floor is not None:
-            rids = [s.request.request_id for s in sched.scheduled]
-            state_slots, write_floors = [self.state_slot(r) for r in rids], [self.write_floor(r) for r in rids]
-        replaying = write_floors is not None and any(f > s.start for f, s in zip(write_floors, sched.scheduled,
-                                                                                   strict=True))
+        if self.stateful:
+            state_slots, write_floors = [s.state_slot for s in rows], [s.write_floor for s in rows]
+        replaying = write_floors is not None and any(f > s.start for f, s in zip(write_floors, rows, strict=True))
         bucket = None
         # Graphs carry neither replay floors, state rebuilt below a write floor, nor captured layer
         # features (dspark's hidden_layers): eager then.
         if (self.graphs is not None and not spans and not (has_floor or has_truncation or replaying)
                 and not self.hidden_layers):
-            bucket = self.graphs.bucket_for(len(ids), max_query_len)
+            bucket = self.graphs.bucket_for(len(ids), layout.max_query_len)
         graph = None
         if bucket is not None:
             assert self.graphs is not None
-            graph = self.graphs.stage(bucket, ids, positions, slots, seq_lens, starts, tables, state_slots)
+            graph = self.graphs.stage(bucket, ids, layout.positions, layout.slots, layout.seq_lens, layout.starts,
+                                      layout.tables, state_slots)
             input_ids, ctx = self.graphs.context(bucket)
         else:
-            width = max(len(t) for t in tables)
             input_ids = tensor(ids)
-            ctx = ForwardContext(
-                positions=tensor(positions),
-                slot_mapping=tensor(slots),
-                query_start_loc=tensor(starts, torch.int32),
-                seq_lens=tensor(seq_lens),
-                block_tables=tensor([t + [0] * (width - len(t)) for t in tables]),
-                num_decodes=sum(1 for s in sched.scheduled if s.num_new_tokens == 1),
-                query_start_loc_host=starts,
-                seq_lens_host=seq_lens,
-                block_size=bs,
-                backends=self.backends,
-                max_query_len=max_query_len,
-            )
-            if state_slots is not None:
-                ctx.state_slots_host, ctx.state_slots = state_slots, tensor(state_slots)
-                ctx.write_floor_host = write_floors
+            ctx = forward_context(layout, block_size=self.block_size, backends=self.backends, device=dev,
+                                  state_slots=state_slots, write_floors=write_floors)
         if has_floor:
             ctx.visibility_floor_host = floors
             ctx.visibility_floor = tensor(floors)
@@ -205,15 +178,11 @@ class ModelRunner:
             ctx.truncation_floor_host = [t.visibility_floor if t else 0 for t in truncations]
             ctx.truncation_compact_host = [t is not None and t.mode == "compact" for t in truncations]
         sampling = None
-        forcing = any(s.request.params.golden_token_ids for s in samplers)
+        forcing = any(s.params.golden_token_ids for s in samplers)
         if samplers:
-            sampling = SamplingBatch.build(
-                [s.request.params for s in samplers],
-                [s.request.seed for s in samplers],
-                [s.request.num_tokens for s in samplers],
-                dev,
-                forced=[_forced(s, 0) for s in samplers] if forcing else None,
-            )
+            sampling = SamplingBatch.build([s.params for s in samplers], [s.seed for s in samplers],
+                                           [s.counter for s in samplers], dev,
+                                           forced=[_forced(s, 0) for s in samplers] if forcing else None)
         verify_batch = None
         if any(s.drafts for s in samplers):
             assert sampling is not None
@@ -222,18 +191,16 @@ class ModelRunner:
         return StepInputs(input_ids, ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans,
                           pending_rows, pending_requests, verify_batch, graph=graph, penalties=penalties)
 
-    def _penalty_step(self, samplers: list[ScheduledRequest]) -> PenaltyStep | None:
-        """The logits processing of the step's sampling requests (None when none asks for any)."""
-        if not any(s.request.params.processes_logits for s in samplers):
+    def _penalty_step(self, samplers: list[StepRow]) -> PenaltyStep | None:
+        """The logits processing of the step's sampling rows (None when none asks for any)."""
+        if not any(s.params.processes_logits for s in samplers):
             return None
         if self.penalties is None:
             self.penalties = PenaltyState(self.model.vocab_size, self.device)
         rows, first = [], 0
         for s in samplers:
-            req = s.request
-            rows.append(PenaltyRow(req.request_id, req.epoch, req.params, req.all_token_ids, req.num_prompt_tokens,
-                                   req.num_tokens - req.num_pending, first, s.token_slot - req.num_prompt_tokens,
-                                   s.drafts, req.banned_eos_ids))
+            rows.append(PenaltyRow(s.request_id, s.epoch, s.params, s.prompt_token_ids, s.output_token_ids, first,
+                                   s.token_slot - s.num_prompt_tokens, s.drafts, s.banned_eos))
             first += 1 + len(s.drafts)
         return self.penalties.plan(rows, max(len(s.drafts) for s in samplers))
 
@@ -242,7 +209,7 @@ class ModelRunner:
         if self.penalties is not None:
             self.penalties.release(request_id)
 
-    def _verify_batch(self, samplers: list[ScheduledRequest], sampling: SamplingBatch, forcing: bool) -> VerifyBatch:
+    def _verify_batch(self, samplers: list[StepRow], sampling: SamplingBatch, forcing: bool) -> VerifyBatch:
         dev = self.device
         k = max(len(s.drafts) for s in samplers)
         row_start, row_request, row_offset = [], [], []
@@ -250,17 +217,17 @@ class ModelRunner:
             row_start.append(len(row_request))
             row_request.extend([i] * (1 + len(s.drafts)))
             row_offset.extend(range(1 + len(s.drafts)))
-        drafts = to_device([s.drafts + [-1] * (k - len(s.drafts)) for s in samplers], torch.int64, dev)
+        drafts = to_device([[*s.drafts] + [-1] * (k - len(s.drafts)) for s in samplers], torch.int64, dev)
         probs = None
-        if any(s.request.draft_probs is not None for s in samplers):
+        if any(s.draft_probs is not None for s in samplers):
             probs = torch.zeros(len(samplers), k, self.model.vocab_size, device=dev)
             for i, s in enumerate(samplers):
                 n = len(s.drafts)
-                if s.request.draft_probs is not None:
-                    probs[i, :n] = s.request.draft_probs[:n]
+                if s.draft_probs is not None:
+                    probs[i, :n] = s.draft_probs[:n]
                 elif n:
                     probs[i, :n].scatter_(-1, drafts[i, :n, None], 1.0)
-        params = [s.request.params for s in samplers]
+        params = [s.params for s in samplers]
 
         def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
             return to_device(values, dtype, dev)
@@ -275,8 +242,8 @@ class ModelRunner:
             top_k=tensor([max(p.top_k, 0) for p in params], torch.int64),
             top_p=tensor([p.top_p for p in params], torch.float32),
             min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([s.request.seed for s in samplers], torch.int64),
-            base=tensor([s.request.num_tokens for s in samplers], torch.int64),
+            seeds=tensor([s.seed for s in samplers], torch.int64),
+            base=tensor([s.counter for s in samplers], torch.int64),
             sampling=sampling,
             row_request=tensor(row_request, torch.int64),
             row_offset=tensor(row_offset, torch.int64),
@@ -353,37 +320,14 @@ class ModelRunner:
         idle = previous.elapsed_time(results.started) / 1000 if previous is not None else 0.0
         return busy, max(0.0, idle)
 
-    def span_context(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> ForwardContext:
+    def span_context(self, spans: Sequence[Span]) -> ForwardContext:
         """A ``ForwardContext`` over ``spans`` of ``(block table, first position, count)``: each a request
         computing positions ``[first, first + count)`` on its blocks, KV length ``first + count``. Spans of
         one position must come first (they are the context's decode rows). For drafters that run layers of
         their own over the main paging (``CommittedRows``); state slots, for models with per-request state,
         are the caller's to set (``DraftCache.rows``)."""
-        bs, dev = self.block_size, self.device
-        positions = [p for _, first, count in spans for p in range(first, first + count)]
-        slots = [table[p // bs] * bs + p % bs for table, first, count in spans for p in range(first, first + count)]
-        starts = [0]
-        for _, _, count in spans:
-            starts.append(starts[-1] + count)
-        seq_lens = [first + count for _, first, count in spans]
-        width = max((len(table) for table, _, _ in spans), default=1)
-        tables = [list(table) + [0] * (width - len(table)) for table, _, _ in spans]
-        num_decodes = 0
-        while num_decodes < len(spans) and spans[num_decodes][2] == 1:
-            num_decodes += 1
-        return ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=dev).reshape(len(spans), width),
-            num_decodes=num_decodes,
-            query_start_loc_host=starts,
-            seq_lens_host=seq_lens,
-            block_size=bs,
-            backends=self.backends,
-            max_query_len=max((count for _, _, count in spans), default=0),
-        )
+        return forward_context(SpanLayout.of(spans, self.block_size), block_size=self.block_size,
+                               backends=self.backends, device=self.device)
 
     @torch.inference_mode()
     def placeholder_step(self, num_tokens: int, tokens_per_request: int = 1) -> None:
@@ -391,40 +335,24 @@ class ModelRunner:
         ``tokens_per_request`` tokens (the last one shorter) at positions 0…, all writing the reserved
         scratch block 0: the step-cost profile times this (contents are garbage). With
         ``tokens_per_request = 1 + max_draft`` the rows are shaped like a verification step."""
-        dev, bs = self.device, self.block_size
         lengths = [tokens_per_request] * (num_tokens // tokens_per_request)
         if num_tokens % tokens_per_request:
             lengths.insert(0, num_tokens % tokens_per_request)  # a one-token request must lead (decode rows)
-        positions = [p for n in lengths for p in range(n)]
-        starts = [0]
-        for n in lengths:
-            starts.append(starts[-1] + n)
-        width = -(-max(lengths) // bs)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
-        ctx = ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            slot_mapping=torch.tensor([p % bs for p in positions], dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lengths, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros(len(lengths), width, dtype=torch.int64, device=dev),
-            num_decodes=sum(1 for n in lengths if n == 1),
-            query_start_loc_host=starts,
-            seq_lens_host=lengths,
-            block_size=bs,
-            backends=self.backends,
-            max_query_len=max(lengths),
-        )
-        if self.state_slot is not None:  # reserved slot 0 and block 0 absorb the placeholder's state
-            ctx.state_slots_host, ctx.write_floor_host = [0] * len(lengths), [0] * len(lengths)
-            ctx.state_slots = torch.zeros(len(lengths), dtype=torch.int64, device=dev)
+        scratch = (0,) * -(-max(lengths) // self.block_size)  # block 0, as many times as the longest needs
+        # Reserved slot 0 absorbs the placeholder's per-request state, as block 0 its KV.
+        idle = [0] * len(lengths) if self.stateful else None
+        ctx = forward_context(SpanLayout.of([(scratch, 0, n) for n in lengths], self.block_size),
+                              block_size=self.block_size, backends=self.backends, device=self.device,
+                              state_slots=idle, write_floors=idle)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, ctx)
         self.model.compute_logits(hidden, ctx)
 
 
-def _forced(s: ScheduledRequest, j: int) -> int:
-    """The golden token the request must emit as its ``j``-th token of this step, or −1."""
-    golden = s.request.params.golden_token_ids
-    m = s.token_slot - s.request.num_prompt_tokens + j
+def _forced(s: StepRow, j: int) -> int:
+    """The golden token the row must emit as its ``j``-th token of this step, or −1."""
+    golden = s.params.golden_token_ids
+    m = s.token_slot - s.num_prompt_tokens + j
     return golden[m] if golden and m < len(golden) else -1
 
 
@@ -441,21 +369,20 @@ def _sample(adjusted: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch, gra
     return SampleResult(result.tokens, token_lp, top_lp, top_ids)
 
 
-def prompt_logprobs_of(results: StepResults) -> list[tuple[ScheduledRequest, int, list[dict[int, float]]]]:
-    """Per span: the request, the first prompt position scored, and one ``{token: logprob}`` per row
+def prompt_logprobs_of(results: StepResults) -> list[tuple[StepRow, int, list[dict[int, float]]]]:
+    """Per span: the step row, the first prompt position scored, and one ``{token: logprob}`` per row
     (the actual prompt token plus the top-n). Reads the device (called in ``process``)."""
     out = []
     assert results.prompt_logits is not None
     for span in results.prompt_spans:
-        req = span.scheduled.request
-        targets = torch.tensor(req.prompt_token_ids[span.first_target:span.first_target + span.count],
-                               device=results.prompt_logits.device)
+        row = span.row
+        targets = torch.tensor(row.prompt_targets, device=results.prompt_logits.device)
         logits = results.prompt_logits[span.lo:span.lo + span.count]
-        lp, top_lp, top_ids = logprobs_of(logits, targets, req.params.prompt_logprobs or 0)
+        lp, top_lp, top_ids = logprobs_of(logits, targets, row.params.prompt_logprobs or 0)
         rows = []
         for t, v, tl, ti in zip(targets.tolist(), lp.tolist(), top_lp.tolist(), top_ids.tolist(), strict=True):
             entry = dict(zip(ti, tl, strict=True))
             entry[t] = v
             rows.append(entry)
-        out.append((span.scheduled, span.first_target, rows))
+        out.append((span.row, span.first_target, rows))
     return out

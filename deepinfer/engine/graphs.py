@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
+from deepinfer.engine.context import SpanLayout, forward_context
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
 
@@ -95,30 +96,22 @@ class _Graph:
         device = block_tables.device
         self.tokens = tokens
         t = tokens
-        # ids | positions | slots | seq_lens | real tokens (0: nothing counted until a step is loaded)
-        self.flat = torch.zeros(4 * t + 1, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(t + 1, dtype=torch.int32, device=device)
-        self.flat[3 * t:4 * t] = 1  # the capture's batch: one-token requests at position 0 (scratch block 0)
+        # The capture's batch: one-token requests at position 0 on the scratch block 0 (and, for models
+        # with per-request state, the reserved state slot 0); its host lists stay the context's.
+        idle = [0] * t if stateful else None
+        capture = forward_context(SpanLayout.of([((0,), 0, 1)] * t, block_size), block_size=block_size,
+                                  backends=backends, device=device, state_slots=idle, write_floors=idle)
+        # Static inputs: ids | positions | slots | seq_lens | real tokens (0: nothing counted until a step
+        # is loaded), then the query starts and state slots; ``load`` copies each step into them.
+        zero = torch.zeros(1, dtype=torch.int64, device=device)
+        self.flat = torch.cat([zero.expand(t), capture.positions, capture.slot_mapping, capture.seq_lens, zero])
+        self.query_start_loc = capture.query_start_loc
+        self.state_slots = capture.state_slots if stateful else torch.zeros(t, dtype=torch.int64, device=device)
         self.input_ids = self.flat[:t]
-        self.ctx = ForwardContext(
-            positions=self.flat[t:2 * t],
-            slot_mapping=self.flat[2 * t:3 * t],
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.flat[3 * t:4 * t],
-            block_tables=block_tables[:tokens],
-            num_decodes=t if max_query_len == 1 else 0,
-            query_start_loc_host=list(range(t + 1)),
-            seq_lens_host=[1] * t,
-            block_size=block_size,
-            backends=backends,
-            max_query_len=max_query_len,
-            num_real_tokens=self.flat[4 * t],
-        )
-        # Requests' state slots (models with per-request state); the capture's are the reserved slot 0.
-        self.state_slots = torch.zeros(t, dtype=torch.int64, device=device)
-        if stateful:
-            self.ctx.state_slots = self.state_slots
-            self.ctx.state_slots_host, self.ctx.write_floor_host = [0] * t, [0] * t
+        self.ctx = replace(capture, positions=self.flat[t:2 * t], slot_mapping=self.flat[2 * t:3 * t],
+                           seq_lens=self.flat[3 * t:4 * t], block_tables=block_tables[:tokens],
+                           num_decodes=t if max_query_len == 1 else 0, max_query_len=max_query_len,
+                           num_real_tokens=self.flat[4 * t])
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None

@@ -1,0 +1,1 @@
+"""deepinfer-cpu: CPU kernels for deepinfer (README.md)."""

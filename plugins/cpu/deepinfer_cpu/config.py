@@ -1,0 +1,18 @@
+"""The plugin's config section: ``plugins.cpu``."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class CPUConfig(BaseModel):
+    """``plugins={"cpu": {"enabled": True}}`` offers the ``onednn`` GEMM backend (op ``linear``), which
+    ``kernels.gemm: auto`` then takes on CPU runs in float32."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_rows: int = Field(2, ge=1, description=(
+        "calls with at least this many rows run oneDNN on the packed weight; fewer rows (a batch-1 decode "
+        "step) keep torch's matrix-vector product, which streams the plain weight at full bandwidth"))
+    pack_rows: int = Field(16, ge=1, description=(
+        "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))

@@ -1,0 +1,92 @@
+"""``onednn``: CPU GEMMs (op ``linear``) on weights packed once into oneDNN's blocked layout.
+
+torch's ``F.linear`` hands a call of a few rows (a verification step's 6 query tokens, a batch of
+decode rows) to a BLAS GEMM that re-packs the whole weight on every call; for the 113 MB tied LM head
+of SmolLM2 that packing costs more than the multiply. oneDNN can pack a weight once
+(``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's CPU freezing uses) and multiply any
+number of rows against the packed copy (``_linear_pointwise``). Calls with fewer than ``min_rows``
+rows keep torch's matrix-vector product on the plain weight (column-major, as the core's ``torch``
+backend lays it out), which streams it at full memory bandwidth.
+
+Which weights are packed: every weight the model lists in ``gemm_weights`` (at ``prepare_weight``)
+and any other ``nn.Parameter`` on first use (the tied LM head, which must stay a plain embedding
+table). Both copies are kept, so a packed weight costs its size again in host memory. A packed copy
+is keyed by the weight's storage address, shape and strides and holds a reference to the weight, so
+the address cannot be reused by another tensor while the entry lives; an in-place write to the weight
+(its version counter moves) repacks it on the next call. Plain tensors that are not parameters
+(temporaries) are never packed: they go to ``F.linear``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.interfaces import BackendCapabilities
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN and its packed-linear ops."""
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+
+
+def _bf16_supported() -> bool:
+    """oneDNN's bf16 packing needs AVX512-BF16-class instructions (it refuses otherwise)."""
+    return onednn_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+@dataclass
+class _Packed:
+    weight: torch.Tensor  # the plain weight (kept: its address keys the entry and must not be reused)
+    version: int  # the weight's version counter when it was packed
+    packed: torch.Tensor  # oneDNN's blocked copy
+
+
+class OneDNNGemmBackend:
+    """op ``linear`` on CPU through oneDNN's packed weights (module docstring)."""
+
+    name = "onednn"
+    priority = 10
+    ops = frozenset({"linear"})
+
+    def __init__(self, *, min_rows: int = 2, pack_rows: int = 16) -> None:
+        self.min_rows = min_rows
+        self.pack_rows = pack_rows
+        dtypes = {torch.float32, torch.bfloat16} if _bf16_supported() else {torch.float32}
+        self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset(dtypes))
+        self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Packed] = {}
+
+    def available(self) -> bool:
+        return onednn_available()
+
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The plain weight column-major (the few-row path reads it that way), packed for oneDNN."""
+        plain = weight.t().contiguous().t()
+        self._pack(plain)
+        return plain
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows < self.min_rows or x.dtype != weight.dtype or not isinstance(weight, torch.nn.Parameter):
+            return F.linear(x, weight, bias)
+        packed = self._lookup(weight)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    @staticmethod
+    def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())
+
+    def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        plain = weight.detach()
+        packed = torch.ops.mkldnn._reorder_linear_weight(plain, self.pack_rows)
+        self._packed[self._key(plain)] = _Packed(plain, plain._version, packed)
+        return packed
+
+    def _lookup(self, weight: torch.Tensor) -> torch.Tensor:
+        entry = self._packed.get(self._key(weight))
+        if entry is None or entry.version != weight._version:
+            return self._pack(weight)
+        return entry.packed

@@ -1,0 +1,76 @@
+"""The ``onednn`` GEMM backend: equal to a float64 product for any row count, packed once and repacked
+after an in-place write, chosen by ``kernels.gemm: auto`` on CPU, and a real model's logits and greedy
+ids unchanged with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
+from tiny_models import assert_cached_logits_match, save_tiny
+
+from deepinfer import LLM
+
+pytestmark = [pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN"),
+              pytest.mark.usefixtures("one_torch_thread")]
+
+
+def _weight(out: int, inp: int, seed: int) -> torch.nn.Parameter:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.nn.Parameter(torch.randn(out, inp, generator=gen), requires_grad=False)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 6, 17, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_equals_a_float64_product(rows: int, with_bias: bool) -> None:
+    backend = OneDNNGemmBackend()
+    weight = _weight(96, 40, rows)
+    weight.data = backend.prepare_weight(weight.data)
+    gen = torch.Generator().manual_seed(100 + rows)
+    x = torch.randn(rows, 40, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    got = backend.linear(x, weight, bias)
+    ref = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_leading_dimensions_and_lazily_packed_parameters() -> None:
+    backend = OneDNNGemmBackend()
+    weight = _weight(24, 16, 1)  # never prepared: packed on first use (a tied LM head)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(2))
+    got = backend.linear(x, weight)
+    assert got.shape == (2, 5, 24)
+    torch.testing.assert_close(got, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert len(backend._packed) == 1
+    backend.linear(x, weight)
+    assert len(backend._packed) == 1  # the packed copy is reused
+
+
+def test_an_in_place_write_repacks_and_temporaries_are_never_packed() -> None:
+    backend = OneDNNGemmBackend()
+    weight = _weight(32, 8, 3)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    backend.linear(x, weight)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    torch.testing.assert_close(backend.linear(x, weight), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    temporary = torch.randn(32, 8)
+    torch.testing.assert_close(backend.linear(x, temporary), x @ temporary.t(), rtol=1e-5, atol=1e-5)
+    assert all(entry.weight.data_ptr() != temporary.data_ptr() for entry in backend._packed.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    return save_tiny("llama", tmp_path_factory.mktemp("llama"))
+
+
+def test_auto_takes_onednn_on_cpu_and_logits_match_transformers(tiny_llama) -> None:
+    model, folder = tiny_llama
+    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, plugins={"cpu": {"enabled": True}})
+    assert llm.engine.runner.backends["linear"].name == "onednn"
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (3, 11, 20)]
+    assert_cached_logits_match(llm, model, prompts, decode_steps=8)

@@ -1,0 +1,172 @@
+"""Training and held-out prompts for drafter self-distillation, built only from text already on the machine.
+
+Sources: CPython's standard-library modules (their docstrings and source lines) and the README /
+METADATA texts of installed packages (``importlib.metadata``). Passages cut from them fill templated
+instructions of several kinds — chat questions, code, summaries, lists — for chat models, or serve
+as continuation prompts for base models (Gemma-3-270M). The replies come from the target itself
+(``drafter_training``), so no dataset is downloaded.
+
+The held-out prompts use templates and passages the training prompts never use (the passage pool is
+split before any prompt is made), so held-out acceptance measures generalization to unseen text.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+KINDS = ("question", "code", "summary", "list")
+
+# Templates per kind; the last one of each kind is held out (used only for held-out prompts).
+TEMPLATES: dict[str, tuple[str, ...]] = {
+    "question": (
+        "What is {topic}? Explain it briefly.",
+        "Can you tell me about {topic} in a few sentences?",
+        "Why would someone use {topic}?",
+        "Explain {topic} to a beginner.",
+        "What are the main ideas behind {topic}?",
+    ),
+    "code": (
+        "Explain what this Python code does:\n\n{code}",
+        "Write a short docstring for this function:\n\n{code}",
+        "Is there a bug in this code? Explain.\n\n{code}",
+        "Rewrite this code to be more readable:\n\n{code}",
+        "Describe the purpose of each line:\n\n{code}",
+    ),
+    "summary": (
+        "Summarize the following text in two sentences:\n\n{text}",
+        "What is the main point of this passage?\n\n{text}",
+        "Give a one-paragraph summary:\n\n{text}",
+        "Explain this text in simple words:\n\n{text}",
+        "Write a short summary of this:\n\n{text}",
+    ),
+    "list": (
+        "List three facts about {topic}.",
+        "Give me a numbered list of steps to learn {topic}.",
+        "What are five things to know about {topic}? Answer as a list.",
+        "List the pros and cons of {topic}.",
+        "Make a bulleted list of tips for working with {topic}.",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt: ``kind`` (one of ``KINDS``, or ``continuation`` for base models) and its text (a user
+    message for chat models, the text to continue for base models)."""
+
+    kind: str
+    text: str
+
+
+def _stdlib_files() -> list[Path]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+
+
+def _functions_and_docs(path: Path, max_lines: int) -> tuple[list[str], list[str]]:
+    """Short function sources and long-enough docstrings of one module (nothing on a parse error)."""
+    try:
+        source = path.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
+        return [], []
+    lines = source.splitlines()
+    code, docs = [], []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.Module):
+            doc = ast.get_docstring(node)
+            if doc and 200 <= len(doc) <= 1500:
+                docs.append(doc)
+        if isinstance(node, ast.FunctionDef) and node.end_lineno is not None:
+            body = lines[node.lineno - 1:node.end_lineno]
+            if 4 <= len(body) <= max_lines:
+                code.append("\n".join(body))
+    return code, docs
+
+
+def _package_texts() -> list[str]:
+    """Paragraphs of installed packages' descriptions (README / METADATA bodies)."""
+    paragraphs = []
+    for dist in importlib.metadata.distributions():
+        body = dist.metadata.get_payload() if hasattr(dist.metadata, "get_payload") else None
+        text = body if isinstance(body, str) else ""
+        for para in text.split("\n\n"):
+            para = " ".join(para.split())
+            if 200 <= len(para) <= 1200 and not para.startswith(("#", "|", "```", "<", "[!", "..")):
+                paragraphs.append(para)
+    return sorted(set(paragraphs))
+
+
+def _topics(docs: list[str], modules: list[str]) -> list[str]:
+    """Noun phrases: docstring first lines that start with an article (``"a class that represents a
+    thread of control"``) and ``"the Python <module> module"`` for each standard-library module."""
+    topics = {f"the Python {name} module" for name in modules}
+    for doc in docs:
+        first = doc.strip().splitlines()[0].rstrip(".").strip()
+        if 12 <= len(first) <= 60 and first.lower().startswith(("a ", "an ", "the ")):
+            topics.add(first[0].lower() + first[1:])
+    return sorted(topics)
+
+
+@dataclass(frozen=True)
+class Passages:
+    """The pools prompts draw from: code snippets, prose passages and topics."""
+
+    code: list[str]
+    text: list[str]
+    topics: list[str]
+
+    def split(self, held_out_fraction: float, rng: random.Random) -> tuple[Passages, Passages]:
+        """Disjoint (training, held-out) pools."""
+        parts: list[tuple[list[str], list[str]]] = []
+        for pool in (self.code, self.text, self.topics):
+            shuffled = pool[:]
+            rng.shuffle(shuffled)
+            cut = max(1, int(len(shuffled) * held_out_fraction))
+            parts.append((shuffled[cut:], shuffled[:cut]))
+        return Passages(*(p[0] for p in parts)), Passages(*(p[1] for p in parts))
+
+
+def local_passages(max_code_lines: int = 16) -> Passages:
+    """Every passage this machine offers (deterministic order)."""
+    code, docs = [], []
+    files = _stdlib_files()
+    for path in files:
+        c, d = _functions_and_docs(path, max_code_lines)
+        code.extend(c)
+        docs.extend(d)
+    text = sorted(set(docs)) + _package_texts()
+    return Passages(sorted(set(code)), text, _topics(docs, [p.stem for p in files]))
+
+
+def _fill(kind: str, template: str, pool: Passages, rng: random.Random) -> str:
+    if kind == "code":
+        return template.format(code=rng.choice(pool.code))
+    if kind == "summary":
+        return template.format(text=rng.choice(pool.text))
+    return template.format(topic=rng.choice(pool.topics))
+
+
+def chat_prompts(n: int, pool: Passages, rng: random.Random, *, held_out: bool) -> list[Prompt]:
+    """``n`` user messages, kinds in turn; held-out prompts use only each kind's last template."""
+    prompts = []
+    for i in range(n):
+        kind = KINDS[i % len(KINDS)]
+        templates = TEMPLATES[kind][-1:] if held_out else TEMPLATES[kind][:-1]
+        prompts.append(Prompt(kind, _fill(kind, rng.choice(templates), pool, rng)))
+    return prompts
+
+
+def continuation_prompts(n: int, pool: Passages, rng: random.Random, *, max_chars: int = 400) -> list[Prompt]:
+    """``n`` texts for a base model to continue: the opening of a passage or a code snippet."""
+    prompts = []
+    for i in range(n):
+        source = pool.code if i % 3 == 2 else pool.text
+        passage = rng.choice(source)
+        prompts.append(Prompt("continuation", passage[:max_chars]))
+    return prompts

@@ -1,0 +1,119 @@
+"""Speculative decoding with a trained ``dspark`` drafter, measured (issue 27).
+
+    python scripts/bench_drafter.py --model smollm2-135m-instruct --work WORK_DIR \
+        [--batches 1 8 32] [--repeats 3] [--max-tokens 128] [--output docs/bench/drafter_smollm2.json]
+
+``WORK_DIR`` is the training run's work folder (``<weights>.work``, holding ``data.pt``): its held-out
+prompts (passages and templates the training never saw) are the workload, and the weights file beside
+it is the drafter. For each batch size (requests at once; batch 1 runs them one after another) the
+configurations ``off``, ``fixed`` (``max_draft`` 5) and ``varlen`` run interleaved, greedy, until EOS
+or ``--max-tokens``; outputs must be token-identical across configurations. Reported: output tokens/s
+(median of ``--repeats``), the engine's acceptance statistics (mean acceptance length, acceptance by
+position, calibrated ECE), and at batch 1 the median wall time of one engine step (a plain decode step
+against a verify + draft step). Every configuration runs the ``cpu`` plugin's GEMMs (``--core-gemm``:
+the core's torch GEMM instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+
+def _configs(weights: Path, plugins: dict) -> dict[str, dict]:
+    spec = {"enabled": True, "drafter": "dspark", "max_draft": 5, "dspark_weights": str(weights)}
+    return {"off": plugins,
+            "fixed": {**plugins, "spec_decode": {**spec, "plan": "fixed"}},
+            "varlen": {**plugins, "spec_decode": {**spec, "plan": "varlen"}}}
+
+
+def _run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list, list[float]]:
+    """(seconds, outputs, step seconds) for ``prompts`` at ``batch`` requests in flight."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    engine = llm.engine
+    outputs: dict[str, list[int]] = {}
+    step_times: list[float] = []
+    start = time.perf_counter()
+    pending = list(prompts)
+    order = []
+    while pending or engine.has_unfinished():
+        while pending and len(order) - len(outputs) < batch:  # keep `batch` requests in flight
+            req = engine.make_request(pending.pop(0), params)
+            order.append(req.request_id)
+            engine.add(req)
+        t = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.outputs[0].token_ids)
+        step_times.append(time.perf_counter() - t)
+    return time.perf_counter() - start, [outputs[r] for r in order], step_times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--work", required=True, type=Path)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--prompts-per-batch", type=int, nargs="+", default=None,
+                    help="held-out prompts run at each batch size (default: 8 at batch 1, else 2 x batch)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--core-gemm", action="store_true")
+    ap.add_argument("--output", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    data = torch.load(args.work / "data.pt", weights_only=False)
+    held = data["held_seqs"]
+    prompts = [ids[:p] for ids, p in zip(held.token_ids, held.prompt_lens, strict=True)]
+    weights = args.work.with_suffix(".safetensors")
+    plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
+    counts = args.prompts_per_batch or [8 if b == 1 else 2 * b for b in args.batches]
+    report: dict = {"model": args.model, "weights": str(weights), "max_tokens": args.max_tokens,
+                    "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "batches": {}}
+    for batch, count in zip(args.batches, counts, strict=True):
+        work = prompts[:count]
+        llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1))
+                for name, cfg in _configs(weights, plugins).items()}
+        for llm in llms.values():  # warm-up: first-call costs (packing, calibration) out of the timings
+            _run(llm, work[:1], 1, 16)
+        seconds: dict[str, list[float]] = {n: [] for n in llms}
+        steps: dict[str, list[float]] = {n: [] for n in llms}
+        reference = None
+        tokens = 0
+        for _ in range(args.repeats):
+            for name, llm in llms.items():
+                dt, outs, step_times = _run(llm, work, batch, args.max_tokens)
+                if reference is None:
+                    reference, tokens = outs, sum(len(o) for o in outs)
+                assert outs == reference, f"{name} at batch {batch}: outputs differ from the first configuration"
+                seconds[name].append(dt)
+                steps[name].extend(step_times)
+        row = {"prompts": count, "output_tokens": tokens}
+        for name, llm in llms.items():
+            med = statistics.median(seconds[name])
+            row[name] = {"tok_s": tokens / med, "seconds": seconds[name],
+                         "median_step_ms": 1e3 * statistics.median(steps[name])}
+            stats = llm.get_stats().get("spec_decode")
+            if stats:
+                row[name]["spec"] = stats
+        for name in ("fixed", "varlen"):
+            row[name]["speedup"] = row[name]["tok_s"] / row["off"]["tok_s"]
+        report["batches"][str(batch)] = row
+        print(json.dumps({"batch": batch, **{n: {k: v for k, v in row[n].items() if k != "seconds"}
+                                              for n in llms}}, indent=1), flush=True)
+        for llm in llms.values():
+            llm.shutdown()
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
