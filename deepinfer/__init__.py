@@ -4,9 +4,9 @@ A thin, kernel-free core exposing pluggy hooks; every optimization is a plugin p
 """
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.entrypoints.llm import LLM
 from deepinfer.hookspecs import hookimpl
+from deepinfer.outputs import CompletionOutput, RequestOutput
 from deepinfer.sampling.params import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams", "hookimpl"]

@@ -20,7 +20,6 @@ import pluggy
 
 if TYPE_CHECKING:
     from deepinfer.config import EngineConfig
-    from deepinfer.engine.outputs import RequestOutput
     from deepinfer.interfaces import (
         AttentionBackend,
         EngineInfo,
@@ -35,6 +34,7 @@ if TYPE_CHECKING:
         StepStats,
         VerificationPlan,
     )
+    from deepinfer.outputs import RequestOutput
 
 PROJECT = "deepinfer"
 hookspec = pluggy.HookspecMarker(PROJECT)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from deepinfer.engine.outputs import RequestOutput
+    from deepinfer.outputs import RequestOutput
 
 # --------------------------------------------------------------------------------------------------
 # Engine facts and per-step observations

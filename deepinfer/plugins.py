@@ -251,6 +251,22 @@ class PluginHost:
             raise ConfigError(f"{config_path}: unknown name {chosen!r}; offered: {offered}{hint}")
         return table[chosen].value
 
+    def check_kv_store(self, chosen: str | None) -> None:
+        """Refuse ``cache.kv_store`` at start-up unless it is unset. A name no enabled plugin offers is an
+        error listing the offered stores (and a disabled plugin that offers it); a name a plugin does offer
+        is refused too, because the engine has no external KV tier that would hand blocks to it yet: the
+        setting must never be accepted and then ignored."""
+        if chosen is None:
+            return
+        table = self.named_offers("deepinfer_kv_stores")
+        if chosen not in table:
+            offered = ", ".join(f"{k} (plugin {o.plugin})" for k, o in sorted(table.items())) or "none"
+            hint = self._disabled_offering("deepinfer_kv_stores", lambda value: chosen in (value or {}))
+            raise ConfigError(f"cache.kv_store: unknown store {chosen!r}; offered: {offered}{hint}. "
+                              "Leave cache.kv_store unset")
+        raise ConfigError(f"cache.kv_store: store {chosen!r} (plugin {table[chosen].plugin!r}) cannot be used: "
+                          "this engine has no external KV tier yet. Leave cache.kv_store unset")
+
     def select_backends(self, hook_name: str, chosen: str, config_path: str,
                         req: RunRequirements, required: frozenset[str] | None = None) -> dict[str, Backend]:
         """Per op, the backend to use: ``chosen`` for the ops it implements (error if it cannot serve

@@ -26,7 +26,7 @@ def imports_of(path: Path) -> set[str]:
     return found
 
 
-@pytest.mark.parametrize("module", ["engine/runner.py", "engine/graphs.py", "engine/context.py", "engine/rows.py",
+@pytest.mark.parametrize("module", ["engine/runner.py", "engine/graphs.py", "engine/context.py", "rows.py",
                                     "structured/masks.py"])
 def test_the_step_path_reads_rows_not_requests(module: str) -> None:
     imported = imports_of(PACKAGE / module)

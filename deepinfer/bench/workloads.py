@@ -33,9 +33,6 @@ class BenchRequest:
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
 
-    def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None}
-
 
 @dataclass
 class WorkloadSpec:

@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.outputs import FinishReason, RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, StepInputs, StepResults, prompt_logprobs_of
 from deepinfer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from deepinfer.engine.speculation import CommittedSpan, Speculator
 from deepinfer.engine.stats import EngineStats, StepTimer
+from deepinfer.engine.structured import StructuredRuntime
 from deepinfer.interfaces import StepStats
 from deepinfer.model.transfer import to_device
-from deepinfer.structured.runtime import StructuredRuntime
+from deepinfer.outputs import FinishReason, RequestOutput
 from deepinfer.tokenizer import Tokenizer
 
 

@@ -20,7 +20,6 @@ from deepinfer.engine.core import EngineCore
 from deepinfer.engine.cost import CurveCache, StepCost, time_call
 from deepinfer.engine.executor import SyncExecutor
 from deepinfer.engine.graphs import DecodeGraphs
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ReplayStart, Scheduler
@@ -36,6 +35,7 @@ from deepinfer.model.assets import resolve_model_path
 from deepinfer.model.layers.norm import BATCH_INVARIANT_CUDA_ROWS, RMSNorm
 from deepinfer.model.loader import LoadReport, init_dummy, load_checkpoint, read_hf_config
 from deepinfer.model.registry import resolve_architecture
+from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.sizes import current_rank, parallel_sizes, rank_experts
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
 from deepinfer.sampling.params import SamplingParams
@@ -88,6 +88,7 @@ class LLMEngine:
         self.config_sources = resolved.sources
         cfg = self.config
         self.host = PluginHost(cfg.plugins, installed, extra_plugins)
+        self.host.check_kv_store(cfg.cache.kv_store)
         # Several ranks are the business of ``LLM`` (deepinfer.parallel): inside a rank process this
         # engine is that rank's; anywhere else a world size > 1 must not silently run on one process.
         world_size, _ = parallel_sizes(cfg.parallel)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.interfaces import StepContext
+from deepinfer.outputs import RequestOutput
 
 
 class SyncExecutor:

@@ -6,8 +6,8 @@ import enum
 import time
 from typing import Any
 
-from deepinfer.engine.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, TokenLogprobs
 from deepinfer.interfaces import ReplayPlan
+from deepinfer.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput, TokenLogprobs
 from deepinfer.sampling.params import SamplingParams
 
 

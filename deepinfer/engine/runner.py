@@ -1,6 +1,6 @@
 """The step runner: a scheduled batch → tensors → forward → logits → sampled tokens.
 
-Inputs are built on the host from the step's rows (``engine/rows.py``: plain data the scheduler
+Inputs are built on the host from the step's rows (``deepinfer/rows.py``: plain data the scheduler
 emits; the runner never sees the engine's requests) and copied to the device once per step. Only the
 rows that need logits go through the LM head: the last row of every request that samples, plus every
 prompt row of requests that asked for prompt logprobs. A request that
@@ -18,10 +18,10 @@ import torch
 
 from deepinfer.engine.context import Span, SpanLayout, forward_context
 from deepinfer.engine.graphs import DecodeGraphs, GraphStep
-from deepinfer.engine.rows import StepRow
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
 from deepinfer.model.transfer import to_device, to_host
+from deepinfer.rows import StepRow
 from deepinfer.sampling.penalties import PenaltyRow, PenaltyState, PenaltyStep
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
 from deepinfer.sampling.verify import VerifyBatch, VerifyResult, verify

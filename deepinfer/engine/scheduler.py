@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from deepinfer.engine.request import PENDING, Request, RequestStatus
-from deepinfer.engine.rows import StepRow
 from deepinfer.engine.speculation import Drafts
 from deepinfer.interfaces import CacheLayout, ReplayPlan, ReplayPlanner, SchedulePolicy
 from deepinfer.kv.blocks import KVCacheManager, PrefixHit
+from deepinfer.rows import StepRow
 
 
 @dataclass

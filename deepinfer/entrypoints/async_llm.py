@@ -24,10 +24,10 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.entrypoints.llm import Engine, create_engine
 from deepinfer.errors import ConfigError
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -12,10 +12,10 @@ from tqdm.auto import tqdm
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.engine.teacher import TeacherForcing, teacher_force
 from deepinfer.errors import DeepInferError
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
 
 Prompt = str | list[int]

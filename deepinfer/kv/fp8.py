@@ -30,8 +30,9 @@ FP8_MAX = 448.0
 GROUP = 32
 E8M0_BIAS = 127
 # Magnitudes are floored here before the scale is derived, so an all-zero group gets a normal float32
-# ``amax / 448`` (a finite, representable scale byte) and no division by zero.
-_MIN_AMAX = 2.0 ** -100
+# ``amax / 448`` (a finite, representable scale byte) and no division by zero; part of the format, so a
+# kernel that writes it (plugins/attention's fp8_store) derives the same bytes.
+MIN_AMAX = 2.0 ** -100
 
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 
@@ -43,11 +44,6 @@ def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"cache.kv_dtype={kv_dtype!r}: allowed values are 'auto', 'bf16', 'fp8'")
     return KV_DTYPES[kv_dtype]
-
-
-def is_fp8(t: torch.Tensor) -> bool:
-    """Whether a cache tensor holds FP8 data (and so has a parallel scale tensor)."""
-    return t.dtype == FP8_DTYPE
 
 
 def num_groups(dim: int) -> int:
@@ -65,7 +61,7 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if groups * GROUP != dim:
         xf = torch.nn.functional.pad(xf, (0, groups * GROUP - dim))
     xg = xf.unflatten(-1, (groups, GROUP))
-    amax = xg.abs().amax(-1).clamp(min=_MIN_AMAX)
+    amax = xg.abs().amax(-1).clamp(min=MIN_AMAX)
     # ceil(log2(amax / 448)) read off the float32 bits: the biased exponent, plus one unless the
     # mantissa is zero (an exact power of two).
     bits = (amax / FP8_MAX).view(torch.int32)

@@ -35,11 +35,11 @@ import torch.distributed as dist
 
 from deepinfer.config import EngineConfig, build_config
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import RankLoad, RequestRouter
 from deepinfer.model.assets import resolve_model_path
+from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.messages import StepReply, TokenDelta
 from deepinfer.parallel.sizes import parallel_sizes
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
@@ -138,6 +138,7 @@ class ParallelEngine:
         # Plugins are built here too: their config sections are validated before any rank starts, and
         # the router is a strategy like any other.
         self.host = PluginHost(self.config.plugins, installed)
+        self.host.check_kv_store(self.config.cache.kv_store)
         self.router: RequestRouter = self.host.select("deepinfer_request_routers", self.config.parallel.router,
                                                       "parallel.router")
         self.model_path = resolve_model_path(self.config.model.path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from deepinfer.engine.outputs import RequestOutput, TokenLogprobs
 from deepinfer.interfaces import RankLoad
+from deepinfer.outputs import RequestOutput, TokenLogprobs
 
 
 class TokenDelta(NamedTuple):

@@ -45,9 +45,9 @@ import torch.distributed as dist
 from deepinfer.engine.context import SpanLayout, forward_context
 from deepinfer.engine.cost import StepCost
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.interfaces import RankLoad, Topology
+from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.balancer import ExpertBalancer
 from deepinfer.parallel.messages import StepReply, TokenDelta
 from deepinfer.parallel.moe import attach_expert_parallel, ep_capable_layers

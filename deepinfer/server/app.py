@@ -31,9 +31,9 @@ from jinja2.exceptions import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.entrypoints.async_llm import AsyncLLM
 from deepinfer.errors import ChatOptionError
+from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, ChatRequest, CompletionRequest, bad_request, parse_body

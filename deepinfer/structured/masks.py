@@ -23,7 +23,7 @@ from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of,
 from deepinfer.structured.grammar import GrammarCompiler
 
 if TYPE_CHECKING:
-    from deepinfer.engine.rows import StepRow
+    from deepinfer.rows import StepRow
 
 # How long the device waits for the host to fill a step's masks before it reports a stuck engine.
 MASK_WAIT_S = 600.0
@@ -32,7 +32,7 @@ MASK_WAIT_S = 600.0
 class StepMasks:
     """Bitmasks of the structured rows of one step.
 
-    ``entries`` pairs each structured step row (``engine/rows.py``; its ``grammar`` handle holds the
+    ``entries`` pairs each structured step row (``deepinfer/rows.py``; its ``grammar`` handle holds the
     matcher) with its first row among the step's sampled rows. A row that verifies drafts (speculative
     decoding) owns ``1 + len(drafts)`` rows: the positions after its committed tokens and after each
     draft prefix (``TokenMatcher.fill_draft_masks``). ``rows`` lists every masked row. ``live(row)``

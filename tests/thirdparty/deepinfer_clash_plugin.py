@@ -3,10 +3,24 @@ with ``deepinfer_sjf_plugin``: both offer ``longest_first``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from operator import attrgetter
+from typing import Any
+
 from deepinfer import hookimpl
-from deepinfer.defaults import FCFSPolicy
+
+
+class ArrivalOrderPolicy:
+    """Admit in arrival order, preempt the newest arrival: the core's ``fcfs``, written here because a
+    plugin imports only the core's public modules, not ``deepinfer.defaults``."""
+
+    def order(self, waiting: Sequence[Any], now: float) -> list[Any]:
+        return sorted(waiting, key=attrgetter("arrival_time"))
+
+    def preemption_victim(self, running: Sequence[Any]) -> Any:
+        return max(running, key=attrgetter("arrival_time"))
 
 
 @hookimpl
-def deepinfer_schedule_policies() -> dict[str, FCFSPolicy]:
-    return {"longest_first": FCFSPolicy()}
+def deepinfer_schedule_policies() -> dict[str, ArrivalOrderPolicy]:
+    return {"longest_first": ArrivalOrderPolicy()}

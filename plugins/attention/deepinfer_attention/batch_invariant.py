@@ -28,8 +28,9 @@ from __future__ import annotations
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.model.layers.reference import write_kv
-from deepinfer_attention.triton_backends import _interpreting, triton_usable
+from deepinfer.ops import write_kv
+from deepinfer.testing import triton_interpreting
+from deepinfer_attention.triton_backends import triton_usable
 
 _DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 # Below every default backend (the core's torch ones are 0): a backend that declares batch_invariant
@@ -41,7 +42,7 @@ _INTERPRETER_PRIORITY = -20
 
 
 def _capabilities() -> BackendCapabilities:
-    devices = frozenset({"cuda", "cpu"}) if _interpreting() else frozenset({"cuda"})
+    devices = frozenset({"cuda", "cpu"}) if triton_interpreting() else frozenset({"cuda"})
     return BackendCapabilities(devices=devices, dtypes=_DTYPES, graph_safe=True, batch_invariant=True, varlen=True)
 
 
@@ -60,7 +61,7 @@ class _TritonBI:
     """What the three backends share: availability and capabilities."""
 
     def __init__(self) -> None:
-        self.priority = _INTERPRETER_PRIORITY if _interpreting() else _GPU_PRIORITY
+        self.priority = _INTERPRETER_PRIORITY if triton_interpreting() else _GPU_PRIORITY
         self.capabilities = _capabilities()
 
     def available(self) -> bool:

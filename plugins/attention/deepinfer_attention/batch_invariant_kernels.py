@@ -23,12 +23,11 @@ query heads of one token, the same set in every batch, so they keep ``tl.dot`` e
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer.testing import triton_interpreting
 from deepinfer_attention.split_kv import dot_dtype
 from deepinfer_attention.triton_decode import launch_gqa_kernel
 from deepinfer_attention.triton_mla import default_block_h, launch_mla_kernel
@@ -48,7 +47,7 @@ def row_exact_dot() -> bool:
     whose result for one row of a tile changes with the tile's other rows (measured: a row alone and the
     same row among others differ in the last bits), which on the GPU's MMA units it does not. The CPU
     tests then check the kernels' tiling and order with a product whose rows are independent."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return triton_interpreting()
 
 
 def _precision(dtype: torch.dtype) -> str | None:

@@ -32,7 +32,7 @@ import importlib
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.model.layers.reference_deepseek import TorchMLABackend
+from deepinfer.ops import TorchMLABackend
 from deepinfer_attention.triton_backends import plan_rows, reference_mla_rows
 
 TOKEN_DIMS = 512  # FlashMLA 1.0's query/key width
@@ -66,13 +66,6 @@ def pack_fp8_tokens(rows: torch.Tensor) -> torch.Tensor:
     values = (groups / torch.exp2(exponent).unsqueeze(-1)).to(torch.float8_e4m3fn).view(torch.uint8)
     scales = (exponent + 127).to(torch.uint8)
     return torch.cat([values.flatten(-2), scales], dim=-1)
-
-
-def unpack_fp8_tokens(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``pack_fp8_tokens`` up to e4m3 rounding: ``[..., 528]`` uint8 → ``[..., 512]`` float32."""
-    values = packed[..., :TOKEN_DIMS].view(torch.float8_e4m3fn).float().unflatten(-1, (-1, SCALE_GROUP))
-    scales = torch.exp2(packed[..., TOKEN_DIMS:].float() - 127)
-    return (values * scales.unsqueeze(-1)).flatten(-2)
 
 
 def sparse_indices(block_tables: torch.Tensor, positions: torch.Tensor, token_req: torch.Tensor,

@@ -14,9 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kv import fp8
-
-_MIN_AMAX = 2.0 ** -100  # fp8.quantize's floor on a group's amax
+from deepinfer.ops import fp8
 
 
 @triton.jit
@@ -68,7 +66,7 @@ def store_fp8(data_cache: torch.Tensor, scale_cache: torch.Tensor, slot_mapping:
     data = data_cache.view(torch.uint8).view(-1, rows.shape[1], dim)
     scales = scale_cache.view(-1, rows.shape[1], scale_cache.shape[-1])
     _store_kernel[(tokens, rows.shape[1])](
-        rows, slot_mapping, data, scales, dim, _MIN_AMAX, rows.stride(0), rows.stride(1), data.stride(0),
+        rows, slot_mapping, data, scales, dim, fp8.MIN_AMAX, rows.stride(0), rows.stride(1), data.stride(0),
         data.stride(1), scales.stride(0), scales.stride(1), BLOCK_G=triton.next_power_of_2(fp8.num_groups(dim)))
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from deepinfer.defaults import ExactReplayPlanner
 from deepinfer.interfaces import CacheLayout, ReplayPlan, SchedulableRequest
+from deepinfer.ops import ExactReplayPlanner
 
 
 def windowed(layout: CacheLayout) -> list[int]:

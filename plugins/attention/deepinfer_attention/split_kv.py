@@ -13,11 +13,12 @@ its log-sum-exp in base 2 (``m + log2(l)``, the kernels work with ``exp2``); an 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer.testing import triton_interpreting
 
 LOG2E = 1.4426950408889634  # scores are scaled by log2(e) so the kernels can use exp2
 MAX_SPLITS = 64
@@ -33,7 +34,7 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """The operand dtype of the kernels' ``tl.dot``: the cache dtype on the GPU, float32 under Triton's
     interpreter, whose bf16 ``tl.dot`` (Triton 3.9) returns garbage that would hide real bugs."""
-    return tl.float32 if os.environ.get("TRITON_INTERPRET", "0") == "1" else _TL_DTYPES[dtype]
+    return tl.float32 if triton_interpreting() else _TL_DTYPES[dtype]
 
 
 def tile_width(dim: int, fp8: bool) -> int:

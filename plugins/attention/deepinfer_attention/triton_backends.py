@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.model.layers.reference import ALL_KV_DTYPES, write_kv
-from deepinfer.model.layers.reference_deepseek import TorchMLABackend, write_latent
+from deepinfer.ops import ALL_KV_DTYPES, TorchMLABackend, write_kv, write_latent
+from deepinfer.testing import triton_interpreting
 
 _DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 # kernels.attention: auto takes the highest priority that fits; the core's torch backends are 0.
@@ -39,19 +38,15 @@ _GPU_PRIORITY = 20
 _INTERPRETER_PRIORITY = -1
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def triton_usable() -> bool:
     """``import triton`` would work and there is a device for it (CUDA, or the interpreter)."""
     if importlib.util.find_spec("triton") is None:
         return False
-    return torch.cuda.is_available() or _interpreting()
+    return torch.cuda.is_available() or triton_interpreting()
 
 
 def _capabilities() -> BackendCapabilities:
-    devices = frozenset({"cuda", "cpu"}) if _interpreting() else frozenset({"cuda"})
+    devices = frozenset({"cuda", "cpu"}) if triton_interpreting() else frozenset({"cuda"})
     return BackendCapabilities(devices=devices, dtypes=_DTYPES, kv_dtypes=ALL_KV_DTYPES, graph_safe=True, varlen=True)
 
 
@@ -158,7 +153,7 @@ class _TritonBackend:
 
     def __init__(self, *, max_query_len: int = 16) -> None:
         self.max_query_len = max_query_len
-        self.priority = _INTERPRETER_PRIORITY if _interpreting() else _GPU_PRIORITY
+        self.priority = _INTERPRETER_PRIORITY if triton_interpreting() else _GPU_PRIORITY
         self.capabilities = _capabilities()
 
     def available(self) -> bool:

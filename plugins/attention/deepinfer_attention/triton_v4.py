@@ -24,12 +24,12 @@ interpreter, for the tests: slow, and only picked when named).
 from __future__ import annotations
 
 import itertools
-import os
 
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.model.layers.reference_deepseek_v4 import row_block
+from deepinfer.ops import row_block
+from deepinfer.testing import triton_interpreting
 from deepinfer_attention.triton_backends import device_token_req, triton_usable
 
 _DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
@@ -70,7 +70,7 @@ class TritonV4Backend:
 
     def __init__(self, *, max_query_len: int = 16) -> None:
         self.max_query_len = max_query_len
-        interpreting = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        interpreting = triton_interpreting()
         # Above the reference (0) on CUDA, so ``kernels.attention: auto`` picks it; under the CPU
         # interpreter below it, so it runs only when named.
         self.priority = -1 if interpreting else 20

@@ -26,7 +26,7 @@ import importlib.util
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.model.layers.reference_deepseek_v4 import TorchSinkAttentionBackend
+from deepinfer.ops import TorchSinkAttentionBackend
 from deepinfer_attention.triton_v4 import all_decode, topk_entries
 
 _BLOCK_KV = 64  # DeepGEMM's paged block of index keys

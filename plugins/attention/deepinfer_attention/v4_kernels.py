@@ -16,11 +16,11 @@ Formulas: ``deepinfer/model/layers/reference_deepseek_v4.py`` (the oracle), ``re
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from deepinfer.testing import triton_interpreting
 
 _MIN_DOT = 16  # tl.dot needs every tile side ≥ 16
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -35,7 +35,7 @@ SINK_TILES = {False: {"block_h": 64, "block_n": 32, "num_warps": 8, "num_stages"
 
 def dot_dtype(dtype: torch.dtype) -> tl.dtype:
     """The dtype tiles enter ``tl.dot`` in (module docstring)."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if triton_interpreting():
         return tl.float32
     return _TL_DTYPES[dtype]
 

@@ -13,6 +13,16 @@ import torch
 from test_triton_attention import forward_context, make_batch
 
 
+def unpack_fp8_tokens(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``flash_mla.pack_fp8_tokens`` up to e4m3 rounding: ``[..., 528]`` uint8 → ``[..., 512]``
+    float32 (what FlashMLA reads back; the fake kernel and the round-trip test decode with it)."""
+    from deepinfer_attention.flash_mla import SCALE_GROUP, TOKEN_DIMS
+
+    values = packed[..., :TOKEN_DIMS].view(torch.float8_e4m3fn).float().unflatten(-1, (-1, SCALE_GROUP))
+    scales = torch.exp2(packed[..., TOKEN_DIMS:].float() - 127)
+    return (values * scales.unsqueeze(-1)).flatten(-2)
+
+
 class FakeFlashMLA(types.ModuleType):
     """``get_mla_metadata`` and ``flash_mla_with_kvcache`` in torch; records each call's arguments."""
 
@@ -29,8 +39,6 @@ class FakeFlashMLA(types.ModuleType):
                                cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: object,
                                num_splits: object = None, *, softmax_scale: float, causal: bool,
                                is_fp8_kvcache: bool, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from deepinfer_attention.flash_mla import unpack_fp8_tokens
-
         self.calls.append({"q": q, "k_cache": k_cache, "block_table": block_table, "cache_seqlens": cache_seqlens,
                            "head_dim_v": head_dim_v, "metadata": tile_scheduler_metadata, "scale": softmax_scale,
                            "causal": causal, "fp8": is_fp8_kvcache, "indices": indices})
@@ -75,7 +83,7 @@ def test_the_plugin_offers_it_below_triton_mla() -> None:
 
 
 def test_fp8_token_packing_round_trips() -> None:
-    from deepinfer_attention.flash_mla import pack_fp8_tokens, unpack_fp8_tokens
+    from deepinfer_attention.flash_mla import pack_fp8_tokens
 
     rows = torch.randn(3, 5, 512, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 512)
     packed = pack_fp8_tokens(rows.bfloat16())
@@ -103,7 +111,7 @@ def _mla_inputs(batch, heads: int, latent_dim: int, rope: int, gen: torch.Genera
 def test_adapter_passes_flash_mla_its_layout(rows: tuple, fake_flash_mla: FakeFlashMLA) -> None:
     from deepinfer_attention.flash_mla import FlashMLABackend
 
-    from deepinfer.model.layers.reference_deepseek import TorchMLABackend
+    from deepinfer.ops import TorchMLABackend
 
     gen = torch.Generator().manual_seed(7)
     batch = make_batch(*rows, 4, gen)

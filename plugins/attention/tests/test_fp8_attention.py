@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_triton_attention import DEVICE, forward_context, make_batch, reference_gqa, reference_mla
 
-from deepinfer.kv import fp8
+from deepinfer.ops import fp8
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -166,7 +166,7 @@ def test_gqa_backend_matches_reference_on_fp8(rows: tuple) -> None:
     from deepinfer_attention.triton_backends import TritonAttentionBackend
 
     from deepinfer.kv.specs import PagedKVSpec
-    from deepinfer.model.layers.reference import TorchAttentionBackend
+    from deepinfer.ops import TorchAttentionBackend
 
     gen = torch.Generator().manual_seed(21)
     batch = make_batch(*rows, 4, gen)
@@ -193,7 +193,7 @@ def test_mla_backend_matches_reference_on_fp8(rows: tuple) -> None:
     from deepinfer_attention.triton_backends import TritonMLABackend
 
     from deepinfer.kv.specs import PagedLatentSpec
-    from deepinfer.model.layers.reference_deepseek import TorchMLABackend
+    from deepinfer.ops import TorchMLABackend
 
     gen = torch.Generator().manual_seed(23)
     batch = make_batch(*rows, 4, gen)

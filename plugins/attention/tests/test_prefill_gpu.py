@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_attention_gpu import GQA_SHAPES, paged_batch
 
-from deepinfer.kv import fp8
+from deepinfer.ops import fp8
 
 pytestmark = [
     pytest.mark.gpu,
@@ -49,7 +49,7 @@ def _step(shape: str, seq_lens: list[int], query_lens: list[int], window: int, s
     (``kv_fp8``: over the random cache quantized, ``cache`` then holding its values read back in bf16)."""
     from deepinfer_attention.triton_backends import TritonAttentionBackend
 
-    from deepinfer.model.layers.reference import TorchAttentionBackend
+    from deepinfer.ops import TorchAttentionBackend
 
     q_heads, kv_heads, dim = GQA_SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)

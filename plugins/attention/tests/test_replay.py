@@ -20,10 +20,10 @@ from test_gemma3 import build_gemma3
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import build_config
-from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Restore
 from deepinfer.errors import ConfigError
+from deepinfer.outputs import RequestOutput
 from deepinfer.plugins import config_aliases, discover_plugins
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

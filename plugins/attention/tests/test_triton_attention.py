@@ -188,7 +188,7 @@ def test_gqa_backend_matches_reference_backend(rows: tuple, window: int, floored
     and without bounded-replay visibility floors (some queries below their floor)."""
     from deepinfer_attention.triton_backends import TritonAttentionBackend
 
-    from deepinfer.model.layers.reference import TorchAttentionBackend
+    from deepinfer.ops import TorchAttentionBackend
 
     gen = torch.Generator().manual_seed(11 + window)
     batch = make_batch(*rows, 4, gen)
@@ -213,7 +213,7 @@ def test_gqa_backend_matches_reference_backend(rows: tuple, window: int, floored
 def test_mla_backend_matches_reference_backend(rows: tuple) -> None:
     from deepinfer_attention.triton_backends import TritonMLABackend
 
-    from deepinfer.model.layers.reference_deepseek import TorchMLABackend
+    from deepinfer.ops import TorchMLABackend
 
     gen = torch.Generator().manual_seed(13)
     batch = make_batch(*rows, 4, gen)
@@ -238,7 +238,7 @@ def test_a_stated_bound_reads_no_host_list() -> None:
     ``num_decodes`` are the capture's: the backend must answer from the device tensors alone."""
     from deepinfer_attention.triton_backends import TritonAttentionBackend
 
-    from deepinfer.model.layers.reference import TorchAttentionBackend
+    from deepinfer.ops import TorchAttentionBackend
 
     gen = torch.Generator().manual_seed(17)
     batch = make_batch([12, 7, 20], [1, 3, 2], 4, gen)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_triton_attention import DEVICE, forward_context, make_batch
 
-from deepinfer.kv import fp8
+from deepinfer.ops import fp8
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 
@@ -68,7 +68,7 @@ def _check_kernel(case: tuple, *, kv_fp8: bool) -> None:
     the cache holds (``kv_fp8``: the random cache quantized, read back by ``fp8.dequantize``)."""
     from deepinfer_attention.triton_prefill import paged_prefill_attention
 
-    from deepinfer.model.layers.reference import TorchAttentionBackend
+    from deepinfer.ops import TorchAttentionBackend
 
     kv_heads, group, head_dim, block_size, seq_lens, query_lens, window, floored, dtype = case
     gen = torch.Generator().manual_seed(sum(seq_lens) + 31 * group + window)
@@ -146,7 +146,7 @@ def test_backend_prefill_rows_match_the_reference_backend(window: int, floored: 
     ``TritonAttentionBackend``: outputs and cache equal ``TorchAttentionBackend``'s."""
     from deepinfer_attention.triton_backends import TritonAttentionBackend
 
-    from deepinfer.model.layers.reference import TorchAttentionBackend
+    from deepinfer.ops import TorchAttentionBackend
 
     gen = torch.Generator().manual_seed(21 + window)
     batch = make_batch([12, 7, 20, 30, 19], [1, 1, 3, 11, 19], 4, gen)
@@ -176,7 +176,7 @@ def test_backend_fp8_prefill_rows_match_the_reference_backend(window: int, floor
     from deepinfer_attention.triton_backends import TritonAttentionBackend
 
     from deepinfer.kv.specs import PagedKVSpec
-    from deepinfer.model.layers.reference import TorchAttentionBackend
+    from deepinfer.ops import TorchAttentionBackend
 
     gen = torch.Generator().manual_seed(41 + window)
     batch = make_batch([12, 7, 30, 19], [1, 1, 11, 19], 4, gen)

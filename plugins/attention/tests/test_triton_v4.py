@@ -17,7 +17,8 @@ import torch
 from v4_cases import V4Problem, make_problem, relative_error
 
 from deepinfer.interfaces import ForwardContext
-from deepinfer.model.layers.reference_deepseek_v4 import TorchSinkAttentionBackend, gather_entries
+from deepinfer.model.layers.reference_deepseek_v4 import gather_entries
+from deepinfer.ops import TorchSinkAttentionBackend
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),

@@ -13,7 +13,7 @@ import pytest
 import torch
 from v4_cases import V4Problem, make_problem, relative_error
 
-from deepinfer.model.layers.reference_deepseek_v4 import TorchSinkAttentionBackend
+from deepinfer.ops import TorchSinkAttentionBackend
 
 pytestmark = [
     pytest.mark.gpu,

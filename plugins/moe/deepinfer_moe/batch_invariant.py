@@ -19,13 +19,13 @@ batch-invariant backend, so CPU ``auto`` is unchanged.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from deepinfer.interfaces import BackendCapabilities
+from deepinfer.testing import triton_interpreting
 from deepinfer_moe.layout import sorted_blocks
 from deepinfer_moe.triton_backend import contiguous_experts, triton_importable
 
@@ -62,7 +62,7 @@ class TritonBIMoEBackend:
     ops = frozenset({"experts"})
 
     def __init__(self) -> None:
-        interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        interpret = triton_interpreting()
         # Below every default backend (torch is 0): declaring batch_invariant also fits runs without the
         # mode, which must not pick it. On CUDA no other MoE backend declares the capability; under the
         # interpreter it also ranks below the core's CPU batch-invariant backend (-10).
@@ -72,7 +72,7 @@ class TritonBIMoEBackend:
             dtypes=_DTYPES, graph_safe=True, batch_invariant=True, varlen=True)
 
     def available(self) -> bool:
-        return triton_importable() and (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1")
+        return triton_importable() and (torch.cuda.is_available() or triton_interpreting())
 
     def prepare_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> Any:
         """The parameters themselves, made contiguous in place if another backend re-laid them out."""

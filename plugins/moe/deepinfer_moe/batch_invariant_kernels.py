@@ -13,12 +13,11 @@ K instead (``ROW_EXACT``), so the tests check the tiling, the layout and the ord
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer.testing import triton_interpreting
 from deepinfer_moe.layout import BlockLayout
 
 BLOCK_M = 16
@@ -71,7 +70,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, layout: BlockLayout, pairs_
         raise ValueError("grouped_matmul needs x and w contiguous along K")
     n, k = w.shape[1], w.shape[2]
     out = torch.empty(layout.num_pairs, n, dtype=x.dtype, device=x.device)
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpret = triton_interpreting()
     _grouped_matmul_kernel[(layout.num_blocks, triton.cdiv(n, BLOCK_N))](
         x, w, out, layout.pairs, layout.block_expert, layout.num_pairs, pairs_per_row, n, k,
         x.stride(0), w.stride(0), w.stride(1), out.stride(0),

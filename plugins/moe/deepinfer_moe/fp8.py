@@ -71,13 +71,6 @@ def quantize_rows(x: torch.Tensor, group: int = BLOCK, pow2: bool = False) -> tu
     return q.view(m, kb * group)[:, :k].contiguous(), scale
 
 
-def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, group: int = BLOCK,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of ``quantize_rows``."""
-    k = q.shape[-1]
-    return (q.float() * scale.repeat_interleave(group, dim=-1)[..., :k]).to(dtype)
-
-
 @dataclass(frozen=True)
 class Fp8Experts:
     """Routed-expert weights in the 128×128 block-scaled FP8 format.

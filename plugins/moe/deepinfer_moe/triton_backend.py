@@ -19,13 +19,13 @@ interpreter, used by the tests; it is slow and only meant for checking the kerne
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from deepinfer.interfaces import BackendCapabilities
+from deepinfer.testing import triton_interpreting
 from deepinfer_moe.fp8 import Fp8Experts, quantize_rows
 from deepinfer_moe.layout import group_by_expert, pair_blocks, sorted_blocks
 
@@ -109,7 +109,7 @@ class TritonMoEBackend:
         self.fp8 = fp8
         self.decode_max_tokens = decode_max_tokens
         self.name = "triton_fp8" if fp8 else "triton"
-        self.interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        self.interpret = triton_interpreting()
         # bf16 Triton outranks ``grouped`` (10); FP8 is lossy and is only used when named. Under the
         # interpreter the kernels serve CPU runs too, but only when named: auto keeps ``grouped``.
         self.priority = 1 if self.interpret else 5 if fp8 else 20
@@ -120,7 +120,7 @@ class TritonMoEBackend:
     def available(self) -> bool:
         if not triton_importable():
             return False
-        return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") == "1"
+        return torch.cuda.is_available() or triton_interpreting()
 
     def prepare_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> Any:
         """bf16: the parameters themselves, made contiguous in place if another backend re-laid them

@@ -18,22 +18,16 @@ itself, i.e. a no-op.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from deepinfer.testing import triton_interpreting
 from deepinfer_moe.layout import BlockLayout
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
               torch.float8_e4m3fn: tl.float8e4nv}
 SCALE_BLOCK = 128
-
-
-def interpreting() -> bool:
-    """Whether Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -139,7 +133,7 @@ def _precision(dtype: torch.dtype) -> str | None:
 
 
 def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
-    return tl.float32 if interpreting() else _TL_DTYPES[dtype]
+    return tl.float32 if triton_interpreting() else _TL_DTYPES[dtype]
 
 
 def gate_up(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor | None,

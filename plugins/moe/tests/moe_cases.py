@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from deepinfer_moe.fp8 import BLOCK
 
-from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
+from deepinfer.ops import TorchMoEBackend
 
 ROUTINGS = ("uniform", "skewed", "empty_experts")
 
@@ -70,3 +71,11 @@ def reference(p: Problem, w13: torch.Tensor | None = None, w2: torch.Tensor | No
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in float32."""
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, group: int = BLOCK,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of ``deepinfer_moe.fp8.quantize_rows`` (``q [M, K]`` · its group's scale, in ``dtype``): the
+    activations the FP8 kernels multiply, for the oracle and the round-trip test."""
+    k = q.shape[-1]
+    return (q.float() * scale.repeat_interleave(group, dim=-1)[..., :k]).to(dtype)

@@ -8,9 +8,9 @@ import importlib.util
 
 import pytest
 import torch
-from deepinfer_moe.fp8 import Fp8Experts, dequantize_rows, quantize_rows
+from deepinfer_moe.fp8 import Fp8Experts, quantize_rows
 from deepinfer_moe.grouped import GroupedMoEBackend
-from moe_cases import ROUTINGS, make_problem, reference, relative_error
+from moe_cases import ROUTINGS, dequantize_rows, make_problem, reference, relative_error
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install deepinfer-moe[test])")

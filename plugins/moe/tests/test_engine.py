@@ -17,7 +17,7 @@ from tiny_models import randomize
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
-from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
+from deepinfer.ops import TorchMoEBackend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

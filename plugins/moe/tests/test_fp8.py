@@ -7,11 +7,11 @@ import torch
 from deepinfer_moe.fp8 import (
     FP8_MAX,
     Fp8Experts,
-    dequantize_rows,
     dequantize_weight_blocks,
     quantize_rows,
     quantize_weight_blocks,
 )
+from moe_cases import dequantize_rows
 
 from deepinfer.model.deepseek_v3 import dequantize_fp8_checkpoint
 

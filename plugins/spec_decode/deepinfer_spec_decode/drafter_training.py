@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from deepinfer.errors import ConfigError
-from deepinfer.model.loader import init_dummy
+from deepinfer.ops import init_dummy
 from deepinfer_spec_decode.config import SpecDecodeConfig
 from deepinfer_spec_decode.drafter_data import Prompt, chat_prompts, continuation_prompts, local_passages
 from deepinfer_spec_decode.dspark import DSparkNetwork, build_network, lm_head_of, save_weights, target_layers

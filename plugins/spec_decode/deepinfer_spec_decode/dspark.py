@@ -63,8 +63,7 @@ from torch import nn
 
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import DraftInputs, DraftProposal, EngineInfo
-from deepinfer.model.layers.norm import RMSNorm
-from deepinfer.model.loader import init_dummy
+from deepinfer.ops import RMSNorm, init_dummy
 from deepinfer_spec_decode.config import SpecDecodeConfig
 from deepinfer_spec_decode.mtp import choose_drafts
 

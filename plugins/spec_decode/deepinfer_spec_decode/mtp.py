@@ -32,8 +32,7 @@ from typing import Any
 import torch
 
 from deepinfer.interfaces import DraftInputs, DraftProposal
-from deepinfer.sampling.rng import Purpose, uniform
-from deepinfer.sampling.sampler import inverse_cdf
+from deepinfer.ops import Purpose, inverse_cdf, uniform
 
 
 def choose_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.interfaces import DraftInputs, DraftProposal
-from deepinfer.sampling.rng import Purpose, uniform
+from deepinfer.ops import Purpose, uniform
 
 SMOOTHING = 0.1
 

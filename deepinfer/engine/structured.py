@@ -20,8 +20,8 @@ IDLE_WAIT_S = 0.05
 
 if TYPE_CHECKING:
     from deepinfer.engine.request import Request
-    from deepinfer.engine.rows import StepRow
     from deepinfer.engine.runner import StepInputs
+    from deepinfer.rows import StepRow
 
 
 class StructuredRuntime:

@@ -1,4 +1,9 @@
-"""What a request returns (API.md §4 ``RequestOutput``)."""
+"""What a request returns (API.md §4 ``RequestOutput``), and what ``deepinfer_request_end`` carries.
+
+Public and below the engine: the hook contract (``hookspecs.py``, ``interfaces.py``) names these types,
+and a plugin reads them, without importing ``engine/``. Plain dataclasses of plain values; nothing here
+imports the rest of deepinfer.
+"""
 
 from __future__ import annotations
 
