@@ -148,6 +148,8 @@ _CORE_KNOBS: dict[str, tuple[str, Any]] = {
     "DEEPINFER_XGRAMMAR_TIMEOUT": ("sampling.grammar_timeout_s", lambda v: _parse_scalar(v)),
     "DEEPINFER_SO_BUILDER_CPUS": ("sampling.grammar_threads", lambda v: _parse_scalar(v)),
     "DEEPINFER_XGRAMMAR_DISABLE_CACHE": ("sampling.grammar_cache", lambda v: not _flag(v)),
+    # The reference's ring is window + this many tokens (cache_engine); ours is window + cache.max_backtrack.
+    "DEEPINFER_MAX_BACKTRACKING_TOKENS": ("cache.max_backtrack", lambda v: _parse_scalar(v)),
 }
 
 # DEEPINFER_* variables read outside the config tree (the server key, the model cache, the GPU test device).
@@ -178,10 +180,6 @@ REFERENCE_KNOBS = frozenset((
 
 _warned_knobs: set[str] = set()
 _warned_unknown: set[str] = set()
-
-
-def _truthy(value: str) -> bool:
-    return value.strip().lower() in _TRUE
 
 
 def _flag(value: str) -> bool:

@@ -43,6 +43,11 @@ class StepRow:
     ``write_floor``: the request's state slot and its shared-prefix length, for models with
     per-request state (None / 0 otherwise). ``grammar``: the request's grammar handle
     (``structured.grammar.RequestGrammar``; None without structured output).
+
+    Logits processing (``sampling/penalties.py``; set only on sampling rows whose ``params`` process
+    logits): ``prompt_token_ids`` and ``output_token_ids`` (the output tokens known on the host), from
+    which the runner rebuilds the request's count slot when it is new or was preempted, and
+    ``banned_eos`` (the tokens ``first_n_token_no_eos`` bans).
     """
 
     request_id: str
@@ -66,6 +71,9 @@ class StepRow:
     state_slot: int | None = None
     write_floor: int = 0
     grammar: Any = None
+    prompt_token_ids: tuple[int, ...] = ()
+    output_token_ids: tuple[int, ...] = ()
+    banned_eos: frozenset[int] = frozenset()
 
     @property
     def end(self) -> int:

@@ -176,6 +176,15 @@ def test_plugin_alias_maps_a_reference_knob(fresh_knob_warnings: None, caplog: p
     assert ["DEEPINFER_USE_NEXTN_DECODE" in r.getMessage() for r in caplog.records] == [True]
 
 
+def test_max_backtracking_tokens_maps_onto_cache_max_backtrack(fresh_knob_warnings: None,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="deepinfer.config"):
+        resolved = build_config(environ={"DEEPINFER_MAX_BACKTRACKING_TOKENS": "6"})
+    assert resolved.config.cache.max_backtrack == 6
+    assert resolved.sources == {"cache.max_backtrack": "environment"}
+    assert not caplog.records  # mapped, so no "not implemented" warning
+
+
 # ------------------------------------------------------------------------------------------ errors
 
 

@@ -180,6 +180,19 @@ def test_completions_greedy_equal_llm_generate(client: openai.OpenAI, offline: L
     assert resp.choices[0].text == expected[1].outputs[0].text
 
 
+def test_penalties_and_logit_bias_equal_llm_generate(client: openai.OpenAI, offline: LLM) -> None:
+    """The OpenAI names (and vLLM's repetition_penalty / allowed_token_ids) reach SamplingParams."""
+    params = SamplingParams(temperature=0, max_tokens=12, frequency_penalty=1.2, presence_penalty=0.4,
+                            repetition_penalty=1.3, logit_bias={5: 4.0, 7: -100.0}, seed=2**64 - 5)
+    expected = offline.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text
+    resp = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                     frequency_penalty=1.2, presence_penalty=0.4, logit_bias={"5": 4, "7": -100},
+                                     seed=2**64 - 5, extra_body={"repetition_penalty": 1.3})
+    assert resp.choices[0].text == expected
+    plain = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert plain[0].outputs[0].text != expected  # the penalties changed something
+
+
 def test_chat_greedy_equals_llm_chat(client: openai.OpenAI, offline: LLM) -> None:
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What is the capital of France?"}]
@@ -298,9 +311,12 @@ BAD_COMPLETIONS: list[tuple[str, Any, str | None]] = [
     ("max_tokens 0", {"model": NAME, "prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("n 2", {"model": NAME, "prompt": "hi", "n": 2}, "n"),
     ("logprobs 50", {"model": NAME, "prompt": "hi", "logprobs": 50}, "logprobs"),
-    ("seed over int64", {"model": NAME, "prompt": "hi", "seed": 2**70}, "seed"),
+    ("seed over uint64", {"model": NAME, "prompt": "hi", "seed": 2**70}, "seed"),
     ("empty stop", {"model": NAME, "prompt": "hi", "stop": [""]}, "stop"),
-    ("penalty", {"model": NAME, "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ("penalty out of range", {"model": NAME, "prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ("repetition_penalty 0", {"model": NAME, "prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ("logit_bias key not an id", {"model": NAME, "prompt": "hi", "logit_bias": {"a": 1}}, "logit_bias"),
+    ("logit_bias over 100", {"model": NAME, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
     ("two prompts", {"model": NAME, "prompt": ["a", "b"]}, "prompt"),
     ("empty prompt", {"model": NAME, "prompt": ""}, "prompt"),
     ("empty id list", {"model": NAME, "prompt": []}, "prompt"),

@@ -242,6 +242,30 @@ def test_matcher_fills_draft_masks_and_rolls_back(smol):
     assert matcher.fill_draft_masks([a, c], rejected, 0) == 1  # "a" is refused: later rows unreachable
 
 
+def test_trigger_starts_the_grammar_and_the_bound_forces_the_trigger(smol):
+    """so_args trigger_token_ids / bound_token_id on the real model: golden tokens drive the free part,
+    the engine does the rest. After the trigger the grammar (three digits) holds; after the bound token
+    the trigger itself is forced, then the grammar."""
+    tok = smol.tokenizer
+    trigger = tok.encode(" Answer:")
+    bound = tok.encode("\n")[0]
+    free = tok.encode("Let me think")
+    so_args = {"schema_type": "regex", "schema": "[0-9]{3}", "trigger_token_ids": trigger}
+    prompt = tok.encode("Question: pick a number.")
+    p = SamplingParams(temperature=0, max_tokens=len(free) + len(trigger) + 8, so_args=so_args,
+                       golden_token_ids=free + trigger)
+    out = smol.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+    eos = smol.engine.eos_token_ids
+    after = [t for t in out.token_ids[len(free) + len(trigger):] if t not in eos]
+    assert out.finish_reason == "stop" and re.fullmatch("[0-9]{3}", tok.decode(after)), out
+    bounded = SamplingParams(temperature=0, max_tokens=len(free) + 1 + len(trigger) + 8,
+                             so_args={**so_args, "bound_token_id": bound}, golden_token_ids=[*free, bound])
+    out = smol.generate([prompt], bounded, use_tqdm=False)[0].outputs[0]
+    rest = [t for t in out.token_ids[len(free) + 1:] if t not in eos]
+    assert rest[:len(trigger)] == trigger, tok.decode(rest)
+    assert re.fullmatch("[0-9]{3}", tok.decode(rest[len(trigger):])) and out.finish_reason == "stop"
+
+
 def test_compile_timeout_fails_the_request_with_a_clear_error(smol):
     compiler = smol.engine._grammar_compiler()
     from deepinfer.structured.grammar import RequestGrammar

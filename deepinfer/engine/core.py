@@ -242,6 +242,7 @@ class EngineCore:
         if reason == "error" and error is None and req.grammar is not None:
             error = req.grammar.error  # set by the grammar that refused a token (``_stop_reason``)
         req.finish(reason, error)
+        self.runner.release_request(req.request_id)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
         in_flight = self.inflight[req.request_id] > 0

@@ -39,7 +39,7 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.sizes import current_rank, parallel_sizes, rank_experts
 from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
 from deepinfer.sampling.params import SamplingParams
-from deepinfer.sampling.rng import derive_seed
+from deepinfer.sampling.rng import derive_seed, seed_lane
 from deepinfer.structured.grammar import GrammarCompiler, import_xgrammar
 from deepinfer.tokenizer import Tokenizer, eos_token_ids
 from deepinfer.tokenizer_deepseek import NAME as DEEPSEEK_V4_TOKENIZER
@@ -261,6 +261,9 @@ class LLMEngine:
         if plugin is None:
             return None
         cfg = plugin.config
+        if int(cfg.max_draft) == 0:  # DEEPINFER_USE_NEXTN_DECODE=0: the reference's "no speculation"
+            logger.info("plugins.spec_decode.max_draft is 0: speculative decoding is off")
+            return None
         drafter = cfg.drafter
         runs_mtp = hasattr(self.model, "mtp_hidden") and hasattr(self.model, "bind_mtp_cache")
         if drafter == "auto":
@@ -457,12 +460,15 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len}")
-        for t in params.stop_token_ids:
-            if t >= vocab:
-                raise ValueError(f"SamplingParams.stop_token_ids has {t}, outside the vocabulary [0, {vocab})")
+        for name, token_ids in params.token_ids_to_check().items():
+            for t in token_ids:
+                if t >= vocab:
+                    raise ValueError(f"SamplingParams.{name} has {t}, outside the vocabulary [0, {vocab})")
         if params.grammar_spec is not None:
             self._check_structured()  # raises before anything is queued
-        seed = params.seed if params.seed is not None else derive_seed(self.config.sampling.seed, self._counter)
+        # uint64 seeds (the reference's seq_seed) travel as the int64 with the same bits (rng.seed_lane).
+        seed = seed_lane(params.seed) if params.seed is not None else derive_seed(self.config.sampling.seed,
+                                                                                  self._counter)
         request = Request(str(self._counter), text, ids, params, seed, self.eos_token_ids,
                           max_total_tokens=min(len(ids) + params.max_tokens, self.max_model_len))
         truncation = self._prefill_truncation(request)

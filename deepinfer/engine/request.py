@@ -40,6 +40,8 @@ class Request:
         self.params = params
         self.seed = seed
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        # The tokens ``first_n_token_no_eos`` bans from the first output tokens (ignore_eos or not).
+        self.banned_eos_ids = frozenset({params.eos_id}) if params.eos_id is not None else eos_token_ids
         self.stop_token_ids = frozenset(params.stop_token_ids)
         self.max_total_tokens = max_total_tokens
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -10,6 +10,7 @@ sampling (``sampling/verify.py``), and requests without drafts sample exactly as
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
 from deepinfer.model.transfer import to_device, to_host
 from deepinfer.rows import StepRow
+from deepinfer.sampling.penalties import PenaltyRow, PenaltyState, PenaltyStep
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
 from deepinfer.sampling.verify import VerifyBatch, VerifyResult, verify
 from deepinfer.structured.masks import StepMasks
@@ -57,6 +59,8 @@ class StepInputs:
     grammar: StepMasks | None = None
     # Set when the step replays a CUDA graph: its inputs, staged for the graph's static buffers.
     graph: GraphStep | None = None
+    # Logits processing (penalties, logit bias, allowed tokens, early-EOS ban) of the step's sampled rows.
+    penalties: PenaltyStep | None = None
 
 
 @dataclass
@@ -110,6 +114,8 @@ class ModelRunner:
         # Set with ``keep_hidden`` when the drafter reads chosen layers' features (dspark, the model's
         # ``capture_hidden``): the kept ``hidden`` is then those layers' inputs, concatenated in this order.
         self.hidden_layers: tuple[int, ...] = ()
+        # Device-side token counts and biases of requests that process logits, built by the first such one.
+        self.penalties: PenaltyState | None = None
 
     def prepare(self, rows: Sequence[StepRow]) -> StepInputs:
         """Flatten the step's rows (decode rows first): token ids, positions, cache slots, block tables,
@@ -172,17 +178,38 @@ class ModelRunner:
             ctx.truncation_floor_host = [t.visibility_floor if t else 0 for t in truncations]
             ctx.truncation_compact_host = [t is not None and t.mode == "compact" for t in truncations]
         sampling = None
+        forcing = any(s.params.golden_token_ids for s in samplers)
         if samplers:
             sampling = SamplingBatch.build([s.params for s in samplers], [s.seed for s in samplers],
-                                           [s.counter for s in samplers], dev)
+                                           [s.counter for s in samplers], dev,
+                                           forced=[_forced(s, 0) for s in samplers] if forcing else None)
         verify_batch = None
         if any(s.drafts for s in samplers):
             assert sampling is not None
-            verify_batch = self._verify_batch(samplers, sampling)
+            verify_batch = self._verify_batch(samplers, sampling, forcing)
+        penalties = self._penalty_step(samplers)
         return StepInputs(input_ids, ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans,
-                          pending_rows, pending_requests, verify_batch, graph=graph)
+                          pending_rows, pending_requests, verify_batch, graph=graph, penalties=penalties)
 
-    def _verify_batch(self, samplers: list[StepRow], sampling: SamplingBatch) -> VerifyBatch:
+    def _penalty_step(self, samplers: list[StepRow]) -> PenaltyStep | None:
+        """The logits processing of the step's sampling rows (None when none asks for any)."""
+        if not any(s.params.processes_logits for s in samplers):
+            return None
+        if self.penalties is None:
+            self.penalties = PenaltyState(self.model.vocab_size, self.device)
+        rows, first = [], 0
+        for s in samplers:
+            rows.append(PenaltyRow(s.request_id, s.epoch, s.params, s.prompt_token_ids, s.output_token_ids, first,
+                                   s.token_slot - s.num_prompt_tokens, s.drafts, s.banned_eos))
+            first += 1 + len(s.drafts)
+        return self.penalties.plan(rows, max(len(s.drafts) for s in samplers))
+
+    def release_request(self, request_id: str) -> None:
+        """A request finished: free what the runner keeps for it (its logits-processing slot)."""
+        if self.penalties is not None:
+            self.penalties.release(request_id)
+
+    def _verify_batch(self, samplers: list[StepRow], sampling: SamplingBatch, forcing: bool) -> VerifyBatch:
         dev = self.device
         k = max(len(s.drafts) for s in samplers)
         row_start, row_request, row_offset = [], [], []
@@ -220,6 +247,7 @@ class ModelRunner:
             sampling=sampling,
             row_request=tensor(row_request, torch.int64),
             row_offset=tensor(row_offset, torch.int64),
+            forced=tensor([[_forced(s, j) for j in range(k + 1)] for s in samplers], torch.int64) if forcing else None,
         )
 
     @torch.inference_mode()
@@ -245,14 +273,23 @@ class ModelRunner:
             hidden = self.model.forward(inputs.input_ids, inputs.ctx)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
         sampled = verified = None
-        if inputs.verify is not None:
+        if inputs.verify is not None or inputs.sampling is not None:
             rows = logits.index_select(0, inputs.sample_rows)
-            target = rows if inputs.grammar is None else inputs.grammar.constrain(rows)
-            verified = verify(target, inputs.verify, raw_logits=rows)
-        elif inputs.sampling is not None:
-            rows = logits.index_select(0, inputs.sample_rows)
-            sampled = sample(rows, inputs.sampling) if inputs.grammar is None else inputs.grammar.sample(
-                rows, inputs.sampling)
+            # Penalties and biases adjust a copy; grammar masks go on top; logprobs read the raw rows.
+            adjusted = rows
+            if inputs.penalties is not None:
+                assert self.penalties is not None
+                adjusted = self.penalties.apply(inputs.penalties, rows)
+            if inputs.verify is not None:
+                target = adjusted if inputs.grammar is None else inputs.grammar.constrain(adjusted)
+                verified = verify(target, inputs.verify, raw_logits=rows)
+            else:
+                assert inputs.sampling is not None
+                sampled = _sample(adjusted, rows, inputs.sampling, inputs.grammar)
+            if inputs.penalties is not None:
+                assert self.penalties is not None
+                emitted = verified.tokens if verified is not None else sampled.tokens  # type: ignore[union-attr]
+                self.penalties.record(inputs.penalties, emitted)
         kept = None
         if self.keep_hidden and self.hidden_layers:
             kept = torch.cat([self.model.captured_hidden[i] for i in self.hidden_layers], dim=-1)
@@ -310,6 +347,26 @@ class ModelRunner:
         ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         hidden = self.model.forward(ids, ctx)
         self.model.compute_logits(hidden, ctx)
+
+
+def _forced(s: StepRow, j: int) -> int:
+    """The golden token the row must emit as its ``j``-th token of this step, or −1."""
+    golden = s.params.golden_token_ids
+    m = s.token_slot - s.num_prompt_tokens + j
+    return golden[m] if golden and m < len(golden) else -1
+
+
+def _sample(adjusted: torch.Tensor, raw: torch.Tensor, batch: SamplingBatch, grammar: StepMasks | None
+            ) -> SampleResult:
+    """Sample from ``adjusted`` (grammar-masked when ``grammar``), logprobs from the ``raw`` rows."""
+    if adjusted is raw:
+        return sample(raw, batch) if grammar is None else grammar.sample(raw, batch)
+    plain = dataclasses.replace(batch, num_logprobs=-1)
+    result = sample(adjusted, plain) if grammar is None else grammar.sample(adjusted, plain)
+    if batch.num_logprobs < 0:
+        return result
+    token_lp, top_lp, top_ids = logprobs_of(raw, result.tokens, batch.num_logprobs)
+    return SampleResult(result.tokens, token_lp, top_lp, top_ids)
 
 
 def prompt_logprobs_of(results: StepResults) -> list[tuple[StepRow, int, list[dict[int, float]]]]:

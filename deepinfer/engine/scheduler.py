@@ -230,6 +230,8 @@ class Scheduler:
         if req.params.prompt_logprobs is not None and start < prompt - 1:
             targets = tuple(req.prompt_token_ids[start + 1:min(end, prompt - 1) + 1])
         stateful = self.kv.num_state_slots > 0
+        # Logits processing rebuilds a request's device counts from these (copied for such rows only).
+        processing = s.samples and req.params.processes_logits
         return StepRow(
             request_id=req.request_id, start=start, num_new_tokens=s.num_new_tokens,
             token_ids=(*req.all_token_ids[start:known], *s.drafts),
@@ -242,6 +244,9 @@ class Scheduler:
             state_slot=self.kv.state_slot(req.request_id) if stateful else None,
             write_floor=self.kv.write_floor(req.request_id) if stateful else 0,
             grammar=req.grammar,
+            prompt_token_ids=tuple(req.prompt_token_ids) if processing else (),
+            output_token_ids=tuple(req.all_token_ids[prompt:first_pending]) if processing else (),
+            banned_eos=req.banned_eos_ids if processing else frozenset(),
         )
 
     def _plan_drafts(self, queue: Sequence[Request]) -> dict[str, Drafts]:

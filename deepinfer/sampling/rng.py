@@ -31,6 +31,15 @@ def _signed(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def seed_lane(seed: int) -> int:
+    """The int64 lane value of a request seed in [−2^63, 2^64): the same 64 bits, read as two's complement.
+
+    The reference's ``seq_seed`` is a uint64; tensors here are int64, and a uint64 seed ≥ 2^63 does
+    not fit one. Its bit pattern does, and the mixer's wrapping arithmetic only sees bits, so seed
+    ``s`` and ``s − 2^64`` give the same draws."""
+    return _signed(seed)
+
+
 def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Logical right shift of int64 lanes (``>>`` on int64 is arithmetic)."""
     return (x >> bits) & ((1 << (64 - bits)) - 1)

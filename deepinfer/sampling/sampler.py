@@ -24,6 +24,8 @@ class SamplingBatch:
 
     ``positions`` is the sequence index of the token each row produces (the RNG counter).
     ``random_rows``/``sorted_rows``/``plain_rows`` index rows by path (built on the host).
+    ``forced [N]`` (None when no row has one): the token a row must emit whatever it samples
+    (``SamplingParams.golden_token_ids``; −1 = sample).
     """
 
     temperature: torch.Tensor
@@ -36,10 +38,11 @@ class SamplingBatch:
     sorted_rows: torch.Tensor
     plain_rows: torch.Tensor
     num_logprobs: int
+    forced: torch.Tensor | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
-              device: torch.device) -> SamplingBatch:
+              device: torch.device, forced: Sequence[int] | None = None) -> SamplingBatch:
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         sorted_rows = [j for j, i in enumerate(random_rows) if params[i].needs_sorting]
         plain_rows = [j for j, i in enumerate(random_rows) if not params[i].needs_sorting]
@@ -59,6 +62,7 @@ class SamplingBatch:
             sorted_rows=tensor(sorted_rows, torch.int64),
             plain_rows=tensor(plain_rows, torch.int64),
             num_logprobs=max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1),
+            forced=tensor(list(forced), torch.int64) if forced is not None else None,
         )
 
 
@@ -140,6 +144,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
             picked[s] = sample_sorted(rows[s], batch.temperature[s], batch.top_k[s], batch.top_p[s],
                                       batch.min_p[s], u[s])
         tokens = tokens.index_copy(0, batch.random_rows, picked)
+    if batch.forced is not None:  # teacher forcing: the logprobs below score the forced token
+        tokens = torch.where(batch.forced >= 0, batch.forced, tokens)
     if batch.num_logprobs < 0:
         return SampleResult(tokens)
     token_lp, top_lp, top_ids = logprobs_of(logits, tokens, batch.num_logprobs)

@@ -41,7 +41,10 @@ class VerifyBatch:
     RNG counter of each request's first emitted token (the sampler's ``positions``); its ``j``-th
     emitted token uses ``base + j``. ``sampling`` draws the final token (shifted by the accepted count
     at run time). ``row_request``/``row_offset`` map every
-    verified row to its request and its offset ``j`` within the request.
+    verified row to its request and its offset ``j`` within the request. ``forced [R, K+1]`` (None
+    when no request has one): the token each position must emit (``SamplingParams.golden_token_ids``,
+    −1 = none); a draft at a forced position is accepted exactly when it equals the forced token, and
+    a forced final position emits the forced token (the reference's golden-token rule).
     """
 
     row_start: torch.Tensor
@@ -58,6 +61,7 @@ class VerifyBatch:
     sampling: SamplingBatch
     row_request: torch.Tensor
     row_offset: torch.Tensor
+    forced: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -131,10 +135,15 @@ def verify(logits: torch.Tensor, batch: VerifyBatch, raw_logits: torch.Tensor | 
     model's unconstrained distribution, API.md §4), else from ``logits``."""
     num_requests, k = batch.drafts.shape
     ok = _accepted(logits, batch) if k else torch.zeros(num_requests, 0, dtype=torch.bool, device=logits.device)
+    if batch.forced is not None and k:
+        forced = batch.forced[:, :k]
+        ok = torch.where(forced >= 0, batch.drafts == forced, ok) & (torch.arange(k, device=logits.device)
+                                                                    < batch.num_drafts.unsqueeze(1))
     num_accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(dim=1)
     final_logits = logits.index_select(0, batch.row_start + num_accepted)
     shifted = dataclasses.replace(
-        batch.sampling, positions=batch.sampling.positions + num_accepted.index_select(0, batch.sampling.random_rows))
+        batch.sampling, positions=batch.sampling.positions + num_accepted.index_select(0, batch.sampling.random_rows),
+        forced=None)
     bonus = sample(final_logits, dataclasses.replace(shifted, num_logprobs=-1)).tokens
     final = bonus
     r = batch.random_requests
@@ -142,6 +151,9 @@ def verify(logits: torch.Tensor, batch: VerifyBatch, raw_logits: torch.Tensor | 
         rejected = num_accepted.index_select(0, r) < batch.num_drafts.index_select(0, r)
         picked = torch.where(rejected, _residual_tokens(final_logits, batch, num_accepted), bonus.index_select(0, r))
         final = bonus.index_copy(0, r, picked)
+    if batch.forced is not None:
+        at = batch.forced.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+        final = torch.where(at >= 0, at, final)
     cols = torch.arange(k + 1, device=logits.device)
     padded = torch.cat([batch.drafts, batch.drafts.new_full((num_requests, 1), -1)], dim=1)
     tokens = torch.where(cols < num_accepted.unsqueeze(1), padded,

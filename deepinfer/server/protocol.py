@@ -2,7 +2,10 @@
 
 Bodies are strict: unknown fields, wrong types and bad values are HTTP 400 with
 ``{"error": {"message", "type", "param", "code"}}``. Fields of the OpenAI API that deepinfer does
-not implement are unknown fields (400), except penalties, which are accepted when 0.
+not implement are unknown fields (400). ``frequency_penalty``, ``presence_penalty`` and ``logit_bias``
+(keys are token ids as strings, as OpenAI sends them) are OpenAI's; ``repetition_penalty``,
+``allowed_token_ids`` and ``min_tokens``-like ``first_n_token_no_eos`` are vLLM-style / reference
+extensions, mapped onto ``SamplingParams`` fields of the same names.
 """
 
 from __future__ import annotations
@@ -70,14 +73,14 @@ class _Sampling(_Body):
     user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    first_n_token_no_eos: int | None = None
 
     def common_checks(self) -> None:
         if self.n != 1:
             raise bad_request(f"n must be 1 (deepinfer returns one choice per request), got {self.n}", "n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            value = getattr(self, name)
-            if value not in (None, 0, 0.0):
-                raise bad_request(f"{name} is not supported (only 0), got {value}", name)
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise bad_request(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
@@ -104,6 +107,12 @@ class _Sampling(_Body):
             "ignore_eos": self.ignore_eos,
             "logprobs": logprobs,
             "structured": structured,
+            "frequency_penalty": 0.0 if self.frequency_penalty is None else self.frequency_penalty,
+            "presence_penalty": 0.0 if self.presence_penalty is None else self.presence_penalty,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "logit_bias": self._logit_bias(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "first_n_token_no_eos": self.first_n_token_no_eos or 0,
         }
         if max_tokens is not None:
             kwargs["max_tokens"] = max_tokens
@@ -112,6 +121,18 @@ class _Sampling(_Body):
         except ValueError as exc:
             match = re.search(r"SamplingParams\.(\w+)", str(exc))
             raise bad_request(str(exc).replace("SamplingParams.", ""), match[1] if match else None) from exc
+
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias`` keys are token ids written as strings."""
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (digits), got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(_Sampling):

@@ -8,7 +8,8 @@
 - ``RequestGrammar`` is one request's view: compiling until its future resolves, then ready (it owns a
   ``TokenMatcher``) or failed (``error`` says why: the compiler's message, or the timeout). The engine
   polls it before scheduling; the scheduler does not admit the request until it is ready.
-- ``TokenMatcher`` wraps ``xgrammar.GrammarMatcher``. It always reflects exactly the request's
+- ``TokenMatcher`` wraps ``xgrammar.GrammarMatcher`` (``structured/trigger.py`` wraps it in turn for a
+  grammar that starts after a trigger token sequence). It always reflects exactly the request's
   *committed* output tokens (``num_accepted`` of them): tokens are accepted when the host commits
   them (``EngineCore.process``), never when they are merely sampled. Masks for speculative positions
   are filled by accepting the drafts tentatively and rolling them back (``fill_draft_masks``), so the
@@ -29,11 +30,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from deepinfer.structured.spec import GrammarSpec
+
+if TYPE_CHECKING:
+    from deepinfer.structured.trigger import TriggeredMatcher
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +235,7 @@ class RequestGrammar:
         self.future = future
         self.deadline = deadline
         self.compiler = compiler
-        self.matcher: TokenMatcher | None = None
+        self.matcher: TokenMatcher | TriggeredMatcher | None = None
         self.error: str | None = None
 
     @property
@@ -248,7 +252,12 @@ class RequestGrammar:
         if self.future.done():
             exc = self.future.exception()
             if exc is None:
-                self.matcher = self.compiler.matcher(self.future.result())
+                matcher = self.compiler.matcher(self.future.result())
+                if self.spec.trigger:
+                    from deepinfer.structured.trigger import TriggeredMatcher  # it imports this module
+
+                    matcher = TriggeredMatcher(matcher, self.spec.trigger, self.spec.bound, self.compiler.max_rollback)
+                self.matcher = matcher
                 return True
             self.error = f"grammar ({self.spec.describe()}) failed to compile: {type(exc).__name__}: {str(exc).strip()}"
         elif (time.monotonic() if now is None else now) > self.deadline:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 GrammarKind = Literal["json", "regex", "ebnf", "choice"]
@@ -28,10 +28,17 @@ class GrammarSpec:
     ``json``: the schema as JSON text (a dict is dumped as given: property order is the order in which
     the grammar emits properties); ``regex``/``ebnf``: the pattern or grammar text; ``choice``: the
     alternatives as a JSON list. ``key`` identifies the compiled grammar in the compiler's cache.
+    ``trigger``: the grammar applies only once this token sequence has been generated (before it,
+    generation is free; empty = from the first token). ``bound``: once this token is generated while
+    the trigger is pending, the rest of the trigger is forced token by token and the grammar follows
+    (None = no bound). Both are the reference's ``so_args`` keys ``trigger_token_ids`` /
+    ``bound_token_id`` and do not change the compiled grammar.
     """
 
     kind: GrammarKind
     source: str
+    trigger: tuple[int, ...] = ()
+    bound: int | None = None
 
     @property
     def key(self) -> str:
@@ -80,15 +87,37 @@ def _from_structured(structured: Mapping[str, Any]) -> GrammarSpec:
     return _make(_STRUCTURED_KEYS[name], structured[name], f"SamplingParams.structured[{name!r}]")
 
 
+_SO_KEYS = {"schema_type", "schema"}
+_SO_OPTIONAL = {"trigger_token_ids", "bound_token_id"}
+
+
 def _from_so_args(so_args: Mapping[str, Any]) -> GrammarSpec:
-    if not isinstance(so_args, Mapping) or set(so_args) != {"schema_type", "schema"}:
-        raise ValueError('SamplingParams.so_args must be {"schema_type": "json"|"regex"|"ebnf", "schema": ...}, '
-                         f"got {so_args!r}")
+    if (not isinstance(so_args, Mapping) or not set(so_args) >= _SO_KEYS
+            or not set(so_args) <= _SO_KEYS | _SO_OPTIONAL):
+        raise ValueError('SamplingParams.so_args must be {"schema_type": "json"|"regex"|"ebnf", "schema": ..., '
+                         f'optional "trigger_token_ids": [int, ...], "bound_token_id": int}}, got {so_args!r}')
     schema_type = so_args["schema_type"]
     if schema_type not in _SO_SCHEMA_TYPES:
         raise ValueError(f"SamplingParams.so_args['schema_type'] must be one of {sorted(_SO_SCHEMA_TYPES)}, "
                          f"got {schema_type!r}")
-    return _make(_SO_SCHEMA_TYPES[schema_type], so_args["schema"], "SamplingParams.so_args['schema']")
+    spec = _make(_SO_SCHEMA_TYPES[schema_type], so_args["schema"], "SamplingParams.so_args['schema']")
+    trigger = so_args.get("trigger_token_ids")
+    trigger = [] if trigger is None else trigger
+    if not isinstance(trigger, (list, tuple)) or not all(_is_token(t) for t in trigger):
+        raise ValueError("SamplingParams.so_args['trigger_token_ids'] must be a list of non-negative ints, "
+                         f"got {trigger!r}")
+    bound = so_args.get("bound_token_id")
+    if bound is not None:
+        if not _is_token(bound):
+            raise ValueError(f"SamplingParams.so_args['bound_token_id'] must be a non-negative int or None, "
+                             f"got {bound!r}")
+        if not trigger:
+            raise ValueError("SamplingParams.so_args['bound_token_id'] needs a non-empty trigger_token_ids")
+    return replace(spec, trigger=tuple(trigger), bound=bound)
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _make(kind: GrammarKind, value: Any, field: str) -> GrammarSpec:

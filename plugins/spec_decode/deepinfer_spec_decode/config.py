@@ -14,7 +14,8 @@ class SpecDecodeConfig(BaseModel):
     MTP layer, chained; the checkpoint must carry its weights), ``dspark`` (the block drafter, below),
     ``ngram``, ``oracle`` or a third party's name. ``plan``: ``varlen`` (confidence-driven), ``fixed``
     or a third party's; the reference's ``DEEPINFER_ENABLE_MTP_VARLEN`` maps 1/0 onto varlen/fixed.
-    ``max_draft``: drafts proposed per request per step (the reference's ``DEEPINFER_USE_NEXTN_DECODE``).
+    ``max_draft``: drafts proposed per request per step (the reference's ``DEEPINFER_USE_NEXTN_DECODE``);
+    0 turns drafting off (the plugin stays enabled, the engine decodes without speculation).
     ``ngram_min``/``ngram_max``: the n-gram lengths prompt lookup tries, longest first.
     ``oracle_file``: JSONL of ``{"token_ids": [...]}`` known sequences for the test drafter;
     ``oracle_corruption``: the rate at which it plants a wrong draft; ``oracle_draft_probs``: draw
@@ -40,7 +41,7 @@ class SpecDecodeConfig(BaseModel):
 
     drafter: str = "auto"
     plan: str = "varlen"
-    max_draft: int = Field(default=5, ge=1, le=32)
+    max_draft: int = Field(default=5, ge=0, le=32)
     ngram_min: int = Field(default=2, ge=1)
     ngram_max: int = Field(default=4, ge=1)
     oracle_file: str | None = None

@@ -149,6 +149,22 @@ def test_reference_knobs_map_onto_the_plugin(tmp_path, monkeypatch):
     assert llm.engine.info.max_draft == 3 and llm.engine.info.layout.max_backtrack == 4
 
 
+def test_use_nextn_decode_0_turns_drafting_off(tmp_path, monkeypatch):
+    """The reference's DEEPINFER_USE_NEXTN_DECODE=0 means no speculation: start-up succeeds, nothing is drafted,
+    and the tokens are those of a run without the plugin."""
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    params = SamplingParams(temperature=0.8, max_tokens=12, seed=4, ignore_eos=True)
+    plain = LLM(folder)
+    want = plain.generate([[5, 6, 7, 5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids
+    plain.shutdown()
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "0")
+    llm = LLM(folder, plugins={"spec_decode": {"enabled": True}})
+    assert llm.engine.spec_settings is None and llm.engine.speculator is None
+    assert llm.engine.info.max_draft == 0 and llm.engine.info.layout.max_backtrack == 1
+    assert llm.generate([[5, 6, 7, 5, 6, 7]], params, use_tqdm=False)[0].outputs[0].token_ids == want
+    llm.shutdown()
+
+
 QUOTE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
          "All that glitters is not gold.")
 
