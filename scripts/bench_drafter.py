@@ -67,6 +67,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--core-gemm", action="store_true")
+    ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache per engine (three live at once)")
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -80,7 +81,7 @@ def main() -> None:
                     "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "batches": {}}
     for batch, count in zip(args.batches, counts, strict=True):
         work = prompts[:count]
-        llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1))
+        llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1), kv_cache_bytes=args.kv_cache_mb << 20)
                 for name, cfg in _configs(weights, plugins).items()}
         for llm in llms.values():  # warm-up: first-call costs (packing, calibration) out of the timings
             _run(llm, work[:1], 1, 16)
