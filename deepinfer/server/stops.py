@@ -15,18 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
-def _prefix_function(s: str) -> list[int]:
-    """``pi[i]``: the length of the longest proper prefix of ``s[:i + 1]`` that is also its suffix."""
-    pi = [0] * len(s)
-    k = 0
-    for i in range(1, len(s)):
-        while k and s[i] != s[k]:
-            k = pi[k - 1]
-        if s[i] == s[k]:
-            k += 1
-        pi[i] = k
-    return pi
+from deepinfer.structured.trigger import kmp_failure
 
 
 class StopHoldBack:
@@ -36,7 +25,7 @@ class StopHoldBack:
 
     def __init__(self, stops: Sequence[str]) -> None:
         self._stops = [s for s in dict.fromkeys(stops) if s]
-        self._pi = [_prefix_function(s) for s in self._stops]
+        self._pi = [kmp_failure(s) for s in self._stops]
         self._matched = [0] * len(self._stops)  # per stop: the longest prefix of it the fed text ends with
         self._fed = ""
         self.chars_fed = 0  # characters run through the matchers (what a chunk costs; for tests)
