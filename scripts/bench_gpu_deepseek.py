@@ -1,7 +1,8 @@
-"""Decode speed of an 8-layer DeepSeek-V2-Lite-shaped dummy V3 model on one GPU (issues 3 and 10), or of
-the V4-shaped dummy model of ``scripts/deepseek_v4_shaped.json`` (``--shape v4``).
+"""Decode speed of an 8-layer DeepSeek-V2-Lite-shaped dummy V3 model on one GPU (issues 3 and 10), of
+the V4-shaped dummy model of ``scripts/deepseek_v4_shaped.json`` (``--shape v4``), or of the
+Llama-3-8B-shaped dense dummy model of ``scripts/llama3_8b_shaped.json`` (``--shape llama8b``, issue 29).
 
-    python scripts/bench_gpu_deepseek.py [--shape v2lite|v4] [--batch 1 16 64 256] [--plugins attention moe]
+    python scripts/bench_gpu_deepseek.py [--shape v2lite|v4|llama8b] [--batch 1 16 64 256] [--plugins attention moe]
         [--eager] [--kv-dtype auto|fp8] [--output bench.json] [--profile-out prof.txt] [--no-transformers]
 
 Model: ``DeepseekV3ForCausalLM``, hidden 2048, 16 heads, no q_lora, kv_lora 512, rope 64, nope 128,
@@ -22,7 +23,10 @@ under uniform top-6 routing, 64 * (1 - (1 - 6/64)^B), plus the latent KV of the 
 the copy bandwidth measured here (``dst.copy_(src)`` of 2 GiB, bytes read + written). For ``--shape v4``
 the weight bytes are counted from the built model's parameters the same way (routed experts scaled by
 the expected distinct fraction, the embedding by B rows, MTP layers excluded), and the KV bytes are the
-sliding-window ring plus the compressed entries and indexer keys of the mean context.
+sliding-window ring plus the compressed entries and indexer keys of the mean context. For ``--shape
+llama8b`` likewise from the built model's parameters, with the K and V of every layer's KV heads over
+the mean context. The same method as vLLM's anchor (``../shared/tools/vllm/run_vllm.py``), so the two
+results compare directly.
 
 Profile: ``torch.profiler`` over 8 decode steps at B = 16 (after prefill and 2 warm-up decode steps),
 top ops by device time, plus device-busy time over wall time.
@@ -52,11 +56,15 @@ CONFIG = {
     "attention_bias": False, "attention_dropout": 0.0, "initializer_range": 0.02,
 }
 V4_CONFIG = json.loads((Path(__file__).parent / "deepseek_v4_shaped.json").read_text())
+LLAMA_CONFIG = json.loads((Path(__file__).parent / "llama3_8b_shaped.json").read_text())
+SHAPES = {"v2lite": CONFIG, "v4": V4_CONFIG, "llama8b": LLAMA_CONFIG}
 PROMPT_LEN, NEW = 128, 64
 
 
 def distinct_experts(config: dict, batch: int) -> float:
-    """Expected distinct routed experts per layer that ``batch`` uniform top-k tokens touch."""
+    """Expected distinct routed experts per layer that ``batch`` uniform top-k tokens touch (0: dense)."""
+    if "n_routed_experts" not in config:
+        return 0.0
     e, k = config["n_routed_experts"], config["num_experts_per_tok"]
     return e * (1 - (1 - k / e) ** batch)
 
@@ -64,9 +72,9 @@ def distinct_experts(config: dict, batch: int) -> float:
 def model_step_bytes(model: torch.nn.Module, config: dict, batch: int, ctx: float) -> dict[str, float]:
     """Bytes one decode step of ``batch`` requests at mean context ``ctx`` reads, counted from the built
     model's parameters (routed experts ``w13``/``w2`` scaled by the distinct fraction, the input
-    embedding by ``batch`` rows unless it is also the LM head, MTP layers excluded) plus the V4 KV."""
+    embedding by ``batch`` rows unless it is also the LM head, MTP layers excluded) plus the KV."""
     distinct = distinct_experts(config, batch)
-    fraction = distinct / config["n_routed_experts"]
+    fraction = distinct / config["n_routed_experts"] if distinct else 1.0
     tied = getattr(model, "lm_head", None) is None
     weights = 0.0
     for name, param in model.named_parameters():
@@ -78,6 +86,16 @@ def model_step_bytes(model: torch.nn.Module, config: dict, batch: int, ctx: floa
         elif name == "embed_tokens.weight" and not tied:
             size = batch * param.shape[1] * param.element_size()
         weights += size
+    kv = batch * kv_bytes_per_request(config, ctx)
+    return {"weight_bytes": weights, "kv_bytes": kv, "distinct_experts": distinct, "total_bytes": weights + kv}
+
+
+def kv_bytes_per_request(config: dict, ctx: float) -> float:
+    """bf16 KV bytes one request at context ``ctx`` reads per decode step (V4 rings and compressed
+    entries, or a dense model's K and V heads)."""
+    if "compress_ratios" not in config:
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * ctx * 2
     kv_per_request = 0.0
     window = config["sliding_window"]
     for ratio in config["compress_ratios"][: config["num_hidden_layers"]]:
@@ -86,8 +104,7 @@ def model_step_bytes(model: torch.nn.Module, config: dict, batch: int, ctx: floa
             kv_per_request += ctx / ratio * config["head_dim"] * 2
         if ratio == 4:  # CSA layers also keep indexer keys
             kv_per_request += ctx / ratio * config["index_head_dim"] * 2
-    kv = batch * kv_per_request
-    return {"weight_bytes": weights, "kv_bytes": kv, "distinct_experts": distinct, "total_bytes": weights + kv}
+    return kv_per_request
 
 
 def step_bytes(batch: int, ctx: float) -> dict[str, float]:
@@ -165,7 +182,7 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
     timed(max(batches), 4)  # warm-up
     timed(1, 4)
     result = {"build_s": build_s, "runs": {}, "step_bytes": {}}
-    if config is V4_CONFIG:
+    if config is not CONFIG:
         for batch in batches:
             result["step_bytes"][batch] = model_step_bytes(llm.engine.model, config, batch, PROMPT_LEN + NEW / 2)
     for batch in batches:
@@ -320,8 +337,9 @@ def bench_transformers(config_dict: dict, batches: list[int], repeats: int) -> d
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", choices=["v2lite", "v4"], default="v2lite",
-                        help="v2lite: the 8-layer V2-Lite-shaped V3 model; v4: scripts/deepseek_v4_shaped.json")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite",
+                        help="v2lite: the 8-layer V2-Lite-shaped V3 model; v4: scripts/deepseek_v4_shaped.json; "
+                             "llama8b: scripts/llama3_8b_shaped.json")
     parser.add_argument("--kv-dtype", default="auto", help="cache.kv_dtype (auto or fp8)")
     parser.add_argument("--max-prefill-tokens", type=int, default=32768,
                         help="cap on scheduler.max_num_batched_tokens (prefill chunk)")
@@ -335,7 +353,7 @@ def main() -> None:
     parser.add_argument("--eager", action="store_true", help="kernels.cuda_graphs=false")
     parser.add_argument("--profile-batch", type=int, help="batch of the profiled steps (default: the largest)")
     args = parser.parse_args()
-    config = V4_CONFIG if args.shape == "v4" else CONFIG
+    config = SHAPES[args.shape]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": config,
               "date": time.strftime("%Y-%m-%d"), "plugins": args.plugins, "cuda_graphs": not args.eager,
               "kv_dtype": args.kv_dtype}
@@ -349,7 +367,7 @@ def main() -> None:
                                               args.plugins, not args.eager, args.profile_batch, args.kv_dtype,
                                               args.max_prefill_tokens)
     torch.cuda.empty_cache()
-    if not args.no_transformers:
+    if not args.no_transformers and config is not LLAMA_CONFIG:
         try:
             result["transformers"] = bench_transformers(config, args.batch, args.repeats)
         except Exception as exc:

@@ -221,7 +221,8 @@ class DrafterTrainer:
         self.noise_token_id = noise_token_id
         self.k = k
         self.recipe = recipe
-        self.decay = torch.tensor([recipe.position_decay ** i for i in range(k)])
+        self.device = embed.weight.device
+        self.decay = torch.tensor([recipe.position_decay ** i for i in range(k)], device=self.device)
         params = [p for p in network.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
         self.step_count = 0
@@ -237,8 +238,9 @@ class DrafterTrainer:
         rows = torch.where(valid, rows, anchors.unsqueeze(1))
         block = torch.full((anchors.shape[0], k), self.noise_token_id, dtype=torch.int64)
         block[:, 0] = labels.tokens[anchors]
-        return {"features": labels.features[anchors - 1], "block": block, "previous": labels.tokens[rows],
-                "top_ids": labels.top_ids[rows], "top_logits": labels.top_logits[rows], "valid": valid}
+        batch = {"features": labels.features[anchors - 1], "block": block, "previous": labels.tokens[rows],
+                 "top_ids": labels.top_ids[rows], "top_logits": labels.top_logits[rows], "valid": valid}
+        return {name: t.to(self.device, non_blocking=True) for name, t in batch.items()}
 
     def _forward(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Corrected logits ``[B, k, Vd]`` and confidence logits ``[B, k]`` (teacher-forced previous tokens)."""
