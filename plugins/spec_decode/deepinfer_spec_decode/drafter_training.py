@@ -130,23 +130,30 @@ def _encode_prompts(llm: Any, prompts: Sequence[Prompt], chat: bool) -> list[lis
 def generate_replies(llm: Any, prompts: Sequence[Prompt], recipe: Recipe, *, greedy_only: bool, seed: int,
                      checkpoint: Path | None = None, chunk: int = 64) -> Sequences:
     """The target's own replies to ``prompts``, batched through the engine ``chunk`` prompts at a time;
-    with a ``checkpoint`` file every finished chunk is kept there and a rerun continues after it (each
-    request's sampling settings depend only on its index, so the result does not depend on where a run
-    stopped)."""
+    with a ``checkpoint`` file every finished chunk is kept there, with the prompts' token ids and kinds,
+    and a rerun continues after it (each request's sampling settings depend only on its index, so the
+    result does not depend on where a run stopped). A checkpoint is self-contained: its prompts win over
+    ``prompts`` (the passages on another machine differ), so replies generated elsewhere — on a GPU —
+    can be copied into a work folder and labelled and trained on here."""
     from deepinfer import SamplingParams
 
     chat = recipe.chat if recipe.chat is not None else _has_chat_template(llm)
     ids = _encode_prompts(llm, prompts, chat)
+    kinds = [p.kind for p in prompts]
+    replies: list[list[int]] = []
+    if checkpoint is not None and checkpoint.exists():
+        saved = json.loads(checkpoint.read_text())
+        if not isinstance(saved, dict) or len(saved.get("prompts", ())) != len(prompts):
+            raise ConfigError(f"{checkpoint}: not a replies checkpoint for {len(prompts)} prompts (delete it to "
+                              "generate the replies again)")
+        ids, kinds, replies = saved["prompts"], saved["kinds"], saved["replies"]
+        logger.info("resumed %d of %d replies from %s", len(replies), len(prompts), checkpoint)
     rng = random.Random(seed)
     params = []
     for i in range(len(prompts)):
         greedy = greedy_only or rng.random() < recipe.greedy_fraction
         params.append(SamplingParams(temperature=0.0 if greedy else recipe.sample_temperature,
                                      max_tokens=recipe.max_reply_tokens, seed=seed * 100_003 + i))
-    replies: list[list[int]] = []
-    if checkpoint is not None and checkpoint.exists():
-        replies = json.loads(checkpoint.read_text())
-        logger.info("resumed %d of %d replies from %s", len(replies), len(prompts), checkpoint)
     with tqdm(total=len(prompts), initial=len(replies), desc="replies", unit="req") as bar:
         while len(replies) < len(prompts):
             lo = len(replies)
@@ -155,9 +162,8 @@ def generate_replies(llm: Any, prompts: Sequence[Prompt], recipe: Recipe, *, gre
             replies.extend(list(o.outputs[0].token_ids) for o in outs)
             bar.update(hi - lo)
             if checkpoint is not None:
-                checkpoint.write_text(json.dumps(replies))
-    return Sequences([p + r for p, r in zip(ids, replies, strict=True)], [len(p) for p in ids],
-                     [p.kind for p in prompts])
+                checkpoint.write_text(json.dumps({"prompts": ids, "kinds": kinds, "replies": replies}))
+    return Sequences([p + r for p, r in zip(ids, replies, strict=True)], [len(p) for p in ids], kinds)
 
 
 def _has_chat_template(llm: Any) -> bool:
@@ -490,7 +496,7 @@ def _make_data(llm: Any, recipe: Recipe, layers: Sequence[int], work: Path) -> d
     return {"train": teacher_labels(llm, train_seqs, layers, recipe.top_k),
             "held_out": teacher_labels(llm, held_seqs, layers, recipe.top_k),
             "train_seqs": train_seqs, "held_seqs": held_seqs,
-            "kinds": [p.kind for p in train_prompts + held_prompts]}
+            "kinds": train_seqs.kinds + held_seqs.kinds}
 
 
 def manifest_path(weights: Path) -> Path:
