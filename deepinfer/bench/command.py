@@ -169,9 +169,13 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
             speculation = config["plugins"].get("spec_decode") or {}
             if not speculation.get("enabled"):
                 raise ValueError("--assumed-acceptance needs plugins.spec_decode.enabled=true")
+            if speculation.get("plan", "varlen") != "fixed":
+                raise ValueError("--assumed-acceptance normalizes fixed-k runs only (the reference refuses to "
+                                 "normalize varlen ones): set plugins.spec_decode.plan=fixed")
             k = int(speculation.get("max_draft", 5))
             run["acceptance_normalized_throughput"] = {
-                "label": "extra, not measured: output tok/s at an assumed per-draft acceptance",
+                "label": "extra, not measured: output tok/s at an assumed per-draft acceptance "
+                         "(the reference's fixed-k normalization, (1 + k*a) tokens per verify step)",
                 "assumed_acceptance": args.assumed_acceptance, "max_draft": k,
                 "output_throughput": acceptance_normalized_throughput(run, args.assumed_acceptance, k)}
         runs.append(run)
