@@ -191,7 +191,12 @@ def _flag(value: str) -> bool:
     return word in _TRUE
 
 
-def known_env_names(aliases: Mapping[str, str] | None = None) -> list[str]:
+# An env alias a plugin offers (``deepinfer_config_aliases``): the config path the variable sets, or that
+# path and the values it implies for other paths (``env_overrides``).
+ConfigAlias = str | tuple[str, Mapping[str, Any]]
+
+
+def known_env_names(aliases: Mapping[str, ConfigAlias] | None = None) -> list[str]:
     """Every ``DEEPINFER_*`` name deepinfer reads: the ``<SECTION>__<FIELD>`` form of each core config field,
     the implemented and documented reference knobs, plugin aliases, and the variables outside the tree."""
     names = {*_CORE_KNOBS, *OTHER_ENV, *(f"DEEPINFER_{k}" for k in REFERENCE_KNOBS), *(aliases or {})}
@@ -268,14 +273,18 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def env_overrides(environ: Mapping[str, str], aliases: Mapping[str, str] | None = None) -> dict[str, Any]:
+def env_overrides(environ: Mapping[str, str], aliases: Mapping[str, ConfigAlias] | None = None) -> dict[str, Any]:
     """Collect ``DEEPINFER_<SECTION>__<FIELD>`` variables and the reference knobs that are mapped.
 
     ``aliases`` maps further env names onto config paths (plugins provide them through
-    ``deepinfer_config_aliases``). A documented reference knob that nobody maps warns once.
+    ``deepinfer_config_aliases``): a path, or ``(path, implied)`` where ``implied`` maps further paths to
+    the values the variable implies unless another variable sets them (the reference's
+    ``DEEPINFER_USE_NEXTN_DECODE=k`` alone turns speculation on with the fixed plan). A documented
+    reference knob that nobody maps warns once.
     """
     tree: dict[str, Any] = {}
     aliases = aliases or {}
+    implied: dict[str, Any] = {}
     for name, raw in sorted(environ.items()):
         if not name.startswith("DEEPINFER_"):
             continue
@@ -292,7 +301,10 @@ def env_overrides(environ: Mapping[str, str], aliases: Mapping[str, str] | None 
                 raise ConfigError(f"environment variable {name} (sets {path}): {exc}") from None
             _set_path(tree, path, value)
         elif name in aliases:
-            _set_path(tree, aliases[name], _parse_scalar(raw))
+            alias = aliases[name]
+            path, also = (alias, {}) if isinstance(alias, str) else alias
+            _set_path(tree, path, _parse_scalar(raw))
+            implied.update(also)
         elif rest in REFERENCE_KNOBS:
             if name not in _warned_knobs:
                 _warned_knobs.add(name)
@@ -303,7 +315,22 @@ def env_overrides(environ: Mapping[str, str], aliases: Mapping[str, str] | None 
             close = difflib.get_close_matches(name, known_env_names(aliases), n=1, cutoff=0.6)
             hint = f"; did you mean {close[0]}?" if close else " (config fields are DEEPINFER_<SECTION>__<FIELD>)"
             logger.warning("%s is not a deepinfer environment variable; ignored%s", name, hint)
+    for path, value in implied.items():
+        if _get_path(tree, path) is _MISSING:
+            _set_path(tree, path, value)
     return tree
+
+
+_MISSING = object()
+
+
+def _get_path(tree: Mapping[str, Any], path: str) -> Any:
+    node: Any = tree
+    for key in path.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return _MISSING
+        node = node[key]
+    return node
 
 
 def overrides_to_tree(overrides: Mapping[str, Any]) -> dict[str, Any]:

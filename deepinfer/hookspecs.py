@@ -128,10 +128,13 @@ def deepinfer_validate_config(config: EngineConfig, info: EngineInfo) -> None:
 
 
 @hookspec
-def deepinfer_config_aliases() -> Mapping[str, str]:
-    """Environment names mapped onto config paths, e.g. ``{"DEEPINFER_USE_NEXTN_DECODE":
-    "plugins.spec_decode.max_draft"}``. Called for every installed plugin, enabled or not, before the
-    config is validated (a module-level function is enough; instances are not built yet)."""
+def deepinfer_config_aliases() -> Mapping[str, Any]:
+    """Environment names mapped onto config paths, e.g. ``{"DEEPINFER_ENABLE_MTP_VARLEN":
+    "plugins.spec_decode.plan"}``; a value may also be ``(path, implied)``, ``implied`` mapping other paths
+    to the values the variable implies unless a variable sets them (``DEEPINFER_USE_NEXTN_DECODE`` sets
+    ``max_draft`` and implies the plugin on with the ``fixed`` plan). Called for every installed plugin,
+    enabled or not, before the config is validated (a module-level function is enough; instances are not
+    built yet)."""
 
 
 @hookspec

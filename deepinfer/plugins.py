@@ -18,7 +18,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from deepinfer import hookspecs
-from deepinfer.config import format_validation_error
+from deepinfer.config import ConfigAlias, format_validation_error
 from deepinfer.errors import ConfigError, PluginError
 from deepinfer.interfaces import Backend, RunRequirements
 
@@ -79,9 +79,9 @@ def _static_offers(installed: Mapping[str, InstalledPlugin], hook: str) -> list[
     return offers
 
 
-def config_aliases(installed: Mapping[str, InstalledPlugin]) -> dict[str, str]:
+def config_aliases(installed: Mapping[str, InstalledPlugin]) -> dict[str, ConfigAlias]:
     """Env-name → config-path aliases from every installed plugin (``deepinfer_config_aliases``)."""
-    aliases: dict[str, str] = {}
+    aliases: dict[str, ConfigAlias] = {}
     for _, offered in _static_offers(installed, "deepinfer_config_aliases"):
         aliases.update(offered)
     return aliases

@@ -12,8 +12,10 @@ class SpecDecodeConfig(BaseModel):
 
     ``drafter``: ``auto`` (``mtp`` when the model has MTP layers, else ``ngram``), ``mtp`` (DeepSeek-V3's
     MTP layer, chained; the checkpoint must carry its weights), ``dspark`` (the block drafter, below),
-    ``ngram``, ``oracle`` or a third party's name. ``plan``: ``varlen`` (confidence-driven), ``fixed``
-    or a third party's; the reference's ``DEEPINFER_ENABLE_MTP_VARLEN`` maps 1/0 onto varlen/fixed.
+    ``ngram``, ``oracle`` or a third party's name. ``plan``: ``fixed`` (the default, as in the
+    reference: no measurement has ``varlen`` ahead everywhere yet, docs/benchmarks.md), ``varlen``
+    (confidence-driven) or a third party's; the reference's ``DEEPINFER_ENABLE_MTP_VARLEN`` maps 1/0 onto
+    varlen/fixed, and ``DEEPINFER_USE_NEXTN_DECODE=k`` alone enables the plugin with ``k`` drafts.
     ``max_draft``: drafts proposed per request per step (the reference's ``DEEPINFER_USE_NEXTN_DECODE``);
     0 turns drafting off (the plugin stays enabled, the engine decodes without speculation).
     ``ngram_min``/``ngram_max``: the n-gram lengths prompt lookup tries, longest first.
@@ -42,7 +44,7 @@ class SpecDecodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     drafter: str = "auto"
-    plan: str = "varlen"
+    plan: str = "fixed"
     max_draft: int = Field(default=5, ge=0, le=32)
     ngram_min: int = Field(default=2, ge=1)
     ngram_max: int = Field(default=4, ge=1)

@@ -3,16 +3,25 @@
 
 **Features.** The drafter has the main model capture the residual stream entering each layer of
 ``dspark_target_layer_ids``; the runner keeps those features of every committed row, concatenated
-(``CommittedRows.hidden``, ``[R, H · L]``). For each drafting request of ``n`` tokens the drafter
-reads its last committed row (position ``n − 2``, the row whose next token is the request's last,
-"golden", token) and turns it into one context row: ``main_norm(main_proj(features))``.
+(``CommittedRows.hidden``, ``[R, H · L]``).
+
+**Context cache** (the reference's ``update_main_cache``). After every step, each committed row's
+features become one context row ``c = main_norm(main_proj(features))``, and each drafter layer projects
+it to its own key and value (``ctx_kv``; the key RoPE'd at the row's position). They are written to a
+cache ``[slots, layers, 2, H]`` indexed by the main pool's slot of the row's position
+(``CommittedRows.ctx.slot_mapping``): the cache follows the main KV cache's blocks — freed with them,
+shared through the prefix cache (a hit's positions were written by the request that computed them) and
+overwritten when a block is reused. Only committed rows (prompt chunks, the last token, accepted
+drafts) are written, so a rejected draft leaves nothing to roll back.
 
 **One pass for the block.** The block is the golden token followed by ``k − 1`` copies of
-``dspark_noise_token_id``, embedded with the main model's embedding. In each of the drafter's blocks
-(pre-norm attention, then a SwiGLU MLP) every block row attends, without a causal mask, to the context
-row and all ``k`` block rows, with RoPE at their offsets (context −1, block 0 … k − 1, i.e. positions
-``n − 2 … n + k − 2``); then ``norm`` and the main model's shared LM head give float32 logits for all
-``k`` rows at once. Row ``i`` predicts draft ``i + 1``.
+``dspark_noise_token_id``, embedded with the main model's embedding, at positions ``n − 1 … n + k − 2``
+(the golden token's own position first). In each of the drafter's blocks (pre-norm attention, then a
+SwiGLU MLP) every block row attends, without a causal mask, to the keys and values of the request's
+last ``W = dspark_context_window`` committed rows (positions ``n − 1 − W … n − 2``, read from the
+cache through the request's block table; fewer at the start of a sequence) and to all ``k`` block rows,
+with RoPE at their absolute positions; then ``norm`` and the main model's shared LM head give float32
+logits for all ``k`` rows at once. Row ``i`` predicts draft ``i + 1``.
 
 **Markov correction and confidence** (sequential over the k positions, ``draft_block``): the logits
 of row ``i`` get ``markov_head.head(markov_head.embed(previous))`` added, where ``previous`` is the
@@ -35,7 +44,8 @@ proposed.
 prefix; ``H`` the main model's hidden size, ``L`` the number of target layers, ``I`` the intermediate
 size, ``r`` the Markov rank, ``V`` the vocabulary or ``Vd`` the draft vocabulary):
 ``main_proj.weight [H, H·L]``, ``main_norm.weight [H]``, per block ``b``: ``layers.{b}.attn_norm.weight
-[H]``, ``layers.{b}.qkv.weight [3H, H]`` (q, k, v stacked), ``layers.{b}.o.weight [H, H]``,
+[H]``, ``layers.{b}.qkv.weight [3H, H]`` (q, k, v stacked), ``layers.{b}.ctx_kv.weight [2H, H]`` (the
+context rows' k, v stacked), ``layers.{b}.o.weight [H, H]``,
 ``layers.{b}.mlp_norm.weight [H]``, ``layers.{b}.gate_up.weight [2I, H]`` (gate, up stacked),
 ``layers.{b}.down.weight [H, I]``; ``norm.weight [H]``, ``markov_head.embed.weight [V, r]`` (``[Vd + 1,
 r]`` with a draft vocabulary), ``markov_head.head.weight [V or Vd, r]``, ``confidence_head.proj.weight
@@ -45,9 +55,15 @@ target ids). ``auto`` reads the drafter ``deepinfer train-drafter`` trained for 
 the engine seed (acceptance then is near zero; for tests and mechanism benchmarks). ``save_weights``
 writes this layout.
 
-Where this differs from the reference: the context is the last committed row only (the reference keeps
-a sliding window of projected target keys in a ring cache per drafter layer), and the drafter's blocks
-are dense (no MoE, no hyper-connections).
+Where this differs from the reference (reference/deepinfer.md §4): the drafter layers are dense
+pre-norm blocks with multi-head attention (the reference's are full V4 decoder blocks: hyper-connections,
+MLA over an SWA ring, MoE with ``dspark_n_routed_experts`` / ``dspark_num_experts_per_tok``), so a
+checkpoint's DSpark heads do not load; each layer projects the context with its own ``ctx_kv`` (the
+reference: one fused ``main_kv_proj`` for all layers, a kv-norm and an MXFP8 ring); the context cache
+lives beside the KV pool (sized to its slots from the model's bound cache, outside the KV budget) instead
+of in per-request SWA rings; block keys are not written to the cache (they live one pass); the
+attention key range is not padded to 64; drafting runs eagerly, not in CUDA graphs; DeepSeek-V4 cannot
+capture target features yet; drafts for sampling requests use the temperature only (no top-k/top-p).
 """
 
 from __future__ import annotations

@@ -31,7 +31,9 @@ class Plugin:
 
     @staticmethod
     def deepinfer_config_aliases() -> dict[str, str]:
-        return {"DEEPINFER_USE_NEXTN_DECODE": "plugins.spec_decode.max_draft",
+        # The reference's knobs: USE_NEXTN_DECODE=k alone speculates k drafts with its default (fixed) plan.
+        implied = {"plugins.spec_decode.enabled": True, "plugins.spec_decode.plan": "fixed"}
+        return {"DEEPINFER_USE_NEXTN_DECODE": ("plugins.spec_decode.max_draft", implied),
                 "DEEPINFER_ENABLE_MTP_VARLEN": "plugins.spec_decode.plan",
                 "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE": "plugins.spec_decode.dspark_confidence_temperature"}
 

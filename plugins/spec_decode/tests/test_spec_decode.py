@@ -149,6 +149,23 @@ def test_reference_knobs_map_onto_the_plugin(tmp_path, monkeypatch):
     assert llm.engine.info.max_draft == 3 and llm.engine.info.layout.max_backtrack == 4
 
 
+@pytest.mark.parametrize("varlen, plan", [(None, "fixed"), ("1", "varlen"), ("0", "fixed")])
+def test_use_nextn_decode_alone_turns_speculation_on(tmp_path, monkeypatch, varlen, plan):
+    """As in the reference, DEEPINFER_USE_NEXTN_DECODE=k with no config enables the plugin with k drafts and
+    the fixed plan, unless DEEPINFER_ENABLE_MTP_VARLEN=1; explicit config still wins."""
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    monkeypatch.setenv("DEEPINFER_USE_NEXTN_DECODE", "2")
+    if varlen is not None:
+        monkeypatch.setenv("DEEPINFER_ENABLE_MTP_VARLEN", varlen)
+    llm = LLM(folder, kv_cache_bytes=1 << 22)
+    assert llm.engine.spec_settings is not None and llm.engine.speculator is not None
+    assert llm.engine.spec_settings.max_draft == 2 and llm.engine.spec_settings.plan == plan
+    llm.shutdown()
+    explicit = LLM(folder, kv_cache_bytes=1 << 22, plugins={"spec_decode": {"enabled": False}})
+    assert explicit.engine.speculator is None
+    explicit.shutdown()
+
+
 def test_use_nextn_decode_0_turns_drafting_off(tmp_path, monkeypatch):
     """The reference's DEEPINFER_USE_NEXTN_DECODE=0 means no speculation: start-up succeeds, nothing is drafted,
     and the tokens are those of a run without the plugin."""
