@@ -67,13 +67,13 @@ def deepinfer_schedule_policies() -> Mapping[str, SchedulePolicy]:
 
 @hookspec
 def deepinfer_drafters() -> Mapping[str, Any]:
-    """Drafter factories by name; chosen by ``plugins.spec_decode.drafter``. A factory receives the
+    """Drafter factories by name; chosen by ``speculative.drafter``. A factory receives the
     model and the engine info and returns a ``Drafter``."""
 
 
 @hookspec
 def deepinfer_verification_plans() -> Mapping[str, VerificationPlan]:
-    """Verification plans by name; chosen by ``plugins.spec_decode.plan``."""
+    """Verification plans by name; chosen by ``speculative.plan``."""
 
 
 @hookspec
@@ -84,7 +84,7 @@ def deepinfer_replay_planners() -> Mapping[str, ReplayPlanner]:
 
 @hookspec
 def deepinfer_placement_policies() -> Mapping[str, PlacementPolicy]:
-    """Expert placement policies by name; chosen by ``plugins.eplb.policy``."""
+    """Expert placement policies by name; chosen by ``parallel.placement_policy``."""
 
 
 @hookspec
@@ -129,9 +129,12 @@ def deepinfer_validate_config(config: EngineConfig, info: EngineInfo) -> None:
 
 @hookspec
 def deepinfer_config_aliases() -> Mapping[str, str]:
-    """Environment names mapped onto config paths, e.g. ``{"DEEPINFER_USE_NEXTN_DECODE":
-    "plugins.spec_decode.max_draft"}``. Called for every installed plugin, enabled or not, before the
-    config is validated (a module-level function is enough; instances are not built yet)."""
+    """Environment names, and old config paths, mapped onto config paths, e.g.
+    ``{"DEEPINFER_USE_NEXTN_DECODE": "speculative.max_draft", "plugins.spec_decode.max_draft":
+    "speculative.max_draft"}``: a dotted key is an old path, moved onto the new one in every config
+    source and, when the plugin's section is configured, mirrored back into it after validation.
+    Called for every installed plugin, enabled or not, before the config is validated (a module-level
+    function is enough; instances are not built yet)."""
 
 
 @hookspec
