@@ -19,8 +19,8 @@ from tokenizers import Tokenizer
 
 from deepinfer.errors import ModelNotFoundError
 from deepinfer.model import gguf_convert
-from deepinfer.model.gguf_convert.llama import undo_rope_permutation
 from deepinfer.model.assets import MODEL_ALIASES, WheelPiece, cache_dir, fetch_gguf, resolve_model_path
+from deepinfer.model.gguf_convert.llama import undo_rope_permutation
 
 ALIAS = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
