@@ -68,7 +68,8 @@ def deepinfer_schedule_policies() -> Mapping[str, SchedulePolicy]:
 @hookspec
 def deepinfer_drafters() -> Mapping[str, Any]:
     """Drafter factories by name; chosen by ``speculative.drafter``. A factory receives the
-    model and the engine info and returns a ``Drafter``."""
+    model and the engine info and returns a ``Drafter``. The engine speculates only when an enabled
+    plugin offers drafters (and ``speculative.max_draft`` > 0)."""
 
 
 @hookspec
@@ -84,7 +85,8 @@ def deepinfer_replay_planners() -> Mapping[str, ReplayPlanner]:
 
 @hookspec
 def deepinfer_placement_policies() -> Mapping[str, PlacementPolicy]:
-    """Expert placement policies by name; chosen by ``parallel.placement_policy``."""
+    """Expert placement policies by name; chosen by ``parallel.placement_policy``. Without an enabled
+    plugin that offers one, an expert-parallel run keeps its initial placement."""
 
 
 @hookspec

@@ -139,7 +139,7 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
             speculation = config["plugins"].get("spec_decode") or {}
             if not speculation.get("enabled"):
                 raise ValueError("--assumed-acceptance needs plugins.spec_decode.enabled=true")
-            k = int(speculation.get("max_draft", 5))
+            k = int(config["speculative"]["max_draft"])  # the core's section (the plugin key is its alias)
             run["acceptance_normalized_throughput"] = {
                 "label": "extra, not measured: output tok/s at an assumed per-draft acceptance",
                 "assumed_acceptance": args.assumed_acceptance, "max_draft": k,
