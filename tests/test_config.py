@@ -380,7 +380,8 @@ def test_an_old_config_path_moves_in_each_source_so_precedence_holds() -> None:
     assert env_only.config.speculative.max_draft == 2 and env_only.sources["speculative.max_draft"] == "environment"
     untouched = build_config(environ={}, aliases=aliases).config
     assert untouched.speculative.max_draft == 5 and "spec_decode" not in untouched.plugins  # nothing created
-    with pytest.raises(ConfigError, match=r"config dict: plugins\.spec_decode\.max_draft=3 and speculative\.max_draft=1"):
+    conflict = r"config dict: plugins\.spec_decode\.max_draft=3 and speculative\.max_draft=1"
+    with pytest.raises(ConfigError, match=conflict):
         build_config(config={"plugins": {"spec_decode": {"max_draft": 3}}, "speculative": {"max_draft": 1}},
                      environ={}, aliases=aliases)
     # DEEPINFER_ENABLE_MTP_VARLEN's 1/0 is the core plan field's varlen/fixed.
