@@ -120,7 +120,7 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
     progress = not args.no_progress
     llm = build_llm(model, args.config, overrides)
     engine = llm.engine
-    vocab = engine.intake.vocab_size
+    vocab = engine.model.vocab_size
     work = materialize(build_workload(spec, vocab), engine.tokenizer)
     model_path, device, dtype = engine.model_path, engine.device, str(engine.dtype).removeprefix("torch.")
     del engine  # each sweep point gets a fresh engine: nothing may keep the previous one's cache alive
@@ -139,7 +139,7 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
             speculation = config["plugins"].get("spec_decode") or {}
             if not speculation.get("enabled"):
                 raise ValueError("--assumed-acceptance needs plugins.spec_decode.enabled=true")
-            k = int(config["speculative"]["max_draft"])  # the core's section (the plugin key is its alias)
+            k = int(speculation.get("max_draft", 5))
             run["acceptance_normalized_throughput"] = {
                 "label": "extra, not measured: output tok/s at an assumed per-draft acceptance",
                 "assumed_acceptance": args.assumed_acceptance, "max_draft": k,
