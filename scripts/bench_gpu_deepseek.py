@@ -11,7 +11,9 @@ vocab 102400, 8 layers, bf16 (n_group 1, routed_scaling_factor 1.0, norm_topk_pr
 builds it with ``load_format="dummy"`` and ``kernels.force_balanced_routing`` (each token's 6 experts
 uniformly at random). Workload per batch B in {1, 16}: B fresh random 128-token prompts (fresh per run,
 so the prefix cache never hits), greedy, EOS ignored. Each repeat times ``max_tokens=1`` (prefill +
-first token) and ``max_tokens=65``; decode tok/s = B * 64 / (t65 - t1). Median of ``--repeats``.
+first token) and ``max_tokens=65``; decode tok/s = B * 64 / (t65 - t1). Median of ``--repeats``: the
+decode anchor of ``deepinfer/bench/anchor.py`` (``deepinfer bench --decode-anchor`` runs it on any model
+and puts a peer's result file beside it).
 
 transformers: ``DeepseekV3ForCausalLM`` from the same config, random init on the GPU in bf16 (a
 different random model; its router is not forced balanced: transformers has no such switch),
@@ -145,14 +147,16 @@ def copy_bandwidth() -> float:
 
 
 def prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (batch, PROMPT_LEN), generator=gen).tolist()
+    from deepinfer.bench.anchor import anchor_prompts
+
+    return anchor_prompts(batch, seed, vocab, PROMPT_LEN)
 
 
 def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int, profile_out: Path | None,
                     plugins: list[str], cuda_graphs: bool, profile_batch: int | None = None,
                     kv_dtype: str = "auto", max_prefill_tokens: int = 32768) -> dict:
     from deepinfer import LLM, SamplingParams
+    from deepinfer.bench.anchor import run_anchor
 
     vocab = config["vocab_size"]
     t = time.perf_counter()
@@ -167,44 +171,23 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
     print(f"deepinfer built in {build_s:.1f} s; backends "
           f"{ {op: b.name for op, b in llm.engine.runner.backends.items() if op in ops} }; "
           f"CUDA graph buckets {graphs.buckets if graphs else None}", flush=True)
-    seed = [1000]
-
-    def timed(batch: int, max_tokens: int) -> float:
-        seed[0] += 1
-        ps = prompts(batch, seed[0], vocab)
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        t0 = time.perf_counter()
-        outs = llm.generate(ps, params, use_tqdm=False)
-        dt = time.perf_counter() - t0
-        assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
-        return dt
-
-    timed(max(batches), 4)  # warm-up
-    timed(1, 4)
+    llm.generate(prompts(1, 999, vocab), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)  # warm-up of the one-request path
     result = {"build_s": build_s, "runs": {}, "step_bytes": {}}
     if config is not CONFIG:
         for batch in batches:
             result["step_bytes"][batch] = model_step_bytes(llm.engine.model, config, batch, PROMPT_LEN + NEW / 2)
     for batch in batches:
-        t1s, t65s = [], []
         before = llm.get_stats()
-        for _ in range(repeats):
-            t1s.append(timed(batch, 1))
-            t65s.append(timed(batch, NEW + 1))
+        run = run_anchor(llm, [batch], repeats=repeats, prompt_len=PROMPT_LEN, decode_tokens=NEW)[batch]
         after = llm.get_stats()
         busy = after["device_busy_s"] - before["device_busy_s"]
         idle = after["device_idle_s"] - before["device_idle_s"]
-        decode = [batch * NEW / (b - a) for a, b in zip(t1s, t65s, strict=True)]
-        result["runs"][batch] = {"t1_s": t1s, "t65_s": t65s, "decode_tok_s": decode,
-                                 "device_busy_s": busy, "device_idle_s": idle,
-                                 "device_idle_fraction": idle / (busy + idle) if busy + idle else 0.0,
-                                 "decode_tok_s_median": statistics.median(decode),
-                                 "prefill_s_median": statistics.median(t1s),
-                                 "decode_step_ms_median": 1000 * statistics.median(
-                                     [(b - a) / NEW for a, b in zip(t1s, t65s, strict=True)])}
-        print(f"deepinfer B={batch}: decode {result['runs'][batch]['decode_tok_s_median']:.1f} tok/s "
-              f"(runs {[round(x, 1) for x in decode]}), prefill+1 {statistics.median(t1s) * 1000:.1f} ms, "
-              f"device idle {100 * result['runs'][batch]['device_idle_fraction']:.1f}% between steps", flush=True)
+        result["runs"][batch] = {**run, "device_busy_s": busy, "device_idle_s": idle,
+                                 "device_idle_fraction": idle / (busy + idle) if busy + idle else 0.0}
+        print(f"deepinfer B={batch}: decode {run['decode_tok_s_median']:.1f} tok/s "
+              f"(runs {[round(x, 1) for x in run['decode_tok_s']]}), prefill+1 {run['prefill_s_median'] * 1000:.1f} "
+              f"ms, device idle {100 * result['runs'][batch]['device_idle_fraction']:.1f}% between steps", flush=True)
     if profile_out is not None:
         try:
             result["profile"] = profile_decode(llm, profile_batch or max(batches), profile_out, vocab)

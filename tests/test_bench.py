@@ -251,7 +251,8 @@ def test_acceptance_normalized_throughput_is_a_rescaled_extra() -> None:
     from deepinfer.bench.metrics import acceptance_normalized_throughput
 
     run = {"output_throughput": 100.0, "mean_acceptance_length": 2.0}
-    assert acceptance_normalized_throughput(run, 0.5, 3) == pytest.approx(100 / 2 * (1 - 0.5 ** 4) / 0.5)
+    # the reference's fixed-k normalization: 50 verify steps/s, each counted as 1 + k·a tokens
+    assert acceptance_normalized_throughput(run, 0.5, 3) == pytest.approx(50 * 2.5)
     assert acceptance_normalized_throughput(run, 1.0, 3) == pytest.approx(200.0)
     assert acceptance_normalized_throughput(run, 0.0, 3) == pytest.approx(50.0)
     with pytest.raises(ValueError, match="assumed-acceptance"):
@@ -264,16 +265,18 @@ def test_bench_reports_the_labelled_acceptance_normalized_extra(tiny_llama_dir: 
     out = tmp_path / "b.json"
     flags = ("bench", "--model", str(tiny_llama_dir), "--num-prompts", "3", "--input-len", "12", "--output-len", "6",
              "--dataset", "repeat", "--no-progress", "--assumed-acceptance", "0.6", *SMALL_CACHE)
-    code, _, err = _run_cli(capsys, *flags, "--output", str(out), "--set", "plugins.spec_decode.enabled=true",
-                            "--set", "plugins.spec_decode.max_draft=3")
+    spec = ("--set", "plugins.spec_decode.enabled=true", "--set", "plugins.spec_decode.max_draft=3")
+    code, _, err = _run_cli(capsys, *flags, "--output", str(out), *spec, "--set", "plugins.spec_decode.plan=fixed")
     assert code == 0, err
     run = json.loads(out.read_text())["runs"][0]
     extra = run["acceptance_normalized_throughput"]
     assert extra["label"].startswith("extra") and extra["max_draft"] == 3 and extra["assumed_acceptance"] == 0.6
-    expected = run["output_throughput"] / run["mean_acceptance_length"] * (1 - 0.6 ** 4) / 0.4
+    expected = run["output_throughput"] / run["mean_acceptance_length"] * (1 + 3 * 0.6)
     assert extra["output_throughput"] == pytest.approx(expected)
     code, _, err = _run_cli(capsys, *flags)
     assert code == 2 and "plugins.spec_decode.enabled" in err
+    code, _, err = _run_cli(capsys, *flags, *spec)  # varlen (the default plan) is never normalized
+    assert code == 2 and "plan=fixed" in err
 
 
 def test_speculative_runs_report_acceptance(tiny_llama_dir: Path, tmp_path: Path) -> None:

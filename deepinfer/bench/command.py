@@ -111,10 +111,40 @@ def run_http_bench(args: argparse.Namespace, model: str) -> dict[str, Any]:
     return report
 
 
+def run_anchor_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``deepinfer bench --decode-anchor B,...``: the decode anchor (``bench/anchor.py``) at each batch, and a
+    peer's result file (``--baseline-file``) beside it; the report holds both and the markdown table."""
+    from deepinfer.bench.anchor import anchor_table, read_peer_anchor, run_anchor
+
+    batches = [c for c in parse_concurrency(args.decode_anchor) if c is not None]
+    if not batches:
+        raise ValueError("--decode-anchor needs batch sizes, e.g. 1,16,64")
+    peer, meta = read_peer_anchor(args.baseline_file) if args.baseline_file else (None, {})
+    peer_name = Path(args.baseline_file).stem.split("_")[0] if args.baseline_file else "peer"
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    scheduler = {"max_num_seqs": max(batches), **overrides.get("scheduler", {})}  # room for the largest batch
+    llm = build_llm(model, args.config, {**overrides, "scheduler": scheduler})
+    ours = run_anchor(llm, batches, repeats=args.repeats, prompt_len=args.input_len, decode_tokens=args.output_len,
+                      seed=args.seed + 1000)
+    engine = llm.engine
+    report = {"schema": BENCH_SCHEMA, "created": started, "arguments": arguments(args), "environment": environment(),
+              "model": str(engine.model_path), "device": engine.device.type,
+              "dtype": str(engine.dtype).removeprefix("torch."), "decode_anchor": ours,
+              "baseline_file": args.baseline_file, "baseline_meta": meta,
+              "baseline_anchor": peer, "anchor_table": anchor_table(ours, peer, peer_name)}
+    llm.shutdown()
+    _write(report, args.output)
+    return report
+
+
 def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """Everything ``deepinfer bench`` does; returns the report (also written to ``--output``)."""
     if args.url:
         return run_http_bench(args, model)
+    if getattr(args, "decode_anchor", None):
+        return run_anchor_bench(args, model, overrides)
+    if getattr(args, "baseline_file", None):
+        raise ValueError("--baseline-file is read with --decode-anchor (a peer's decode-anchor result)")
     points = parse_concurrency(args.concurrency)
     spec = workload_spec(args)
     progress = not args.no_progress
@@ -139,9 +169,13 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
             speculation = config["plugins"].get("spec_decode") or {}
             if not speculation.get("enabled"):
                 raise ValueError("--assumed-acceptance needs plugins.spec_decode.enabled=true")
+            if speculation.get("plan", "varlen") != "fixed":
+                raise ValueError("--assumed-acceptance normalizes fixed-k runs only (the reference refuses to "
+                                 "normalize varlen ones): set plugins.spec_decode.plan=fixed")
             k = int(speculation.get("max_draft", 5))
             run["acceptance_normalized_throughput"] = {
-                "label": "extra, not measured: output tok/s at an assumed per-draft acceptance",
+                "label": "extra, not measured: output tok/s at an assumed per-draft acceptance "
+                         "(the reference's fixed-k normalization, (1 + k*a) tokens per verify step)",
                 "assumed_acceptance": args.assumed_acceptance, "max_draft": k,
                 "output_throughput": acceptance_normalized_throughput(run, args.assumed_acceptance, k)}
         runs.append(run)

@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --url: Poisson request rates per second, comma-separated, or inf")
     bench.add_argument("--served-model-name", default=None, help="with --url: the model name (default --model)")
     bench.add_argument("--api-key", default=None, help="with --url: Bearer key")
+    bench.add_argument("--decode-anchor", default=None, metavar="B,...",
+                       help="instead of the workload: the decode anchor at these batch sizes (B fresh random "
+                            "--input-len-token prompts, --output-len greedy decode tokens; docs/bench.md)")
+    bench.add_argument("--repeats", type=int, default=3, help="with --decode-anchor: timed repeats per batch")
+    bench.add_argument("--baseline-file", default=None, metavar="FILE",
+                       help="with --decode-anchor: a peer's anchor result (JSON lines, e.g. run_vllm.py's) to "
+                            "put beside ours")
     bench.add_argument("--assumed-acceptance", type=float, default=None, metavar="A",
                        help="with plugins.spec_decode: also report the labelled extra "
                             "acceptance_normalized_throughput at per-draft acceptance A (docs/bench.md)")
@@ -239,6 +246,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     model, overrides = _bench_model(args)
     report = run_bench(args, model, overrides)
+    if "anchor_table" in report:
+        print(report["anchor_table"])
+        if args.output:
+            print(f"wrote {args.output}", file=sys.stderr)
+        return 0
     print(summary_table(report["runs"]))
     for row in report["baseline"]:
         c = "offline" if row["concurrency"] is None else f"C={row['concurrency']}"

@@ -25,7 +25,9 @@ class SpecDecodeConfig(BaseModel):
     The ``dspark`` block drafter (``dspark.py``, reference/deepinfer.md §4; its block is ``max_draft``
     tokens): ``dspark_target_layer_ids`` the main-model layers whose inputs are its features (None:
     layers 1, the middle one and the last); ``dspark_num_layers``, ``dspark_num_heads`` and
-    ``dspark_intermediate_size`` (None: 2 × hidden) its blocks; ``dspark_markov_rank`` the rank of the
+    ``dspark_intermediate_size`` (None: 2 × hidden) its blocks; ``dspark_context_window`` the committed
+    rows (the last ones of the request) whose projected target keys and values every block row attends
+    to (the reference's drafter SWA window); ``dspark_markov_rank`` the rank of the
     first-order Markov correction; ``dspark_noise_token_id`` the filler of the block after the last
     token (None: the last vocabulary id); ``dspark_confidence_temperature`` the sigmoid temperature of
     the confidence head, one value or one per draft position (the reference's
@@ -51,6 +53,7 @@ class SpecDecodeConfig(BaseModel):
     calibration_bins: int = Field(default=10, ge=1, le=1000)
     dspark_target_layer_ids: list[int] | None = None
     dspark_num_layers: int = Field(default=1, ge=1)
+    dspark_context_window: int = Field(default=16, ge=1)
     dspark_num_heads: int = Field(default=4, ge=1)
     dspark_intermediate_size: int | None = Field(default=None, ge=1)
     dspark_markov_rank: int = Field(default=32, ge=1)

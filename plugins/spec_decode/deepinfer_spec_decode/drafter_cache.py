@@ -15,8 +15,8 @@ from deepinfer_spec_decode.drafter_training import Recipe, train_drafter, weight
 logger = logging.getLogger(__name__)
 
 # The plugins.spec_decode fields a trained dspark drafter's shape depends on (its recipe records them).
-ARCHITECTURE_FIELDS = ("max_draft", "dspark_target_layer_ids", "dspark_num_layers", "dspark_num_heads",
-                       "dspark_intermediate_size", "dspark_markov_rank", "dspark_noise_token_id")
+ARCHITECTURE_FIELDS = ("max_draft", "dspark_target_layer_ids", "dspark_num_layers", "dspark_context_window",
+                       "dspark_num_heads", "dspark_intermediate_size", "dspark_markov_rank", "dspark_noise_token_id")
 
 
 def auto_recipe(config: SpecDecodeConfig) -> Recipe:

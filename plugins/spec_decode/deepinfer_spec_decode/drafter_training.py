@@ -7,7 +7,9 @@
 3. **Labels by teacher forcing** (``LLM.teacher_force``): over prompt + reply, the target's ``top_k``
    next-token logits at every position and the inputs of the drafter's target layers (its features).
 4. **Training** (AdamW, seeded). An example is an anchor ``a`` in a reply: the drafter sees the features
-   of row ``a − 1`` and the block ``[s_a, noise, …]`` exactly as at inference (``dspark.py``); block row
+   of rows ``a − W … a − 1`` (its context window, ``dspark_context_window``) and the block ``[s_a, noise,
+   …]`` exactly as at inference (``dspark.py``); a batch is runs of consecutive anchors, whose windows
+   overlap, so each context row is projected once per batch; block row
    ``i`` is scored against the target's distribution at position ``a + i`` (its top-k, renormalized over
    the draft vocabulary) by cross-entropy, weighted ``position_decay ** i``; the Markov correction sees
    the true previous token ``s_{a+i}`` (what it sees at inference whenever the drafts before were
@@ -54,7 +56,7 @@ from deepinfer_spec_decode.dspark import DSparkNetwork, build_network, lm_head_o
 
 logger = logging.getLogger(__name__)
 
-RECIPE_VERSION = 1  # bump when the training procedure changes what a recipe produces
+RECIPE_VERSION = 2  # bump when the training procedure changes what a recipe produces
 
 
 @dataclass(frozen=True)
@@ -128,23 +130,30 @@ def _encode_prompts(llm: Any, prompts: Sequence[Prompt], chat: bool) -> list[lis
 def generate_replies(llm: Any, prompts: Sequence[Prompt], recipe: Recipe, *, greedy_only: bool, seed: int,
                      checkpoint: Path | None = None, chunk: int = 64) -> Sequences:
     """The target's own replies to ``prompts``, batched through the engine ``chunk`` prompts at a time;
-    with a ``checkpoint`` file every finished chunk is kept there and a rerun continues after it (each
-    request's sampling settings depend only on its index, so the result does not depend on where a run
-    stopped)."""
+    with a ``checkpoint`` file every finished chunk is kept there, with the prompts' token ids and kinds,
+    and a rerun continues after it (each request's sampling settings depend only on its index, so the
+    result does not depend on where a run stopped). A checkpoint is self-contained: its prompts win over
+    ``prompts`` (the passages on another machine differ), so replies generated elsewhere — on a GPU —
+    can be copied into a work folder and labelled and trained on here."""
     from deepinfer import SamplingParams
 
     chat = recipe.chat if recipe.chat is not None else _has_chat_template(llm)
     ids = _encode_prompts(llm, prompts, chat)
+    kinds = [p.kind for p in prompts]
+    replies: list[list[int]] = []
+    if checkpoint is not None and checkpoint.exists():
+        saved = json.loads(checkpoint.read_text())
+        if not isinstance(saved, dict) or len(saved.get("prompts", ())) != len(prompts):
+            raise ConfigError(f"{checkpoint}: not a replies checkpoint for {len(prompts)} prompts (delete it to "
+                              "generate the replies again)")
+        ids, kinds, replies = saved["prompts"], saved["kinds"], saved["replies"]
+        logger.info("resumed %d of %d replies from %s", len(replies), len(prompts), checkpoint)
     rng = random.Random(seed)
     params = []
     for i in range(len(prompts)):
         greedy = greedy_only or rng.random() < recipe.greedy_fraction
         params.append(SamplingParams(temperature=0.0 if greedy else recipe.sample_temperature,
                                      max_tokens=recipe.max_reply_tokens, seed=seed * 100_003 + i))
-    replies: list[list[int]] = []
-    if checkpoint is not None and checkpoint.exists():
-        replies = json.loads(checkpoint.read_text())
-        logger.info("resumed %d of %d replies from %s", len(replies), len(prompts), checkpoint)
     with tqdm(total=len(prompts), initial=len(replies), desc="replies", unit="req") as bar:
         while len(replies) < len(prompts):
             lo = len(replies)
@@ -153,9 +162,8 @@ def generate_replies(llm: Any, prompts: Sequence[Prompt], recipe: Recipe, *, gre
             replies.extend(list(o.outputs[0].token_ids) for o in outs)
             bar.update(hi - lo)
             if checkpoint is not None:
-                checkpoint.write_text(json.dumps(replies))
-    return Sequences([p + r for p, r in zip(ids, replies, strict=True)], [len(p) for p in ids],
-                     [p.kind for p in prompts])
+                checkpoint.write_text(json.dumps({"prompts": ids, "kinds": kinds, "replies": replies}))
+    return Sequences([p + r for p, r in zip(ids, replies, strict=True)], [len(p) for p in ids], kinds)
 
 
 def _has_chat_template(llm: Any) -> bool:
@@ -210,6 +218,14 @@ def draft_vocabulary(seqs: Sequences, size: int, vocab: int) -> torch.Tensor:
     return order[:min(size, vocab)].sort().values
 
 
+def anchor_runs(count: int, batch: int, gen: torch.Generator, run: int = 8) -> torch.Tensor:
+    """``batch`` indices into ``count`` anchors, drawn as runs of ``run`` consecutive ones: neighbouring
+    anchors share most of their context window, which a training batch then projects once."""
+    run = max(1, min(run, batch, count))
+    starts = torch.randint(0, count - run + 1, (-(-batch // run),), generator=gen)
+    return (starts.unsqueeze(1) + torch.arange(run)).flatten()[:batch]
+
+
 class DrafterTrainer:
     """The drafter's training step and offline evaluation against teacher-forced labels."""
 
@@ -221,6 +237,7 @@ class DrafterTrainer:
         self.noise_token_id = noise_token_id
         self.k = k
         self.recipe = recipe
+        self.window = recipe.spec_config().dspark_context_window
         self.device = embed.weight.device
         self.decay = torch.tensor([recipe.position_decay ** i for i in range(k)], device=self.device)
         params = [p for p in network.parameters() if p.requires_grad]
@@ -229,17 +246,26 @@ class DrafterTrainer:
 
     def _batch(self, labels: Labels, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         """The inputs and targets of blocks anchored at ``anchors`` (global rows)."""
-        k = self.k
-        offsets = torch.arange(k)
-        rows = anchors.unsqueeze(1) + offsets  # [B, k] rows a … a + k − 1
-        seq = torch.bucketize(anchors, torch.tensor(labels.starts), right=True) - 1
-        ends = torch.tensor(labels.starts)[seq] + torch.tensor(labels.lengths)[seq]  # one past each sequence
+        k, window = self.k, self.window
+        starts = torch.tensor(labels.starts)
+        rows = anchors.unsqueeze(1) + torch.arange(k)  # [B, k] rows a … a + k − 1
+        seq = torch.bucketize(anchors, starts, right=True) - 1
+        ends = starts[seq] + torch.tensor(labels.lengths)[seq]  # one past each sequence
         valid = rows < ends.unsqueeze(1)
         rows = torch.where(valid, rows, anchors.unsqueeze(1))
         block = torch.full((anchors.shape[0], k), self.noise_token_id, dtype=torch.int64)
         block[:, 0] = labels.tokens[anchors]
-        batch = {"features": labels.features[anchors - 1], "block": block, "previous": labels.tokens[rows],
-                 "top_ids": labels.top_ids[rows], "top_logits": labels.top_logits[rows], "valid": valid}
+        # The context window: rows a − W … a − 1 of the anchor's sequence; each distinct row is projected once.
+        context_rows = anchors.unsqueeze(1) - window + torch.arange(window)
+        visible = context_rows >= starts[seq].unsqueeze(1)
+        context_rows = torch.maximum(context_rows, starts[seq].unsqueeze(1))
+        unique, index = torch.unique(context_rows, return_inverse=True)
+        unique_pos = unique - starts[torch.bucketize(unique, starts, right=True) - 1]
+        block_positions = (anchors - starts[seq]).unsqueeze(1) + torch.arange(k)
+        batch = {"context_features": labels.features[unique], "context_positions": unique_pos, "context_index": index,
+                 "visible": visible, "block": block, "block_positions": block_positions,
+                 "previous": labels.tokens[rows], "top_ids": labels.top_ids[rows],
+                 "top_logits": labels.top_logits[rows], "valid": valid}
         return {name: t.to(self.device, non_blocking=True) for name, t in batch.items()}
 
     def _forward(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -247,7 +273,8 @@ class DrafterTrainer:
         net = self.network
         with torch.no_grad():
             embedded = self.embed(b["block"])
-        before_norm, normed = net.block(b["features"], embedded)
+        context = net.context_kv(b["context_features"], b["context_positions"])[b["context_index"]]
+        before_norm, normed = net.block(context, b["visible"], embedded, b["block_positions"])
         markov = net.markov_head.embed(net.to_draft_ids(b["previous"]))
         logits = F.linear(normed, self.head).float() + net.markov_head.head(markov).float()
         z = net.confidence_head.proj(torch.cat([before_norm, markov], dim=-1)).float().squeeze(-1)
@@ -415,7 +442,7 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
         if budget is not None and time.perf_counter() - t0 > budget:
             log(f"stopped at step {trainer.step_count}: the {minutes} min budget is spent")
             break
-        pick = anchors[torch.randint(0, anchors.shape[0], (recipe.batch,), generator=gen)]
+        pick = anchors[anchor_runs(anchors.shape[0], recipe.batch, gen)]
         last = trainer.train_step(train_labels, pick)
         bar.update(1)
         bar.set_postfix({n: f"{v:.3f}" for n, v in last.items()})
@@ -469,7 +496,7 @@ def _make_data(llm: Any, recipe: Recipe, layers: Sequence[int], work: Path) -> d
     return {"train": teacher_labels(llm, train_seqs, layers, recipe.top_k),
             "held_out": teacher_labels(llm, held_seqs, layers, recipe.top_k),
             "train_seqs": train_seqs, "held_seqs": held_seqs,
-            "kinds": [p.kind for p in train_prompts + held_prompts]}
+            "kinds": train_seqs.kinds + held_seqs.kinds}
 
 
 def manifest_path(weights: Path) -> Path:

@@ -62,7 +62,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from deepinfer.errors import ConfigError
-from deepinfer.interfaces import DraftInputs, DraftProposal, EngineInfo
+from deepinfer.interfaces import CommittedRows, DraftInputs, DraftProposal, EngineInfo
 from deepinfer.ops import RMSNorm, init_dummy
 from deepinfer_spec_decode.config import SpecDecodeConfig
 from deepinfer_spec_decode.mtp import choose_drafts
@@ -78,7 +78,8 @@ def default_target_layers(num_layers: int) -> list[int]:
 
 
 def rope(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (halves layout) of ``x [B, heads, S, head_dim]`` at ``offsets [S]``."""
+    """Rotary embedding (halves layout) of ``x [..., S, head_dim]`` at ``offsets`` (broadcast to
+    ``[..., S]``: ``[S]``, or ``[B, 1, S]`` for ``x [B, heads, S, head_dim]``)."""
     half = x.shape[-1] // 2
     inv = ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
     angles = offsets.to(torch.float32).unsqueeze(-1) * inv
@@ -88,27 +89,43 @@ def rope(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 
 class DSparkBlock(nn.Module):
-    """Pre-norm attention of the block rows over ``[context, block]`` (no causal mask), then a SwiGLU MLP."""
+    """Pre-norm attention of the block rows over ``[context window, block]`` (no causal mask), then a
+    SwiGLU MLP. The context's keys and values are the layer's own projection (``ctx_kv``) of the
+    projected target features, RoPE'd at their positions (``context_kv``)."""
 
     def __init__(self, hidden: int, heads: int, intermediate: int, **kw: Any) -> None:
         super().__init__()
         self.heads = heads
         self.attn_norm = RMSNorm(hidden, EPS, **kw)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, **kw)
+        self.ctx_kv = nn.Linear(hidden, 2 * hidden, bias=False, **kw)
         self.o = nn.Linear(hidden, hidden, bias=False, **kw)
         self.mlp_norm = RMSNorm(hidden, EPS, **kw)
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False, **kw)
         self.down = nn.Linear(intermediate, hidden, bias=False, **kw)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """``x [B, k, H]`` block rows, ``context [B, 1, H]`` → ``[B, k, H]``."""
+    def heads_of(self, t: torch.Tensor) -> torch.Tensor:
+        """``[..., S, H]`` → ``[..., heads, S, head_dim]``."""
+        return t.unflatten(-1, (self.heads, -1)).transpose(-3, -2)
+
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``context [N, H]`` projected target rows at ``positions [N]`` → their keys (RoPE'd) and values
+        ``[N, 2, H]``."""
+        key, value = self.ctx_kv(context).chunk(2, dim=-1)
+        key = rope(self.heads_of(key.unsqueeze(0)), positions)[0].transpose(0, 1).flatten(-2)
+        return torch.stack([key, value], dim=1)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor, visible: torch.Tensor,
+                positions: torch.Tensor) -> torch.Tensor:
+        """``x [B, k, H]`` block rows at ``positions [B, k]``, ``context [B, W, 2, H]`` the window's keys and
+        values, ``visible [B, W]`` which window rows exist → ``[B, k, H]``."""
         batch, k, hidden = x.shape
-        rows = self.attn_norm(torch.cat([context, x], dim=1))
-        q, key, value = (t.reshape(batch, k + 1, self.heads, -1).transpose(1, 2)
-                         for t in self.qkv(rows).chunk(3, dim=-1))
-        offsets = torch.arange(-1, k, device=x.device)
-        q, key = rope(q[:, :, 1:], offsets[1:]), rope(key, offsets)
-        attn = F.scaled_dot_product_attention(q, key, value)
+        q, key, value = (self.heads_of(t) for t in self.qkv(self.attn_norm(x)).chunk(3, dim=-1))
+        q, key = rope(q, positions.unsqueeze(1)), rope(key, positions.unsqueeze(1))
+        key = torch.cat([self.heads_of(context[:, :, 0]), key], dim=2)
+        value = torch.cat([self.heads_of(context[:, :, 1]), value], dim=2)
+        mask = torch.cat([visible, visible.new_ones(batch, k)], dim=1)[:, None, None, :]
+        attn = F.scaled_dot_product_attention(q, key, value, attn_mask=mask)
         x = x + self.o(attn.transpose(1, 2).reshape(batch, k, hidden))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -186,13 +203,20 @@ class DSparkNetwork(nn.Module):
         """Draft ids → target ids."""
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
-    def block(self, features: torch.Tensor, embedded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``features [B, H·L]`` of each request's last committed row and the ``embedded [B, k, H]`` block
-        → (block rows before the final norm, after it), both ``[B, k, H]``."""
-        context = self.main_norm(self.main_proj(features)).unsqueeze(1)
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Target features ``[N, H·L]`` of committed rows at ``positions [N]`` → every layer's keys and
+        values of them ``[N, layers, 2, H]`` (what the drafter's context cache keeps per row)."""
+        context = self.main_norm(self.main_proj(features))
+        return torch.stack([layer.context_kv(context, positions) for layer in self.layers], dim=1)
+
+    def block(self, context: torch.Tensor, visible: torch.Tensor, embedded: torch.Tensor,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``embedded [B, k, H]`` block at ``positions [B, k]`` over each request's context window
+        (``context [B, W, layers, 2, H]`` from ``context_kv``, ``visible [B, W]``) → (block rows before the
+        final norm, after it), both ``[B, k, H]``."""
         x = embedded
-        for layer in self.layers:
-            x = layer(x, context)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, context[:, :, i], visible, positions)
         return x, self.norm(x)
 
 
@@ -235,34 +259,66 @@ class DSparkDrafter:
     """The block drafter over the model's captured features (see the module docstring)."""
 
     def __init__(self, model: Any, network: DSparkNetwork, noise_token_id: int,
-                 confidence_temperature: Sequence[float]) -> None:
+                 confidence_temperature: Sequence[float], window: int) -> None:
         self.model = model
         self.network = network
         self.noise_token_id = noise_token_id
+        self.window = window
         self.head = network.head_of(lm_head_of(model))
         device = model.embed_tokens.weight.device
         self.confidence_temperature = torch.tensor(confidence_temperature, dtype=torch.float32, device=device)
+        # The context cache: every layer's keys and values of each committed row, in the main pool's slot of
+        # the row's position (so it follows the main cache's blocks: freed, shared and reused with them).
+        hidden = model.embed_tokens.weight.shape[1]
+        self.context = torch.zeros(pool_slots(model), len(network.layers), 2, hidden,
+                                   dtype=model.embed_tokens.weight.dtype, device=device)
+
+    def window_of(self, rows: CommittedRows, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each drafting request's context window: the cache rows of positions ``p − W + 1 … p`` (``p`` its
+        last committed row's position, ``positions − 1``) → ``[B, W, layers, 2, H]`` and ``visible [B, W]``."""
+        ctx = rows.ctx
+        window = positions.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=positions.device)
+        visible = window >= 0
+        window = window.clamp_min(0)
+        request = torch.bucketize(rows.last_rows, ctx.query_start_loc[1:], right=True)
+        tables = ctx.block_tables.index_select(0, request)
+        slots = tables.gather(1, window // ctx.block_size) * ctx.block_size + window % ctx.block_size
+        return self.context[slots], visible
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> DraftProposal:
         rows, k = inputs.rows, inputs.k
         batch, dev = inputs.last_tokens.shape[0], inputs.last_tokens.device
-        if batch == 0:
-            empty = torch.empty(0, k, device=dev)
-            return DraftProposal(empty.long(), None, empty)
         if rows is None:
             raise RuntimeError("the dspark drafter needs the step's committed rows (DraftInputs.rows); the engine "
                                "provides them when the model captures the drafter's target layers")
-        features = rows.hidden.index_select(0, rows.last_rows)
+        # Every committed row (prefill chunks included) enters the context cache before any request drafts.
+        self.context[rows.ctx.slot_mapping] = self.network.context_kv(rows.hidden, rows.ctx.positions)
+        if batch == 0:
+            empty = torch.empty(0, k, device=dev)
+            return DraftProposal(empty.long(), None, empty)
+        context, visible = self.window_of(rows, inputs.positions - 1)
         block_ids = torch.full((batch, k), self.noise_token_id, dtype=torch.int64, device=dev)
         block_ids[:, 0] = inputs.last_tokens
-        before_norm, normed = self.network.block(features, self.model.embed_tokens(block_ids))
+        block_positions = inputs.positions.unsqueeze(1) + torch.arange(k, device=dev)
+        before_norm, normed = self.network.block(context, visible, self.model.embed_tokens(block_ids), block_positions)
         logits = rows.ctx.backends["linear"].linear(normed.reshape(batch * k, -1), self.head)
         report = bool((inputs.temperature > 0).any())  # one read: whether distributions are reported at all
         tokens, probs, confidence = draft_block(
             logits.float().reshape(batch, k, -1), before_norm, inputs.last_tokens, self.network,
             self.confidence_temperature, inputs.temperature, inputs.seeds, inputs.positions, report)
         return DraftProposal(tokens, probs, confidence)
+
+
+def pool_slots(model: Any) -> int:
+    """Slots of the main pool (blocks × block size), read from the first paged cache bound to the model's
+    layers (``bind_cache``): the context cache is indexed by the main cache's slots."""
+    for module in model.modules():
+        cache = getattr(module, "kv_cache", None)
+        if isinstance(cache, tuple | list) and cache and isinstance(cache[0], torch.Tensor) and cache[0].dim() >= 2:
+            return cache[0].shape[0] * cache[0].shape[1]
+    raise ConfigError("plugins.spec_decode.drafter='dspark' needs the model's paged KV cache bound before the "
+                      "drafter is built")
 
 
 def lm_head_of(model: Any) -> torch.Tensor:
@@ -370,4 +426,5 @@ def build_dspark(model: Any, info: EngineInfo, config: SpecDecodeConfig,
     temps = config.dspark_confidence_temperature
     noise = config.dspark_noise_token_id
     return DSparkDrafter(model, network, model.vocab_size - 1 if noise is None else noise,
-                         temps if isinstance(temps, list) else [temps] * info.max_draft)
+                         temps if isinstance(temps, list) else [temps] * info.max_draft,
+                         config.dspark_context_window)

@@ -11,12 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 from deepinfer_spec_decode import drafter_cache
-from deepinfer_spec_decode.drafter_training import DrafterTrainer, Labels, Recipe, manifest_path
+from deepinfer_spec_decode.drafter_data import Prompt
+from deepinfer_spec_decode.drafter_training import (
+    DrafterTrainer,
+    Labels,
+    Recipe,
+    generate_replies,
+    manifest_path,
+)
 from deepinfer_spec_decode.dspark import DSparkNetwork, draft_block
 from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.entrypoints.cli import main
+from deepinfer.errors import ConfigError
 from deepinfer.plugins import discover_plugins, drafter_trainers
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -120,6 +128,28 @@ def test_auto_trains_on_first_use_then_loads_and_stays_lossless(tiny_chat_model,
     plain = LLM(tiny_chat_model, **kw).generate(prompts, params, use_tqdm=False)
     spec_out = second.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in spec_out]
+
+
+def test_a_replies_checkpoint_is_self_contained_and_resumes(tiny_chat_model, tmp_path):
+    """A checkpoint keeps the prompts' ids: one written elsewhere (other passages, e.g. on a GPU machine) is
+    used as it is, a run stopped after one chunk continues it, and a file of another shape is refused."""
+    llm = LLM(tiny_chat_model, block_size=16, kv_cache_bytes=1 << 23)
+    recipe = Recipe(max_reply_tokens=6)
+    here = [Prompt("question", f"What is {i} plus {i}?") for i in range(4)]
+    elsewhere = [Prompt("code", f"Write a function number {i}.") for i in range(4)]
+    whole = generate_replies(llm, elsewhere, recipe, greedy_only=True, seed=0)
+    checkpoint = tmp_path / "replies.json"
+    first = generate_replies(llm, elsewhere[:2], recipe, greedy_only=True, seed=0, checkpoint=checkpoint, chunk=2)
+    saved = json.loads(checkpoint.read_text())
+    saved["prompts"] += [[1]] * 2  # a run of 4 prompts stopped after its first chunk of 2
+    saved["kinds"] += ["code"] * 2
+    checkpoint.write_text(json.dumps(saved))
+    resumed = generate_replies(llm, here, recipe, greedy_only=True, seed=0, checkpoint=checkpoint, chunk=2)
+    assert resumed.token_ids[:2] == first.token_ids == whole.token_ids[:2]
+    assert resumed.kinds == ["code"] * 4 and resumed.prompt_lens[2:] == [1, 1]
+    checkpoint.write_text(json.dumps([[5, 6]]))
+    with pytest.raises(ConfigError, match="not a replies checkpoint"):
+        generate_replies(llm, here, recipe, greedy_only=True, seed=0, checkpoint=checkpoint)
 
 
 def test_the_cli_finds_the_trainer_and_refuses_unknown_drafters(capsys):

@@ -97,6 +97,54 @@ def test_greedy_tokens_are_identical_with_dspark_under_both_plans(tiny_dir):
         assert layers and _dspark(llm).network.main_proj.weight.shape == (hidden, hidden * len(layers))
 
 
+def test_context_cache_equals_a_from_scratch_recomputation_at_every_step(tiny_dir):
+    """Chunked prefill, a batch, accepted and rejected drafts: at every draft the window the drafter reads
+    from its context cache equals ``context_kv`` of features recomputed by teacher forcing the request's
+    committed tokens from scratch. Accepted drafts are planted (the reference continuation for a random
+    number of leading drafts, a wrong token after), so rows committed by verification enter the cache."""
+    window = 6
+    prompts = [*_prompts(3, 7), torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(8)).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    reference, _ = _generate(tiny_dir, prompts, params)
+    full = {tuple(p): p + r for p, r in zip(prompts, reference, strict=True)}
+    llm = _llm(tiny_dir, _spec(dspark_context_window=window), max_num_batched_tokens=24)
+    scratch = _llm(tiny_dir)
+    drafter = _dspark(llm)
+    layers = llm.engine.model.captured_layers
+    propose, gen, checked = drafter.propose, torch.Generator().manual_seed(9), [0]
+
+    def checking(inputs):
+        proposal = propose(inputs)
+        if inputs.last_tokens.shape[0] == 0:
+            return proposal
+        context, visible = drafter.window_of(inputs.rows, inputs.positions - 1)
+        tokens = proposal.tokens.clone()
+        for b, history in enumerate(inputs.history.tolist()):
+            committed = [t for t in history if t >= 0]
+            features = scratch.teacher_force([committed[:-1]], top_k=1, layers=layers)[0].features
+            last = len(committed) - 2
+            pos = torch.arange(last - window + 1, last + 1).clamp_min(0)
+            expected = drafter.network.context_kv(features[pos], pos)
+            torch.testing.assert_close(context[b][visible[b]], expected[visible[b]], atol=1e-4, rtol=1e-4)
+            assert visible[b].sum() == min(window, last + 1)
+            whole = next(f for p, f in full.items() if tuple(committed[:len(p)]) == p)
+            right = whole[len(committed):len(committed) + inputs.k]
+            keep = int(torch.randint(0, inputs.k + 1, (), generator=gen))
+            for i, t in enumerate(right[:keep]):
+                tokens[b, i] = t
+            if keep < len(right):
+                tokens[b, keep] = (right[keep] + 1) % VOCAB
+            checked[0] += 1
+        return DraftProposal(tokens, proposal.probs, proposal.confidence)
+
+    drafter.propose = checking
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    stats = llm.get_stats()
+    assert checked[0] > 10 and stats["spec_decode"]["mean_acceptance_length"] > 1.5
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
 def test_drafts_have_the_right_shapes_and_confidences_in_the_open_unit_interval(llama_dir):
     llm = _llm(llama_dir, _spec("varlen", dspark_target_layer_ids=[0, 2]))
     proposals = _record(llm)

@@ -1,0 +1,116 @@
+"""The decode anchor: the decode-throughput method shared with a peer's measurement script, and the peer's
+result files read as a baseline (``deepinfer bench --decode-anchor``, ``docs/bench.md``).
+
+The method (the same as ``../shared/tools/vllm/run_vllm.py`` for vLLM): for each batch ``B``, every
+timed call is one ``generate`` of ``B`` fresh random prompts of ``prompt_len`` token ids (drawn anew for
+every call, so a prefix cache never hits), greedy, EOS ignored, each request checked to return exactly
+``max_tokens`` tokens. One repeat times a call with ``max_tokens=1`` (``t1``: prefill + first token) and
+one with ``max_tokens = decode_tokens + 1`` (``t_full``); its decode tok/s is ``B · decode_tokens /
+(t_full − t1)``. The reported figure is the median over the repeats. One untimed call per batch first.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+def anchor_prompts(batch: int, seed: int, vocab: int, prompt_len: int) -> list[list[int]]:
+    """``batch`` prompts of ``prompt_len`` random ids in ``[2, vocab)`` (ids 0 and 1 are often BOS/EOS)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, vocab, (batch, prompt_len), generator=gen).tolist()
+
+
+def run_anchor(llm: Any, batches: Sequence[int], *, repeats: int = 3, prompt_len: int = 128,
+               decode_tokens: int = 64, seed: int = 1000) -> dict[int, dict[str, Any]]:
+    """The decode anchor on ``llm`` (a ``deepinfer.LLM``) at each batch: per batch the per-repeat ``t1_s``,
+    ``t_full_s`` and ``decode_tok_s`` and their medians (``decode_tok_s_median``, ``prefill_s_median``,
+    ``decode_step_ms_median``)."""
+    from deepinfer import SamplingParams
+
+    if repeats < 1 or prompt_len < 1 or decode_tokens < 1 or not batches or min(batches) < 1:
+        raise ValueError("the decode anchor needs batches >= 1, repeats >= 1, prompt_len >= 1, decode_tokens >= 1")
+    vocab = llm.engine.model.vocab_size
+    calls = [seed]
+
+    def timed(batch: int, max_tokens: int) -> float:
+        calls[0] += 1
+        prompts = anchor_prompts(batch, calls[0], vocab, prompt_len)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        if any(len(o.outputs[0].token_ids) != max_tokens for o in outs):
+            raise RuntimeError(f"the decode anchor needs {max_tokens} tokens from every request")
+        return elapsed
+
+    results: dict[int, dict[str, Any]] = {}
+    for batch in batches:
+        timed(batch, decode_tokens + 1)  # warm-up, not measured
+        t1s, fulls = [], []
+        for _ in range(repeats):
+            t1s.append(timed(batch, 1))
+            fulls.append(timed(batch, decode_tokens + 1))
+        decode = [batch * decode_tokens / (b - a) for a, b in zip(t1s, fulls, strict=True)]
+        results[batch] = {"t1_s": t1s, "t_full_s": fulls, "decode_tok_s": decode,
+                          "decode_tok_s_median": statistics.median(decode),
+                          "prefill_s_median": statistics.median(t1s),
+                          "decode_step_ms_median": 1000 * statistics.median(
+                              [(b - a) / decode_tokens for a, b in zip(t1s, fulls, strict=True)])}
+    return results
+
+
+def read_peer_anchor(path: str | Path) -> tuple[dict[int, dict[str, Any]], dict[str, Any]]:
+    """A peer's decode-anchor result file — JSON lines of ``{"B": batch, "decode_tok_s_median": ...}`` and
+    one ``{"meta": {...}}`` line, as ``run_vllm.py`` writes — as (batch → row, meta)."""
+    rows: dict[int, dict[str, Any]] = {}
+    meta: dict[str, Any] = {}
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValueError(f"--baseline-file {str(path)!r}: {exc.strerror}") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+        if "meta" in item:
+            meta = item["meta"]
+        elif "B" in item and "decode_tok_s_median" in item:
+            rows[int(item["B"])] = item
+        else:
+            raise ValueError(f"{path}:{number}: expected a {{'B', 'decode_tok_s_median'}} row or a 'meta' line")
+    if not rows:
+        raise ValueError(f"{path}: no decode-anchor rows")
+    return rows, meta
+
+
+def anchor_table(ours: dict[int, dict[str, Any]], peer: dict[int, dict[str, Any]] | None = None,
+                 peer_name: str = "peer") -> str:
+    """A markdown table of our decode tok/s per batch (range over the repeats), with the peer's beside
+    them and the ratio where the peer measured that batch."""
+    head = "| batch | deepinfer decode tok/s | step ms |"
+    rule = "|---|---|---|"
+    if peer is not None:
+        head += f" {peer_name} decode tok/s | deepinfer / {peer_name} |"
+        rule += "---|---|"
+    lines = [head, rule]
+    for batch, row in sorted(ours.items()):
+        runs = row["decode_tok_s"]
+        line = (f"| {batch} | {row['decode_tok_s_median']:,.1f} ({min(runs):,.0f}–{max(runs):,.0f}) | "
+                f"{row['decode_step_ms_median']:.2f} |")
+        if peer is not None:
+            theirs = peer.get(batch)
+            line += (" - | - |" if theirs is None else
+                     f" {theirs['decode_tok_s_median']:,.1f} | "
+                     f"{row['decode_tok_s_median'] / theirs['decode_tok_s_median']:.2f}× |")
+        lines.append(line)
+    return "\n".join(lines)
