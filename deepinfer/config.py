@@ -9,6 +9,7 @@ Plugin sections (``plugins.<name>``) are kept as plain dicts here and validated 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import json
 import logging
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from deepinfer.errors import ConfigError
 
@@ -80,6 +81,33 @@ class ParallelSection(_Section):
     data_parallel_size: int = Field(default=1, ge=1)
     expert_parallel_size: int = Field(default=1, ge=1)
     router: str = "round_robin"
+    # Used when an enabled plugin offers placement policies (plugins.eplb): the one that rebalances the
+    # experts of an expert-parallel run; without such a plugin the initial placement stays.
+    placement_policy: str = "greedy_multistep"
+
+
+class SpeculativeSection(_Section):
+    """Speculative decoding: on when an enabled plugin offers drafters (``plugins.spec_decode``) and
+    ``max_draft`` > 0.
+
+    ``drafter``: a drafter offered by a plugin, or ``auto`` (``mtp`` when the model declares MTP
+    layers and its class can run them, else ``ngram``). ``plan``: a verification plan offered by a
+    plugin (default ``fixed``, the reference's: no measurement has ``varlen`` ahead everywhere yet).
+    ``max_draft``: drafts proposed per request per step (0: no speculation; the engine's
+    rollback reserve ``cache.max_backtrack: auto`` is ``max_draft + 1``).
+    """
+
+    drafter: str = "auto"
+    plan: str = "fixed"
+    max_draft: int = Field(default=5, ge=0, le=32)
+
+    @field_validator("plan", mode="before")
+    @classmethod
+    def _varlen_switch(cls, value: Any) -> Any:
+        """The reference's ``DEEPINFER_ENABLE_MTP_VARLEN`` arrives as 1/0 (an int or a bool)."""
+        if isinstance(value, bool | int):
+            return "varlen" if value else "fixed"
+        return value
 
 
 class KernelsSection(_Section):
@@ -103,10 +131,11 @@ class EngineConfig(_Section):
     scheduler: SchedulerSection = Field(default_factory=SchedulerSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     kernels: KernelsSection = Field(default_factory=KernelsSection)
+    speculative: SpeculativeSection = Field(default_factory=SpeculativeSection)
     plugins: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
 
-SECTIONS = ("model", "cache", "sampling", "scheduler", "parallel", "kernels")
+SECTIONS = ("model", "cache", "sampling", "scheduler", "parallel", "kernels", "speculative")
 
 # Flat keyword overrides of ``LLM(...)`` (API.md §4): field name -> section. Unique across sections.
 FLAT_OVERRIDES: dict[str, str] = {
@@ -134,6 +163,7 @@ SECTION_OVERRIDES: dict[str, str] = {
     "parallel": "parallel",
     "kernels": "kernels",
     "sampling": "sampling",
+    "speculative": "speculative",
     "plugins": "plugins",
 }
 
@@ -199,12 +229,76 @@ ConfigAlias = str | tuple[str, Mapping[str, Any]]
 def known_env_names(aliases: Mapping[str, ConfigAlias] | None = None) -> list[str]:
     """Every ``DEEPINFER_*`` name deepinfer reads: the ``<SECTION>__<FIELD>`` form of each core config field,
     the implemented and documented reference knobs, plugin aliases, and the variables outside the tree."""
-    names = {*_CORE_KNOBS, *OTHER_ENV, *(f"DEEPINFER_{k}" for k in REFERENCE_KNOBS), *(aliases or {})}
+    env_aliases, _ = split_aliases(aliases or {})
+    names = {*_CORE_KNOBS, *OTHER_ENV, *(f"DEEPINFER_{k}" for k in REFERENCE_KNOBS), *env_aliases}
     for section, info in EngineConfig.model_fields.items():
         model = info.annotation
         if isinstance(model, type) and issubclass(model, BaseModel):
             names.update(f"DEEPINFER_{section.upper()}__{field.upper()}" for field in model.model_fields)
     return sorted(names)
+
+
+def split_aliases(aliases: Mapping[str, ConfigAlias]) -> tuple[dict[str, ConfigAlias], dict[str, str]]:
+    """``deepinfer_config_aliases`` offers two kinds of alias: environment names (no dot) and old config
+    paths (dotted, e.g. ``plugins.spec_decode.max_draft`` → ``speculative.max_draft``). Returns
+    ``(env aliases, path aliases)``."""
+    env = {name: path for name, path in aliases.items() if "." not in name}
+    paths = {old: path for old, path in aliases.items() if "." in old and isinstance(path, str)}
+    return env, paths
+
+
+_MISSING = object()
+
+
+def _pop_path(tree: dict[str, Any], path: str) -> Any:
+    """Remove and return the leaf at ``path`` (``_MISSING`` when absent); empty parents stay."""
+    node: Any = tree
+    *parents, leaf = path.split(".")
+    for key in parents:
+        node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict):
+            return _MISSING
+    return node.pop(leaf, _MISSING)
+
+
+def _get_path(tree: Mapping[str, Any], path: str) -> Any:
+    node: Any = tree
+    for key in path.split("."):
+        if not isinstance(node, Mapping) or key not in node:
+            return _MISSING
+        node = node[key]
+    return node
+
+
+def _move_aliased(tree: dict[str, Any], moved: Mapping[str, str], layer: str) -> dict[str, Any]:
+    """One source layer with every old config path moved onto its new path (a copy; ``tree`` is not
+    changed). The same layer setting both to different values is a ``ConfigError`` naming both."""
+    if not moved:
+        return tree
+    out = copy.deepcopy(tree)
+    for old, new in moved.items():
+        value = _pop_path(out, old)
+        if value is _MISSING:
+            continue
+        current = _get_path(out, new)
+        if current is not _MISSING and current != value:
+            raise ConfigError(f"{layer}: {old}={value!r} and {new}={current!r} set the same field ({old} is the "
+                              f"older name of {new}); set only {new}")
+        _set_path(out, new, value)
+    return out
+
+
+def _mirror_aliased(config: EngineConfig, moved: Mapping[str, str]) -> None:
+    """Write each moved field's resolved value back into the plugin section that used to own it, when
+    that section is configured, so a plugin reading its own section sees what the core uses."""
+    for old, new in moved.items():
+        head, _, rest = old.partition(".")
+        name, _, field = rest.partition(".")
+        if head != "plugins" or not field or "." in field or name not in config.plugins:
+            continue
+        value = _get_path(config.model_dump(), new)
+        if value is not _MISSING:
+            config.plugins[name][field] = value
 
 
 def _parse_scalar(text: str) -> Any:
@@ -321,17 +415,6 @@ def env_overrides(environ: Mapping[str, str], aliases: Mapping[str, ConfigAlias]
     return tree
 
 
-_MISSING = object()
-
-
-def _get_path(tree: Mapping[str, Any], path: str) -> Any:
-    node: Any = tree
-    for key in path.split("."):
-        if not isinstance(node, Mapping) or key not in node:
-            return _MISSING
-        node = node[key]
-    return node
-
 
 def overrides_to_tree(overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Turn ``LLM(**overrides)`` keywords (flat fields or whole sections) into a nested dict."""
@@ -379,24 +462,31 @@ def build_config(
     """Layer defaults < file < environment < overrides and validate the result.
 
     ``config`` is a file path, a dict, or an ``EngineConfig``; ``overrides`` is a nested dict (use
-    ``overrides_to_tree`` / ``set_flags_to_tree`` to build it). Raises ``ConfigError`` naming the
-    field path and the allowed values.
+    ``overrides_to_tree`` / ``set_flags_to_tree`` to build it). ``aliases`` (``config_aliases``) maps
+    environment names and old config paths onto config paths; an old path is moved onto its new one
+    in each source before the layers merge, so precedence holds whichever name a source uses.
+    Raises ``ConfigError`` naming the field path and the allowed values.
     """
+    env_aliases, moved = split_aliases(aliases or {})
     merged: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    layers: list[tuple[str, Mapping[str, Any]]] = []
     if isinstance(config, EngineConfig):
-        _merge(merged, config.model_dump(exclude_defaults=True), "config object", "", sources)
+        layers.append(("config object", config.model_dump(exclude_defaults=True)))
     elif isinstance(config, Mapping):
-        _merge(merged, config, "config dict", "", sources)
+        layers.append(("config dict", config))
     elif config is not None:
-        _merge(merged, read_config_file(config), f"file {config}", "", sources)
+        layers.append((f"file {config}", read_config_file(config)))
     env = os.environ if environ is None else environ
-    _merge(merged, env_overrides(env, aliases), "environment", "", sources)
-    _merge(merged, overrides or {}, "override", "", sources)
+    layers.append(("environment", env_overrides(env, env_aliases)))
+    layers.append(("override", overrides or {}))
+    for source, tree in layers:
+        _merge(merged, _move_aliased(dict(tree), moved, source), source, "", sources)
     try:
         validated = EngineConfig.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, model=EngineConfig)) from None
+    _mirror_aliased(validated, moved)
     return ResolvedConfig(validated, sources)
 
 

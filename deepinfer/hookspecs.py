@@ -67,13 +67,14 @@ def deepinfer_schedule_policies() -> Mapping[str, SchedulePolicy]:
 
 @hookspec
 def deepinfer_drafters() -> Mapping[str, Any]:
-    """Drafter factories by name; chosen by ``plugins.spec_decode.drafter``. A factory receives the
-    model and the engine info and returns a ``Drafter``."""
+    """Drafter factories by name; chosen by ``speculative.drafter``. A factory receives the
+    model and the engine info and returns a ``Drafter``. The engine speculates only when an enabled
+    plugin offers drafters (and ``speculative.max_draft`` > 0)."""
 
 
 @hookspec
 def deepinfer_verification_plans() -> Mapping[str, VerificationPlan]:
-    """Verification plans by name; chosen by ``plugins.spec_decode.plan``."""
+    """Verification plans by name; chosen by ``speculative.plan``."""
 
 
 @hookspec
@@ -84,7 +85,8 @@ def deepinfer_replay_planners() -> Mapping[str, ReplayPlanner]:
 
 @hookspec
 def deepinfer_placement_policies() -> Mapping[str, PlacementPolicy]:
-    """Expert placement policies by name; chosen by ``plugins.eplb.policy``."""
+    """Expert placement policies by name; chosen by ``parallel.placement_policy``. Without an enabled
+    plugin that offers one, an expert-parallel run keeps its initial placement."""
 
 
 @hookspec
@@ -129,12 +131,15 @@ def deepinfer_validate_config(config: EngineConfig, info: EngineInfo) -> None:
 
 @hookspec
 def deepinfer_config_aliases() -> Mapping[str, Any]:
-    """Environment names mapped onto config paths, e.g. ``{"DEEPINFER_ENABLE_MTP_VARLEN":
-    "plugins.spec_decode.plan"}``; a value may also be ``(path, implied)``, ``implied`` mapping other paths
-    to the values the variable implies unless a variable sets them (``DEEPINFER_USE_NEXTN_DECODE`` sets
-    ``max_draft`` and implies the plugin on with the ``fixed`` plan). Called for every installed plugin,
-    enabled or not, before the config is validated (a module-level function is enough; instances are not
-    built yet)."""
+    """Environment names, and old config paths, mapped onto config paths, e.g.
+    ``{"DEEPINFER_ENABLE_MTP_VARLEN": "speculative.plan", "plugins.spec_decode.max_draft":
+    "speculative.max_draft"}``: a dotted key is an old path, moved onto the new one in every config
+    source and, when the plugin's section is configured, mirrored back into it after validation. An
+    environment name may also map to ``(path, implied)``, ``implied`` giving other paths the values the
+    variable implies unless a variable sets them (``DEEPINFER_USE_NEXTN_DECODE`` implies the plugin on
+    with the ``fixed`` plan, as in the reference).
+    Called for every installed plugin, enabled or not, before the config is validated (a module-level
+    function is enough; instances are not built yet)."""
 
 
 @hookspec

@@ -362,3 +362,27 @@ def test_config_show_bad_value_exits_2(capsys: pytest.CaptureFixture[str]) -> No
     assert cli.main(["config", "show", "--set", "cache.kv_dtype=fp4"]) == 2
     err = capsys.readouterr().err
     assert "cache.kv_dtype" in err and "'fp8'" in err
+
+
+def test_an_old_config_path_moves_in_each_source_so_precedence_holds() -> None:
+    """A dotted alias (``deepinfer_config_aliases``) is an old path of a field: each source's value moves
+    onto the new path before the sources merge, and the plugin section that used to own it mirrors it."""
+    aliases = {"plugins.spec_decode.max_draft": "speculative.max_draft"}
+    old_in_env = build_config(environ={"DEEPINFER_PLUGINS__SPEC_DECODE__MAX_DRAFT": "2"},
+                              overrides={"speculative": {"max_draft": 4}}, aliases=aliases)
+    new_in_env = build_config(environ={"DEEPINFER_SPECULATIVE__MAX_DRAFT": "2"},
+                              overrides={"plugins": {"spec_decode": {"max_draft": 4}}}, aliases=aliases)
+    for resolved in (old_in_env, new_in_env):
+        assert resolved.config.speculative.max_draft == 4  # the override wins whichever name it uses
+        assert resolved.config.plugins["spec_decode"]["max_draft"] == 4
+        assert resolved.sources["speculative.max_draft"] == "override"
+    env_only = build_config(environ={"DEEPINFER_PLUGINS__SPEC_DECODE__MAX_DRAFT": "2"}, aliases=aliases)
+    assert env_only.config.speculative.max_draft == 2 and env_only.sources["speculative.max_draft"] == "environment"
+    untouched = build_config(environ={}, aliases=aliases).config
+    assert untouched.speculative.max_draft == 5 and "spec_decode" not in untouched.plugins  # nothing created
+    conflict = r"config dict: plugins\.spec_decode\.max_draft=3 and speculative\.max_draft=1"
+    with pytest.raises(ConfigError, match=conflict):
+        build_config(config={"plugins": {"spec_decode": {"max_draft": 3}}, "speculative": {"max_draft": 1}},
+                     environ={}, aliases=aliases)
+    # DEEPINFER_ENABLE_MTP_VARLEN's 1/0 is the core plan field's varlen/fixed.
+    assert build_config(overrides={"speculative": {"plan": 0}}, environ={}).config.speculative.plan == "fixed"

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from deepinfer.errors import ModelNotFoundError
 from deepinfer.model import gguf_convert
 from deepinfer.model.assets import MODEL_ALIASES, WheelPiece, cache_dir, fetch_gguf, resolve_model_path
+from deepinfer.model.gguf_convert.llama import undo_rope_permutation
 
 ALIAS = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
@@ -267,7 +268,7 @@ def _llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
 @pytest.mark.parametrize("n_head", [1, 3, 9])
 def test_undo_rope_permutation_inverts_llama_cpp(n_head: int) -> None:
     weight = np.random.default_rng(0).standard_normal((n_head * 8, 5)).astype(np.float32)
-    restored = gguf_convert._undo_rope_permutation(_llama_cpp_permute(weight, n_head), n_head)
+    restored = undo_rope_permutation(_llama_cpp_permute(weight, n_head), n_head)
     assert np.array_equal(restored, weight)
 
 

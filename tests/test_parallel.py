@@ -20,6 +20,7 @@ import torch
 from tiny_deepseek import VOCAB, save_tiny_v3
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.intake import RequestIntake
 from deepinfer.engine.request import Request
 
 pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("one_torch_thread")]
@@ -150,6 +151,39 @@ def test_a_bad_request_fails_alone(single, ep2):
     assert done[doomed.request_id].outputs[0].finish_reason == "abort"
     assert [done[r.request_id].outputs[0].token_ids for r in good] == ref[:3]
     assert _tokens(ep2) == ref  # still serving
+
+
+def test_the_driver_and_one_engine_validate_through_one_intake(single, ep2):
+    """A bad request gets the same ``ValueError`` from the expert-parallel driver as from one engine:
+    both check it with a ``RequestIntake`` (engine/intake.py) over the same model facts."""
+    one, two = single[0].engine, ep2.engine
+    assert type(one.intake) is type(two.intake) is RequestIntake
+    assert (one.intake.vocab_size, one.intake.max_model_len) == (two.intake.vocab_size, two.intake.max_model_len)
+    gen = torch.Generator().manual_seed(23)
+    too_long = torch.randint(3, VOCAB, (one.max_model_len,), generator=gen).tolist()
+    bad = [([], PARAMS), ([5, VOCAB + int(torch.randint(0, 50, (1,), generator=gen))], PARAMS),
+           ([5, True], PARAMS), (too_long, PARAMS),
+           ([5, 6], SamplingParams(max_tokens=4, stop_token_ids=[VOCAB + 3])),
+           ([5, 6], SamplingParams(max_tokens=4, logit_bias={VOCAB: 1.0}))]
+    for prompt, params in bad:
+        errors = []
+        for engine in (one, two):
+            before = engine.intake.count
+            with pytest.raises(ValueError) as caught:
+                engine.make_request(prompt, params)
+            assert engine.intake.count == before  # a refused request takes no number
+            errors.append(str(caught.value))
+        assert errors[0] == errors[1], (prompt, params)
+    # Good requests are numbered and seeded by the same rule: the same count gives the same id and seed.
+    offset = one.intake.count - two.intake.count
+    if offset > 0:
+        for _ in range(offset):
+            two.make_request([5], PARAMS)
+    else:
+        for _ in range(-offset):
+            one.make_request([5], PARAMS)
+    a, b = one.make_request(PROMPTS[1], PARAMS), two.make_request(PROMPTS[1], PARAMS)
+    assert (a.request_id, a.seed, a.max_total_tokens) == (b.request_id, b.seed, b.max_total_tokens)
 
 
 def test_eplb_rebalancing_mid_run_keeps_tokens_and_weights_then_shutdown(single, tiny_v3):

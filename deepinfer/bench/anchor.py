@@ -36,7 +36,7 @@ def run_anchor(llm: Any, batches: Sequence[int], *, repeats: int = 3, prompt_len
 
     if repeats < 1 or prompt_len < 1 or decode_tokens < 1 or not batches or min(batches) < 1:
         raise ValueError("the decode anchor needs batches >= 1, repeats >= 1, prompt_len >= 1, decode_tokens >= 1")
-    vocab = llm.engine.model.vocab_size
+    vocab = llm.engine.intake.vocab_size
     calls = [seed]
 
     def timed(batch: int, max_tokens: int) -> float:

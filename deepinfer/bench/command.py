@@ -150,7 +150,7 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
     progress = not args.no_progress
     llm = build_llm(model, args.config, overrides)
     engine = llm.engine
-    vocab = engine.model.vocab_size
+    vocab = engine.intake.vocab_size
     work = materialize(build_workload(spec, vocab), engine.tokenizer)
     model_path, device, dtype = engine.model_path, engine.device, str(engine.dtype).removeprefix("torch.")
     del engine  # each sweep point gets a fresh engine: nothing may keep the previous one's cache alive

@@ -161,7 +161,7 @@ def measure(model: str, work: Work, *, config: Any = None, overrides: Mapping[st
     shut down. Returns (run, output ids, effective config)."""
     llm = llm if llm is not None else build_llm(model, config, overrides)
     try:
-        vocab = llm.engine.model.vocab_size
+        vocab = llm.engine.intake.vocab_size
         run_engine(llm, warmup_workload(vocab), progress=False)
         run, ids = run_engine(llm, work, concurrency=concurrency, temperature=temperature, seed=seed,
                               progress=progress, desc=desc)

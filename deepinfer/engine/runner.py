@@ -97,23 +97,23 @@ class ModelRunner:
     """Runs scheduled batches through one model on one device."""
 
     def __init__(self, model: CausalLM, backends: Mapping[str, object], block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, *, graphs: DecodeGraphs | None = None, stateful: bool = False,
+                 keep_hidden: bool = False, hidden_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.backends = backends
         self.block_size = block_size
         self.device = device
-        # Set by the engine for models with per-request state (kv/state.py): the contexts then carry each
-        # row's state slot and write floor (the positions below which its blocks are shared: exact replay
-        # must not rewrite them).
-        self.stateful = False
-        # Set by the engine when the drafter reads the main model's rows (MTP): results keep ``hidden``.
-        self.keep_hidden = False
-        # Set by the engine when decode-shaped steps replay CUDA graphs (engine/graphs.py).
-        self.graphs: DecodeGraphs | None = None
+        # Models with per-request state (kv/state.py): the contexts then carry each row's state slot and
+        # write floor (the positions below which its blocks are shared: exact replay must not rewrite them).
+        self.stateful = stateful
+        # The drafter reads the main model's rows (MTP, dspark): results keep ``hidden``.
+        self.keep_hidden = keep_hidden
+        # Decode-shaped steps replay these CUDA graphs (engine/graphs.py) when given.
+        self.graphs = graphs
         self._last_ready: torch.cuda.Event | None = None  # the previous step's end, for device_span
-        # Set with ``keep_hidden`` when the drafter reads chosen layers' features (dspark, the model's
+        # With ``keep_hidden``, when the drafter reads chosen layers' features (dspark, the model's
         # ``capture_hidden``): the kept ``hidden`` is then those layers' inputs, concatenated in this order.
-        self.hidden_layers: tuple[int, ...] = ()
+        self.hidden_layers = hidden_layers
         # Device-side token counts and biases of requests that process logits, built by the first such one.
         self.penalties: PenaltyState | None = None
 

@@ -145,7 +145,7 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, policy: SchedulePolicy, *, max_num_seqs: int,
                  max_num_batched_tokens: int, chunked_prefill: bool,
-                 draft_planner: DraftPlanner | None = None) -> None:
+                 draft_planner: DraftPlanner | None = None, replay: ReplayStart | None = None) -> None:
         self.kv = kv
         self.policy = policy
         self.draft_planner = draft_planner
@@ -155,8 +155,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
-        # Set by the engine: the replay planner's restore and prefill truncation (ReplayStart).
-        self.replay: ReplayStart | None = None
+        # The replay planner's restore and prefill truncation (ReplayStart); None: nothing is replayed.
+        self.replay = replay
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)

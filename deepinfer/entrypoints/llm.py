@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.intake import RequestIntake
 from deepinfer.engine.request import Request
 from deepinfer.engine.teacher import TeacherForcing, teacher_force
 from deepinfer.errors import DeepInferError
@@ -20,12 +21,6 @@ from deepinfer.sampling.params import SamplingParams
 
 Prompt = str | list[int]
 Message = Mapping[str, Any]
-
-
-class ModelFacts(Protocol):
-    """What callers of an ``Engine`` read of its model (a ``ParallelEngine`` holds only this)."""
-
-    vocab_size: int
 
 
 class Engine(Protocol):
@@ -38,7 +33,7 @@ class Engine(Protocol):
     model_path: Path
     max_model_len: int
     config: EngineConfig
-    model: ModelFacts
+    intake: RequestIntake  # the model's facts requests are checked against (vocab_size, max_model_len)
     device: torch.device
     dtype: torch.dtype
     stream: bool

@@ -4,8 +4,8 @@ The driver is not a rank. It starts N rank processes as fresh interpreters
 (``python -m deepinfer.parallel.worker``, never a re-import of the caller's script), hosts the
 ``TCPStore`` they meet through (bound to a free port by the OS, so every ``LLM`` has its own) and a
 command connection to each (``multiprocessing.connection``, authenticated with a random key). It
-validates and numbers requests exactly like a single engine (``LLMEngine.make_request`` runs on this
-object), routes each one to a rank with the configured ``RequestRouter``, and drives the ranks in
+validates and numbers requests exactly like a single engine (a ``RequestIntake``, engine/intake.py,
+over the facts rank 0 reports), routes each one to a rank with the configured ``RequestRouter``, and drives the ranks in
 lock-step: one ``step()`` sends every rank its new requests and aborts and collects every rank's
 finished outputs and, with ``stream`` on (``AsyncLLM`` sets it), the tokens each unfinished request
 committed, from which the driver builds the cumulative outputs a single engine streams. Ranks are
@@ -33,16 +33,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepinfer.config import EngineConfig, build_config
-from deepinfer.engine.engine import LLMEngine
+from deepinfer.config import EngineConfig
+from deepinfer.engine.intake import RequestIntake, load_tokenizer
 from deepinfer.engine.request import Request
+from deepinfer.engine.startup import resolve_config
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import RankLoad, RequestRouter
 from deepinfer.model.assets import resolve_model_path
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.messages import StepReply, TokenDelta
 from deepinfer.parallel.sizes import parallel_sizes
-from deepinfer.plugins import PluginHost, config_aliases, discover_plugins
+from deepinfer.plugins import PluginHost
+from deepinfer.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +96,6 @@ class _RankGroup:
         self.store = None
 
 
-@dataclass
-class _ModelFacts:
-    """The model facts ``LLMEngine.make_request`` reads (``model.vocab_size``), reported by rank 0."""
-
-    vocab_size: int
-
-
 class ParallelEngine:
     """Routes requests over N rank processes that run DP attention and EP MoE in lock-step.
 
@@ -108,30 +103,9 @@ class ParallelEngine:
     ``stream`` on, ``step()`` also returns an output for every unfinished request that got tokens.
     """
 
-    # The single engine's request validation and numbering, reused as is: it reads ``tokenizer``,
-    # ``model_path``, ``model.vocab_size``, ``max_model_len``, ``eos_token_ids``, ``config`` and
-    # ``_counter``, which this class holds with the same meaning. A structured request is checked here
-    # as in one process (a tokenizer, xgrammar installed) but its grammar compiles on the rank that runs
-    # it, where its matcher lives (``LLMEngine.add``): a schema that does not compile finishes its
-    # request alone there, with the single process's error, and routing stays independent of compile
-    # times (which ``torchrun`` processes could not agree on).
-    make_request = LLMEngine.make_request
-    _check_structured = LLMEngine._check_structured
-    _load_tokenizer = LLMEngine._load_tokenizer
-
-    @staticmethod
-    def _prefill_truncation(request: Any) -> None:
-        """The replay planners live in the ranks: the driver does not refuse prompt logprobs under YoCo
-        prefill truncation (docs/status.md)."""
-        return None
-
     def __init__(self, model: str | None = None, *, config: Any = None,
                  overrides: Mapping[str, Any] | None = None) -> None:
-        installed = discover_plugins()
-        tree = dict(overrides or {})
-        if model is not None:
-            tree.setdefault("model", {})["path"] = model
-        resolved = build_config(config=config, overrides=tree, aliases=config_aliases(installed))
+        resolved, installed = resolve_config(model, config, overrides)
         self.config: EngineConfig = resolved.config
         self.config_sources = resolved.sources
         self.world, self.expert_parallel_size = parallel_sizes(self.config.parallel)
@@ -142,8 +116,7 @@ class ParallelEngine:
         self.router: RequestRouter = self.host.select("deepinfer_request_routers", self.config.parallel.router,
                                                       "parallel.router")
         self.model_path = resolve_model_path(self.config.model.path)
-        self.tokenizer = self._load_tokenizer()
-        self._counter = 0
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer, self.model_path)  # refused before ranks start
         self._group = _RankGroup()
         self._finalizer = weakref.finalize(self, _RankGroup.close, self._group)
         self._inbox: list[list[Request]] = [[] for _ in range(self.world)]
@@ -159,11 +132,20 @@ class ParallelEngine:
             self._finalizer()
             raise
         info = infos[0]
-        self.model = _ModelFacts(int(info["vocab_size"]))
         self.max_model_len = int(info["max_model_len"])
         self.eos_token_ids = frozenset(info["eos_token_ids"])
         self.device, self.dtype = torch.device(info["device"]), info["dtype"]  # rank 0's, as reports need
         self.rank_info = infos
+        # Requests are validated and numbered here exactly as a single engine does, against rank 0's
+        # facts. A structured request is checked here as in one process (a tokenizer, xgrammar installed)
+        # but its grammar compiles on the rank that runs it, where its matcher lives (``LLMEngine.add``):
+        # a schema that does not compile finishes its request alone there, with the single process's
+        # error, and routing stays independent of compile times (which ``torchrun`` processes could not
+        # agree on). The replay planners live in the ranks: prompt logprobs are not refused here under
+        # YoCo prefill truncation (docs/status.md).
+        self.intake = RequestIntake(self.tokenizer, self.model_path, vocab_size=int(info["vocab_size"]),
+                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                                    seed=self.config.sampling.seed)
 
     # ---------------------------------------------------------------------------------------- start-up
 
@@ -250,6 +232,11 @@ class ParallelEngine:
         return [self._recv(r) for r in range(self.world)]
 
     # ---------------------------------------------------------------------------------------- requests
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, *, text: str | None = None) -> Request:
+        """Validate, number and seed one request as a single engine would (``RequestIntake``); raises
+        ``ValueError`` naming the problem. Nothing is routed yet."""
+        return self.intake.make_request(prompt, params, text=text)
 
     def add(self, request: Request) -> None:
         """Route ``request`` to a rank; it is sent with the next ``step()``."""

@@ -15,8 +15,6 @@ from deepinfer.errors import ConfigError
 from deepinfer.interfaces import PlacementPolicy
 from deepinfer.parallel.placement import ExpertShard
 
-DEFAULT_PLACEMENT_POLICY = "greedy_multistep"  # API.md §1: plugins.eplb.policy's default
-
 _current_rank: int | None = None
 
 
@@ -43,8 +41,9 @@ def set_current_rank(rank: int) -> None:
 
 @dataclass(frozen=True)
 class RankExperts:
-    """A rank's start-up expert facts: the experts it loads and ``plugins.eplb``'s placement policy
-    (None when the plugin is not enabled: the initial placement then stays), resolved once."""
+    """A rank's start-up expert facts: the experts it loads and the placement policy
+    ``parallel.placement_policy`` names (None when no enabled plugin offers placement policies, e.g.
+    ``plugins.eplb`` is off: the initial placement then stays), resolved once."""
 
     shard: ExpertShard
     policy: PlacementPolicy | None
@@ -58,9 +57,8 @@ def rank_experts(config: Any, host: Any) -> RankExperts | None:
     if ep <= 1 or _current_rank is None:
         return None
     policy, name = None, ""
-    section = config.plugins.get("eplb", {})
-    if section.get("enabled", False):
-        name = section.get("policy", DEFAULT_PLACEMENT_POLICY)
-        policy = host.select("deepinfer_placement_policies", name, "plugins.eplb.policy")
+    if host.named_offers("deepinfer_placement_policies"):
+        name = config.parallel.placement_policy
+        policy = host.select("deepinfer_placement_policies", name, "parallel.placement_policy")
     redundant = int(policy.num_redundant_experts) if policy is not None else 0
     return RankExperts(ExpertShard(_current_rank, world, redundant), policy, name)

@@ -31,7 +31,10 @@ class Plugin:
     def deepinfer_config_aliases() -> dict[str, str]:
         return {"DEEPINFER_EXPERT_REARRANGEMENT_STEP_INTERVAL": "plugins.eplb.interval",
                 "DEEPINFER_EXPERT_COUNT_WINDOW_SIZE": "plugins.eplb.window",
-                "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "plugins.eplb.num_redundant_experts"}
+                "DEEPINFER_OVERRIDE_NUM_EXTRA_EXPERTS": "plugins.eplb.num_redundant_experts",
+                # The policy is the core's parallel.placement_policy (resolved before plugins are built,
+                # for the rank's expert shard); the old key stays accepted and mirrors it.
+                "plugins.eplb.policy": "parallel.placement_policy"}
 
     @hookimpl
     def deepinfer_placement_policies(self) -> dict[str, Any]:

@@ -16,7 +16,11 @@ from deepinfer_eplb.schedule import RebalanceSchedule
 from pydantic import ValidationError
 
 from deepinfer.config import build_config
+from deepinfer.errors import ConfigError
 from deepinfer.interfaces import Topology
+from deepinfer.parallel import sizes
+from deepinfer.parallel.sizes import rank_experts
+from deepinfer.plugins import PluginHost, discover_plugins
 
 # Measured on the 60 random cases of test_objective_is_close_to_the_brute_force_optimum (3 steps;
 # 4 experts on 2 ranks × 3 slots, 3 on 3 × 2, 5 on 2 × 3): greedy_multistep worst 1.317× the optimum
@@ -200,3 +204,26 @@ def test_policy_counts_its_work():
     assert stats["placements_computed"] == 1 and stats["policy_compute_seconds"] > 0
     with pytest.raises(ValueError, match="steps, layers, logical"):
         policy.place(torch.ones(3, 8), Topology(ranks=2, slots_per_rank=4))
+
+
+def test_the_policy_is_a_core_field_and_the_old_key_an_alias(monkeypatch):
+    """``parallel.placement_policy`` names the policy; ``plugins.eplb.policy`` still sets it (and mirrors
+    it); the core picks it only when an enabled plugin offers placement policies."""
+    aliases = Plugin.deepinfer_config_aliases()
+    old = build_config(overrides={"parallel": {"expert_parallel_size": 2},
+                                  "plugins": {"eplb": {"enabled": True, "policy": "deepseek"}}},
+                       environ={}, aliases=aliases).config
+    new = build_config(overrides={"parallel": {"expert_parallel_size": 2, "placement_policy": "deepseek"},
+                                  "plugins": {"eplb": {"enabled": True}}}, environ={}, aliases=aliases).config
+    assert old == new and new.parallel.placement_policy == new.plugins["eplb"]["policy"] == "deepseek"
+    with pytest.raises(ConfigError, match=r"plugins\.eplb\.policy='deepseek' and parallel\.placement_policy"):
+        build_config(overrides={"parallel": {"placement_policy": "greedy_multistep"},
+                                "plugins": {"eplb": {"enabled": True, "policy": "deepseek"}}},
+                     environ={}, aliases=aliases)
+    monkeypatch.setattr(sizes, "_current_rank", 0)  # as inside rank 0 of an expert-parallel run
+    experts = rank_experts(new, PluginHost(new.plugins, discover_plugins()))
+    assert experts is not None and experts.policy_name == "deepseek" and experts.policy.name == "deepseek"
+    off = build_config(overrides={"parallel": {"expert_parallel_size": 2, "placement_policy": "deepseek"}},
+                       environ={}, aliases=aliases).config
+    experts = rank_experts(off, PluginHost(off.plugins, discover_plugins()))
+    assert experts is not None and experts.policy is None  # no plugin offers policies: the placement stays

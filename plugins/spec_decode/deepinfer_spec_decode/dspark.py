@@ -45,7 +45,9 @@ prefix; ``H`` the main model's hidden size, ``L`` the number of target layers, `
 size, ``r`` the Markov rank, ``V`` the vocabulary or ``Vd`` the draft vocabulary):
 ``main_proj.weight [H, H·L]``, ``main_norm.weight [H]``, per block ``b``: ``layers.{b}.attn_norm.weight
 [H]``, ``layers.{b}.qkv.weight [3H, H]`` (q, k, v stacked), ``layers.{b}.ctx_kv.weight [2H, H]`` (the
-context rows' k, v stacked), ``layers.{b}.o.weight [H, H]``,
+context rows' k, v stacked; optional: without it the context rows go through the layer's ``attn_norm``
+and the k, v rows of ``qkv``, the layout of drafters trained before the context window, which behave as
+they did with ``dspark_context_window: 1``), ``layers.{b}.o.weight [H, H]``,
 ``layers.{b}.mlp_norm.weight [H]``, ``layers.{b}.gate_up.weight [2I, H]`` (gate, up stacked),
 ``layers.{b}.down.weight [H, I]``; ``norm.weight [H]``, ``markov_head.embed.weight [V, r]`` (``[Vd + 1,
 r]`` with a draft vocabulary), ``markov_head.head.weight [V or Vd, r]``, ``confidence_head.proj.weight
@@ -109,12 +111,13 @@ class DSparkBlock(nn.Module):
     SwiGLU MLP. The context's keys and values are the layer's own projection (``ctx_kv``) of the
     projected target features, RoPE'd at their positions (``context_kv``)."""
 
-    def __init__(self, hidden: int, heads: int, intermediate: int, **kw: Any) -> None:
+    def __init__(self, hidden: int, heads: int, intermediate: int, *, separate_context: bool = True,
+                 **kw: Any) -> None:
         super().__init__()
         self.heads = heads
         self.attn_norm = RMSNorm(hidden, EPS, **kw)
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False, **kw)
-        self.ctx_kv = nn.Linear(hidden, 2 * hidden, bias=False, **kw)
+        self.ctx_kv = nn.Linear(hidden, 2 * hidden, bias=False, **kw) if separate_context else None
         self.o = nn.Linear(hidden, hidden, bias=False, **kw)
         self.mlp_norm = RMSNorm(hidden, EPS, **kw)
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False, **kw)
@@ -126,8 +129,11 @@ class DSparkBlock(nn.Module):
 
     def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``context [N, H]`` projected target rows at ``positions [N]`` → their keys (RoPE'd) and values
-        ``[N, 2, H]``."""
-        key, value = self.ctx_kv(context).chunk(2, dim=-1)
+        ``[N, 2, H]`` (through ``ctx_kv``, or without it the block rows' ``attn_norm`` and ``qkv``)."""
+        if self.ctx_kv is None:
+            key, value = self.qkv(self.attn_norm(context)).chunk(3, dim=-1)[1:]
+        else:
+            key, value = self.ctx_kv(context).chunk(2, dim=-1)
         key = rope(self.heads_of(key.unsqueeze(0)), positions)[0].transpose(0, 1).flatten(-2)
         return torch.stack([key, value], dim=1)
 
@@ -169,13 +175,14 @@ class DSparkNetwork(nn.Module):
 
     def __init__(self, hidden: int, num_targets: int, vocab: int, *, num_layers: int, heads: int,
                  intermediate: int, markov_rank: int, dtype: torch.dtype, device: torch.device,
-                 draft_vocab_size: int | None = None) -> None:
+                 draft_vocab_size: int | None = None, separate_context: bool = True) -> None:
         super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.vocab = vocab
         self.main_proj = nn.Linear(hidden * num_targets, hidden, bias=False, **kw)
         self.main_norm = RMSNorm(hidden, EPS, **kw)
-        self.layers = nn.ModuleList(DSparkBlock(hidden, heads, intermediate, **kw) for _ in range(num_layers))
+        self.layers = nn.ModuleList(DSparkBlock(hidden, heads, intermediate, separate_context=separate_context, **kw)
+                                    for _ in range(num_layers))
         self.norm = RMSNorm(hidden, EPS, **kw)
         reduced = draft_vocab_size is not None
         self.markov_head = MarkovHead(draft_vocab_size or vocab, markov_rank, extra_rows=int(reduced), **kw)
@@ -361,10 +368,11 @@ def check_config(config: SpecDecodeConfig, info: EngineInfo) -> None:
                           f"({info.vocab_size})")
 
 
-def build_network(model: Any, config: SpecDecodeConfig, num_targets: int,
-                  draft_vocab_size: int | None = None) -> DSparkNetwork:
+def build_network(model: Any, config: SpecDecodeConfig, num_targets: int, draft_vocab_size: int | None = None,
+                  separate_context: bool = True) -> DSparkNetwork:
     """An unfilled network sized for ``model`` (its hidden size, vocabulary, dtype and device), proposing
-    from a draft vocabulary of ``draft_vocab_size`` tokens (None: the whole vocabulary)."""
+    from a draft vocabulary of ``draft_vocab_size`` tokens (None: the whole vocabulary), with each layer's
+    own context projection ``ctx_kv`` unless ``separate_context`` is false."""
     weight = model.embed_tokens.weight
     hidden = weight.shape[1]
     heads = config.dspark_num_heads
@@ -374,7 +382,7 @@ def build_network(model: Any, config: SpecDecodeConfig, num_targets: int,
     return DSparkNetwork(hidden, num_targets, model.vocab_size, num_layers=config.dspark_num_layers, heads=heads,
                          intermediate=config.dspark_intermediate_size or 2 * hidden,
                          markov_rank=config.dspark_markov_rank, dtype=weight.dtype, device=weight.device,
-                         draft_vocab_size=draft_vocab_size)
+                         draft_vocab_size=draft_vocab_size, separate_context=separate_context)
 
 
 def _read_file(path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
@@ -432,7 +440,8 @@ def build_dspark(model: Any, info: EngineInfo, config: SpecDecodeConfig,
     else:
         state = _read_file(source, model.embed_tokens.weight.device)
         d2t = state.get("d2t")
-        network = build_network(model, config, len(layers), None if d2t is None else int(d2t.shape[0]))
+        separate = any(name.endswith(".ctx_kv.weight") for name in state)  # files trained before the window lack it
+        network = build_network(model, config, len(layers), None if d2t is None else int(d2t.shape[0]), separate)
         load_weights(network, source, state)
     network.eval()
     try:

@@ -30,12 +30,18 @@ class Plugin:
         self.stats = SpecStats(config.max_draft)
 
     @staticmethod
-    def deepinfer_config_aliases() -> dict[str, str]:
-        # The reference's knobs: USE_NEXTN_DECODE=k alone speculates k drafts with its default (fixed) plan.
-        implied = {"plugins.spec_decode.enabled": True, "plugins.spec_decode.plan": "fixed"}
-        return {"DEEPINFER_USE_NEXTN_DECODE": ("plugins.spec_decode.max_draft", implied),
-                "DEEPINFER_ENABLE_MTP_VARLEN": "plugins.spec_decode.plan",
-                "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE": "plugins.spec_decode.dspark_confidence_temperature"}
+    def deepinfer_config_aliases() -> dict[str, Any]:
+        # The drafter, plan and draft count are the core's ``speculative`` section (the engine sizes its
+        # rollback reserve from them before plugins are built); this section's old keys stay accepted and
+        # mirror the core's values (``config.build_config``).
+        # The reference's DEEPINFER_USE_NEXTN_DECODE=k alone speculates k drafts with its default (fixed) plan.
+        implied = {"plugins.spec_decode.enabled": True, "speculative.plan": "fixed"}
+        return {"DEEPINFER_USE_NEXTN_DECODE": ("speculative.max_draft", implied),
+                "DEEPINFER_ENABLE_MTP_VARLEN": "speculative.plan",
+                "DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE": "plugins.spec_decode.dspark_confidence_temperature",
+                "plugins.spec_decode.drafter": "speculative.drafter",
+                "plugins.spec_decode.plan": "speculative.plan",
+                "plugins.spec_decode.max_draft": "speculative.max_draft"}
 
     @staticmethod
     def deepinfer_drafter_trainers() -> dict[str, Any]:

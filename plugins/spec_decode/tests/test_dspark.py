@@ -12,6 +12,7 @@ import torch
 from abort_drills import assert_preempted_then_aborts_free_every_block
 from deepinfer_spec_decode.config import SpecDecodeConfig
 from deepinfer_spec_decode.dspark import DSparkDrafter, DSparkNetwork, draft_block, save_weights
+from safetensors.torch import load_file, save_file
 from test_deepseek_v3 import CONFIGS as DEEPSEEK_CONFIGS
 from test_deepseek_v3 import _build as build_deepseek
 from tiny_models import save_tiny
@@ -188,6 +189,20 @@ def test_weights_round_trip_through_the_safetensors_layout(llama_dir, tmp_path):
     assert any(not torch.equal(a.confidence, c.confidence) for a, c in zip(saved, fresh, strict=True))
     with pytest.raises(ConfigError, match="dspark_weights"):  # a file for another shape is refused
         _llm(llama_dir, _spec(dspark_weights=str(path), dspark_markov_rank=8))
+    # A file without ctx_kv (drafters trained before the context window): the context rows' keys and values
+    # come from the layer's attn_norm and qkv, and it loads and drafts losslessly.
+    state = {n: t for n, t in load_file(str(path)).items() if ".ctx_kv." not in n}
+    old = tmp_path / "shared.safetensors"
+    save_file(state, str(old))
+    out_c, shared, llm_c = drafts(seed=7, spec={"dspark_weights": str(old), "dspark_context_window": 1})
+    network = _dspark(llm_c).network
+    assert out_c == out_a and shared and all(layer.ctx_kv is None for layer in network.layers)
+    c = torch.randn(3, network.main_norm.weight.shape[0])
+    layer = network.layers[0]
+    _, k, v = layer.qkv(layer.attn_norm(c)).chunk(3, dim=-1)
+    kv = layer.context_kv(c, torch.zeros(3, dtype=torch.long))  # position 0: RoPE leaves the keys as they are
+    torch.testing.assert_close(kv[:, 0], k)
+    torch.testing.assert_close(kv[:, 1], v)
 
 
 def _hand_made_network(draft_vocab_size: int | None = None) -> DSparkNetwork:

@@ -11,7 +11,7 @@ from abort_drills import assert_preempted_then_aborts_free_every_block
 from spec_setup import repeating_prompts, spec_plugins, write_oracle_file
 from test_deepseek_v3 import CONFIGS as DEEPSEEK_CONFIGS
 from test_deepseek_v3 import _build as build_deepseek
-from tiny_models import TINY, save_tiny
+from tiny_models import BASE, TINY, save_tiny
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
@@ -134,10 +134,35 @@ def test_bad_settings_fail_at_start_up_naming_the_field(tmp_path):
     folder = save_tiny("llama", tmp_path / "m")[1]
     with pytest.raises(ConfigError, match="ngram_min"):
         LLM(folder, plugins={"spec_decode": {"enabled": True, "ngram_min": 5, "ngram_max": 2}})
-    with pytest.raises(ConfigError, match=r"plugins\.spec_decode\.plan.*nope"):
+    with pytest.raises(ConfigError, match=r"speculative\.plan.*nope"):
         LLM(folder, plugins={"spec_decode": {"enabled": True, "plan": "nope"}})
     with pytest.raises(ConfigError, match="max_backtrack"):
         LLM(folder, plugins={"spec_decode": {"enabled": True}}, cache={"max_backtrack": 2})
+
+
+def test_the_old_plugin_keys_and_the_speculative_section_give_identical_engines(tmp_path):
+    """``plugins.spec_decode.{drafter,plan,max_draft}`` are aliases of ``speculative.*``: the same config,
+    settings, engine info and tokens either way; the plugin's own section mirrors the core's values."""
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    gen = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(3, BASE["vocab_size"], (4,), generator=gen).tolist() * 3 for _ in range(3)]
+    params = SamplingParams(temperature=0.7, max_tokens=10, seed=5, ignore_eos=True)
+    chosen = {"drafter": "ngram", "plan": "fixed", "max_draft": 3}
+    old_ids, old = _generate(folder, prompts, params, plugins={"spec_decode": {"enabled": True, **chosen}})
+    new_ids, new = _generate(folder, prompts, params, plugins={"spec_decode": {"enabled": True}}, speculative=chosen)
+    try:
+        assert old.engine.config == new.engine.config
+        assert old.engine.config.plugins["spec_decode"] == {"enabled": True, **chosen}
+        assert old.engine.spec_settings == new.engine.spec_settings
+        assert (new.engine.spec_settings.drafter, new.engine.spec_settings.max_draft) == ("ngram", 3)
+        assert old.engine.info == new.engine.info and new.engine.info.layout.max_backtrack == 4
+        assert old_ids == new_ids
+    finally:
+        old.shutdown()
+        new.shutdown()
+    # One source setting both names differently is refused, naming both.
+    with pytest.raises(ConfigError, match=r"plugins\.spec_decode\.max_draft=2 and speculative\.max_draft=3"):
+        LLM(folder, plugins={"spec_decode": {"enabled": True, "max_draft": 2}}, speculative={"max_draft": 3})
 
 
 def test_reference_knobs_map_onto_the_plugin(tmp_path, monkeypatch):

@@ -1,0 +1,416 @@
+"""Engine start-up: everything ``LLMEngine`` runs on, built in order from a validated config.
+
+``StartUp(config, host)`` resolves the device and dtype, builds the model skeleton, resolves the
+speculative settings and ``EngineInfo`` (plugins check the config against it), selects the backends,
+loads the weights, sizes and allocates the KV cache, captures the CUDA graphs, builds the drafter,
+the runner, the step-cost curve, the speculator and the scheduler — each part given what it needs when
+it is constructed — and the ``RequestIntake``. ``LLMEngine`` then adds the step loop's core and
+executor. ``resolve_config`` is the config set-up that every engine (single, parallel, torchrun) runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer.config import EngineConfig, ResolvedConfig, build_config
+from deepinfer.engine.cost import CurveCache, StepCost, time_call
+from deepinfer.engine.graphs import DecodeGraphs
+from deepinfer.engine.intake import RequestIntake, load_tokenizer
+from deepinfer.engine.runner import ModelRunner
+from deepinfer.engine.scheduler import ReplayStart, Scheduler
+from deepinfer.engine.speculation import DraftCache, Speculator
+from deepinfer.errors import ConfigError, ModelLoadError
+from deepinfer.interfaces import CacheLayout, EngineInfo, RunRequirements
+from deepinfer.kv.blocks import KVCacheManager
+from deepinfer.kv.fp8 import kv_storage_dtype
+from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_kv_dtype, num_blocks_for, state_bytes
+from deepinfer.kv.state import has_state, num_state_slots_for
+from deepinfer.model.assets import resolve_model_path
+from deepinfer.model.layers.norm import BATCH_INVARIANT_CUDA_ROWS, RMSNorm
+from deepinfer.model.loader import LoadReport, init_dummy, load_checkpoint, read_hf_config
+from deepinfer.model.registry import resolve_architecture
+from deepinfer.parallel.sizes import current_rank, parallel_sizes, rank_experts
+from deepinfer.plugins import InstalledPlugin, PluginHost, config_aliases, discover_plugins
+from deepinfer.tokenizer import eos_token_ids
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_DEFAULT_KV_BYTES = 2 << 30
+
+
+def resolve_config(model: str | None, config: Any, overrides: Mapping[str, Any] | None
+                   ) -> tuple[ResolvedConfig, dict[str, InstalledPlugin]]:
+    """The layered config of an engine (``model`` sets ``model.path``) with every installed plugin's
+    aliases, and the installed plugins (for the ``PluginHost``)."""
+    installed = discover_plugins()
+    tree = dict(overrides or {})
+    if model is not None:
+        tree.setdefault("model", {})["path"] = model
+    return build_config(config=config, overrides=tree, aliases=config_aliases(installed)), installed
+
+
+def resolve_device(name: str) -> torch.device:
+    """``model.device``: ``auto`` is CUDA when torch sees a device, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model.device: 'cuda' was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``model.dtype``: ``auto`` is float32 on the CPU and bfloat16 on a GPU."""
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class SpecSettings:
+    """The resolved ``speculative`` section: drafter and plan names, most drafts per step."""
+
+    drafter: str
+    plan: str
+    max_draft: int
+
+
+class StartUp:
+    """Builds, in order, the parts of one ``LLMEngine`` (see the module docstring); each is an attribute
+    named as the engine names it. Raises ``ConfigError``/``ModelLoadError`` naming what is wrong."""
+
+    def __init__(self, config: EngineConfig, host: PluginHost) -> None:
+        self.config = cfg = config
+        self.host = host
+        host.check_kv_store(cfg.cache.kv_store)
+        # Several ranks are the business of ``LLM`` (deepinfer.parallel): inside a rank process this
+        # engine is that rank's; anywhere else a world size > 1 must not silently run on one process.
+        self.world_size, _ = parallel_sizes(cfg.parallel)
+        if self.world_size > 1 and current_rank() is None:
+            raise ConfigError(f"parallel: {self.world_size} ranks are started by deepinfer.LLM only; this entry "
+                              "point runs one process (set parallel.expert_parallel_size and data_parallel_size to 1)")
+        self.model_path = resolve_model_path(cfg.model.path)
+        self.hf_config = read_hf_config(self.model_path)
+        self.device = resolve_device(cfg.model.device)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer, self.model_path)
+        self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
+        self.max_model_len = cfg.model.max_model_len or int(self.hf_config.get("max_position_embeddings", 8192))
+        self.rank_experts = rank_experts(cfg, host)
+        self.model = self._build_model()
+        specs = self.model.cache_specs()
+        self.spec_settings = self._spec_settings()
+        max_draft = self.spec_settings.max_draft if self.spec_settings else 0
+        self.max_backtrack = max_draft + 1 if cfg.cache.max_backtrack == "auto" else int(cfg.cache.max_backtrack)
+        # Models with per-request state (DeepSeek-V4 rings, kv/state.py) get one state slot per request.
+        self.num_state_slots = (num_state_slots_for(cfg.scheduler.max_num_seqs)
+                                if any(has_state(s) for s in specs) else 0)
+        self.info = EngineInfo(
+            architecture=self.hf_config["architectures"][0], num_layers=len(specs),
+            vocab_size=self.model.vocab_size, max_model_len=self.max_model_len,
+            layout=CacheLayout(tuple(s.info() for s in specs), cfg.cache.block_size, self.max_backtrack),
+            has_mtp=self.model_has_mtp, max_draft=max_draft, seed=cfg.sampling.seed,
+            model_path=str(self.model_path), device=self.device.type,
+            dtype=str(self.dtype).removeprefix("torch."), world_size=self.world_size,
+        )
+        host.notify("deepinfer_validate_config", config=cfg, info=self.info)
+        self.backends = self._select_backends()
+        # Paged KV rows are stored in this dtype (kv/fp8.py); per-request state stays in the model dtype.
+        self.kv_dtype = kv_storage_dtype(cfg.cache.kv_dtype, self.dtype)
+        check_kv_dtype(specs, self.kv_dtype, self.dtype, cfg.cache.kv_dtype)
+        self.load_report = self._load_weights()
+
+        # The mtp drafter's MTP layers cache in the main pool: same block ids, sized from one budget.
+        mtp_specs = self._mtp_cache_specs()
+        num_blocks = self._num_kv_blocks([*specs, *mtp_specs])
+        self.pool = KVPool([*specs, *mtp_specs], num_blocks, cfg.cache.block_size, self.dtype, self.device,
+                           num_state_slots=self.num_state_slots, max_backtrack=self.max_backtrack,
+                           kv_dtype=self.kv_dtype)
+        self.model.bind_cache(self.pool.layers[:len(specs)])
+        if mtp_specs:
+            self.model.bind_mtp_cache(self.pool.layers[len(specs):])
+        self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.prefix_caching,
+                                 num_state_slots=self.num_state_slots)
+        if self.kv.blocks_needed(self.max_model_len) > num_blocks - RESERVED_BLOCKS:
+            raise ConfigError(
+                f"the KV cache holds {(num_blocks - RESERVED_BLOCKS) * cfg.cache.block_size} tokens but "
+                f"model.max_model_len is {self.max_model_len}; raise cache.kv_cache_bytes "
+                "(or cache.gpu_memory_utilization) or lower model.max_model_len"
+            )
+
+        policy = host.select("deepinfer_schedule_policies", cfg.scheduler.policy, "scheduler.policy")
+        # A prefix hit (or a preempted request's surviving blocks) restores paged entries but not the
+        # state rings: recompute from the replay planner's first token; the planner may also bound that
+        # replay or truncate YoCo prefills (ARCHITECTURE §6, scheduler.ReplayStart).
+        planner = host.select("deepinfer_replay_planners", cfg.cache.replay, "cache.replay")
+        replay = ReplayStart(planner, self.info.layout, stateful=bool(self.num_state_slots))
+        graphs = self._decode_graphs()
+        self.runner, self.speculator = self._runner_and_speculator(graphs)
+        self.scheduler = Scheduler(self.kv, policy, max_num_seqs=cfg.scheduler.max_num_seqs,
+                                   max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
+                                   chunked_prefill=cfg.scheduler.chunked_prefill,
+                                   draft_planner=self.speculator.plan_drafts if self.speculator else None,
+                                   replay=replay)
+        if not cfg.scheduler.chunked_prefill and cfg.scheduler.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"scheduler.max_num_batched_tokens ({cfg.scheduler.max_num_batched_tokens}) must be >= "
+                f"model.max_model_len ({self.max_model_len}) when scheduler.chunked_prefill is false"
+            )
+        # Resolved now, though only data parallelism routes, so that a misspelt name fails at start-up.
+        host.select("deepinfer_request_routers", cfg.parallel.router, "parallel.router")
+        self.intake = RequestIntake(self.tokenizer, self.model_path, vocab_size=self.model.vocab_size,
+                                    max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                                    seed=cfg.sampling.seed, truncation=replay.truncation)
+
+    @property
+    def model_has_mtp(self) -> bool:
+        """Whether the model declares MTP layers (``num_nextn_predict_layers`` > 0)."""
+        return int(self.hf_config.get("num_nextn_predict_layers", 0) or 0) > 0
+
+    @property
+    def uses_mtp(self) -> bool:
+        """Whether the drafter is ``mtp``: the MTP layers' cache is then allocated and the runner keeps
+        each step's hidden states for it."""
+        return self.spec_settings is not None and self.spec_settings.drafter == "mtp"
+
+    # ------------------------------------------------------------------------------------------ model
+
+    def _build_model(self) -> Any:
+        cfg = self.config
+        offers = self.host.named_offers("deepinfer_model_architectures")
+        architectures = {name: offer.value for name, offer in offers.items()}
+        model_cls = resolve_architecture(self.hf_config, architectures, str(self.model_path))
+        # Engine switches a model may honour travel as documented hf_config keys (the model protocol
+        # takes only hf_config): kernels.force_balanced_routing → "deepinfer_force_balanced_routing";
+        # inside an expert-parallel rank, the routed experts it holds → "deepinfer_expert_shard"
+        # (``parallel.placement.ExpertShard``: the model allocates, and the loader reads, only those).
+        model_config = dict(self.hf_config, deepinfer_force_balanced_routing=cfg.kernels.force_balanced_routing,
+                            deepinfer_expert_shard=self.rank_experts.shard if self.rank_experts else None)
+        try:
+            with torch.device(self.device):
+                model = model_cls(model_config, dtype=self.dtype, device=self.device, max_positions=self.max_model_len)
+        except (TypeError, ValueError, KeyError, IndexError, ZeroDivisionError) as exc:
+            if isinstance(exc, ConfigError | ModelLoadError):  # already names what is wrong
+                raise
+            # A field of the right type but an impossible value (or one missing): name the file, not a frame.
+            missing = f"the field {exc} is missing" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+            raise ModelLoadError(f"{str(self.model_path / 'config.json')!r}: a {model_cls.__name__} cannot be built "
+                                 f"from it ({missing})") from exc
+        model.eval()
+        if cfg.kernels.batch_invariant:  # RMSNorm statistics the same bits in any batch on CUDA too
+            for module in model.modules():
+                if isinstance(module, RMSNorm):
+                    module.min_cuda_rows = BATCH_INVARIANT_CUDA_ROWS
+        return model
+
+    def _load_weights(self) -> LoadReport | None:
+        """Dummy or checkpoint weights, then each GEMM weight in the GEMM backend's layout; what the
+        checkpoint load read (None: dummy weights)."""
+        cfg = self.config
+        report = None
+        if cfg.model.load_format == "dummy":
+            if self.uses_mtp:
+                self.model.build_mtp_layers()  # dummy MTP layers for the mtp drafter
+            init_dummy(self.model, cfg.sampling.seed)
+        else:
+            # An expert-parallel rank keeps every expert of the MTP layers, for the mtp drafter to run them
+            # locally; without that drafter it does not read them at all (``model.mtp_weight``).
+            drops_mtp = self.rank_experts is not None and not self.uses_mtp
+            skip = getattr(self.model, "mtp_weight", None) if drops_mtp else None
+            report = load_checkpoint(self.model, self.model_path, self.dtype, skip=skip)
+        gemm = self.backends["linear"]
+        with torch.no_grad():
+            for weight in self.model.gemm_weights():
+                weight.data = gemm.prepare_weight(weight.data)
+        return report
+
+    def _select_backends(self) -> dict[str, Any]:
+        k = self.config.kernels
+        kv_dtype = self.config.cache.kv_dtype
+        if kv_storage_dtype(kv_dtype, self.dtype) == self.dtype:
+            kv_dtype = "auto"  # e.g. bf16 on a bf16 model: the cache every backend reads
+        req = RunRequirements(device=self.device.type, dtype=self.dtype, kv_dtype=kv_dtype, graph_safe=False,
+                              batch_invariant=k.batch_invariant)
+        backends: dict[str, Any] = {}
+        for hook, chosen, path in (("deepinfer_attention_backends", k.attention, "kernels.attention"),
+                                   ("deepinfer_moe_backends", k.moe, "kernels.moe"),
+                                   ("deepinfer_gemm_backends", k.gemm, "kernels.gemm")):
+            # Only attention backends read the KV cache; MoE and GEMM backends are not asked about its dtype.
+            hook_req = req if hook == "deepinfer_attention_backends" else dataclasses.replace(req, kv_dtype="auto")
+            backends.update(self.host.select_backends(hook, chosen, path, hook_req,
+                                                      getattr(self.model, "backend_ops", None)))
+        return backends
+
+    # ------------------------------------------------------------------------------------ speculation
+
+    def _spec_settings(self) -> SpecSettings | None:
+        """The ``speculative`` section as the engine runs it: None when no enabled plugin offers drafters
+        or ``max_draft`` is 0. ``auto`` is ``mtp`` on a model whose config declares MTP layers and whose
+        class can run them, else ``ngram``; an explicit ``mtp`` on any other model is refused here,
+        before the weights load."""
+        spec = self.config.speculative
+        if not self.host.named_offers("deepinfer_drafters"):
+            return None
+        if spec.max_draft == 0:  # DEEPINFER_USE_NEXTN_DECODE=0: the reference's "no speculation"
+            logger.info("speculative.max_draft is 0: speculative decoding is off")
+            return None
+        drafter = spec.drafter
+        runs_mtp = hasattr(self.model, "mtp_hidden") and hasattr(self.model, "bind_mtp_cache")
+        if drafter == "auto":
+            drafter = "mtp" if self.model_has_mtp and runs_mtp else "ngram"
+        elif drafter == "mtp" and not (self.model_has_mtp and runs_mtp):
+            arch = self.hf_config["architectures"][0]
+            why = ("its config.json has no num_nextn_predict_layers > 0" if runs_mtp
+                   else f"{arch} cannot run its MTP layers as a drafter yet")
+            raise ConfigError(f"speculative.drafter='mtp' needs a model with MTP layers, but {why}; "
+                              "choose drafter 'ngram' (or 'auto')")
+        return SpecSettings(drafter, spec.plan, spec.max_draft)
+
+    def _mtp_cache_specs(self) -> list:
+        """The MTP layers' cache specs when the drafter is ``mtp`` (else none), once the weights are in:
+        a checkpoint without complete MTP weights is a start-up error for an explicit ``mtp`` and falls
+        back to ``ngram`` (with a warning) for ``auto``."""
+        if not self.uses_mtp:
+            return []
+        specs = list(self.model.mtp_cache_specs())
+        if specs:
+            return specs
+        assert self.spec_settings is not None
+        n = int(self.hf_config.get("num_nextn_predict_layers", 0) or 0)
+        missing = (f"the checkpoint at {str(self.model_path)!r} has no complete MTP weights (config.json declares "
+                   f"num_nextn_predict_layers={n}; the loader's warning names a missing tensor)")
+        if self.config.speculative.drafter == "auto":
+            logger.warning("speculative.drafter='auto': %s; drafting with 'ngram' instead", missing)
+            self.spec_settings = dataclasses.replace(self.spec_settings, drafter="ngram")
+            return []
+        raise ConfigError(f"speculative.drafter='mtp': {missing}; choose drafter 'ngram' (or 'auto')")
+
+    def _runner_and_speculator(self, graphs: DecodeGraphs | None) -> tuple[ModelRunner, Speculator | None]:
+        """The drafter first (a drafter that calls the model's ``capture_hidden``, dspark, decides which
+        layers' features the runner keeps), then the runner, then the speculator over both."""
+        settings = self.spec_settings
+        stateful = bool(self.num_state_slots)
+        block_size = self.config.cache.block_size
+        if settings is None:
+            return ModelRunner(self.model, self.backends, block_size, self.device, graphs=graphs,
+                               stateful=stateful), None
+        factory = self.host.select("deepinfer_drafters", settings.drafter, "speculative.drafter")
+        plan = self.host.select("deepinfer_verification_plans", settings.plan, "speculative.plan")
+        drafter = factory(model=self.model, info=self.info)
+        # dspark reads the captured layers' features of the committed rows (CommittedRows.hidden); the mtp
+        # drafter writes MTP cache rows for every committed token: both need each step's hidden states.
+        hidden_layers = tuple(getattr(self.model, "captured_layers", ()))
+        keep_hidden = self.uses_mtp or bool(hidden_layers)
+        runner = ModelRunner(self.model, self.backends, block_size, self.device, graphs=graphs, stateful=stateful,
+                             keep_hidden=keep_hidden, hidden_layers=hidden_layers)
+        cache = None
+        if keep_hidden:
+            cache = DraftCache(runner.span_context, self.kv.allocate, self.kv.table, block_size,
+                               self.kv.slots.get if self.num_state_slots else None)
+        sched = self.config.scheduler
+        largest = min(sched.max_num_seqs * (1 + settings.max_draft), sched.max_num_batched_tokens)
+
+        def measure(query_tokens: int) -> float:
+            # Verification-shaped rows (1 + max_draft tokens per request): what the plan's budget buys.
+            return time_call(lambda: runner.placeholder_step(query_tokens, 1 + settings.max_draft), self.device)
+
+        cost = self._step_cost(measure, largest, 1 + settings.max_draft, graphs)
+        return runner, Speculator(drafter, plan, cost, settings.max_draft, self.device, cache)
+
+    def _step_cost(self, measure: Callable[[int], float], largest: int, query_len: int,
+                   graphs: DecodeGraphs | None) -> StepCost:
+        """The varlen plan's step-cost curve: profiled on demand on eager placeholder steps, or, with CUDA
+        graphs, at start-up from one replay per graph bucket (cached on disk when
+        ``scheduler.step_cost_cache_dir`` is set)."""
+        if graphs is None or query_len not in graphs.max_query_lens:  # verification steps run eagerly
+            return StepCost(measure, largest)
+
+        def replay(query_tokens: int) -> float:
+            return time_call(lambda: graphs.replay((query_tokens, query_len)), self.device)
+
+        cost = StepCost(replay, largest, sizes=graphs.buckets)
+        sched = self.config.scheduler
+        folder = sched.step_cost_cache_dir
+        cache = CurveCache(folder, sched.step_cost_cache_ttl_s) if folder else None
+        key = {"model": str(self.model_path), "architecture": self.info.architecture, "dtype": self.info.dtype,
+               "device": torch.cuda.get_device_name(self.device),
+               "backends": sorted(f"{op}={getattr(b, 'name', '')}" for op, b in self.backends.items()),
+               "buckets": graphs.buckets, "query_len": query_len, "block_size": self.config.cache.block_size,
+               "kv_dtype": str(self.kv_dtype)}
+        cached = cache.load(key) if cache else None
+        if cached:
+            cost.load(cached)
+            return cost
+        cost.profile_all()
+        if cache:
+            cache.save(key, cost.points)
+        return cost
+
+    # ------------------------------------------------------------------------------ cache and graphs
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs for decode-shaped steps (``engine/graphs.py``), captured now; None when the run is
+        not on CUDA, ``kernels.cuda_graphs`` is off, or something in the step cannot be captured (then
+        a warning names it and the GPU runs eagerly)."""
+        k = self.config.kernels
+        if self.device.type != "cuda" or not k.cuda_graphs:
+            return None
+        backends = self.backends
+        ops = getattr(self.model, "backend_ops", None) or frozenset(backends)
+        blockers = [f"{op} backend {backends[op].name!r} is not graph_safe" for op in sorted(ops)
+                    if op in backends and not backends[op].capabilities.graph_safe]
+        if self.world_size > 1:
+            blockers.append("expert parallelism exchanges split sizes on the host")
+        if blockers:
+            logger.warning("kernels.cuda_graphs: running eagerly: %s (enable a plugin that offers graph-safe "
+                           "backends, e.g. plugins.attention, or set kernels.cuda_graphs=false)", "; ".join(blockers))
+            return None
+        sched = self.config.scheduler
+        max_draft = self.spec_settings.max_draft if self.spec_settings else 0
+        # A model with per-request state updates it on the device only in steps of one query token per
+        # request (DeepSeek-V4's compressors); verification steps of such a model run eagerly.
+        stateful = bool(self.num_state_slots)
+        graphs = DecodeGraphs(self.model, backends, self.config.cache.block_size, self.device,
+                              max_tokens=min(sched.max_num_seqs * (1 if stateful else 1 + max_draft),
+                                             sched.max_num_batched_tokens),
+                              max_query_lens=(1,) if stateful else (1, 1 + max_draft),
+                              max_blocks=self.kv.blocks_needed(self.max_model_len),
+                              interval=k.cuda_graph_interval, stateful=stateful)
+        graphs.capture()
+        return graphs
+
+    def _num_kv_blocks(self, specs: list) -> int:
+        cache = self.config.cache
+        if cache.kv_cache_bytes is not None:
+            budget = cache.kv_cache_bytes
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()  # blocks cached by torch's allocator (e.g. a freed engine's) count as free
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            reserve = self.config.scheduler.max_num_batched_tokens * self.model.vocab_size * 4
+            budget = int(total * cache.gpu_memory_utilization) - used - reserve
+            if budget <= 0:
+                raise ConfigError(
+                    f"cache.gpu_memory_utilization={cache.gpu_memory_utilization} of {total} bytes leaves no room "
+                    f"for the KV cache: {used} bytes are already in use on the device (other engines or tensors "
+                    f"in this process included) and {reserve} are kept for logits; raise it, free the device, "
+                    "or set cache.kv_cache_bytes")
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        state = state_bytes(specs, self.num_state_slots, self.max_backtrack, self.dtype)
+        if state and state >= budget:
+            raise ConfigError(
+                f"the model's per-request state takes {state} bytes for {self.num_state_slots} state slots "
+                f"(from scheduler.max_num_seqs={self.config.scheduler.max_num_seqs}), more than the KV budget "
+                f"of {budget} bytes; raise cache.kv_cache_bytes or lower scheduler.max_num_seqs")
+        budget -= state
+        blocks = num_blocks_for(budget, specs, cache.block_size, self.kv_dtype)
+        logger.info("KV cache: %d blocks of %d tokens (%d bytes each)", blocks, cache.block_size,
+                    bytes_per_block(specs, cache.block_size, self.kv_dtype))
+        return blocks
