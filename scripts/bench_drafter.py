@@ -5,7 +5,8 @@
 
 ``WORK_DIR`` is the training run's work folder (``<weights>.work``, holding ``data.pt``): its held-out
 prompts (passages and templates the training never saw) are the workload, and the weights file beside
-it is the drafter. For each batch size (requests at once; batch 1 runs them one after another) the
+it is the drafter (``--weights F`` another one; ``--spec FIELD=VALUE`` further drafter settings). For
+each batch size (requests at once; batch 1 runs them one after another) the
 configurations ``off``, ``fixed`` (``max_draft`` 5) and ``varlen`` run interleaved, greedy, until EOS
 or ``--max-tokens``; outputs must be token-identical across configurations. Reported: output tokens/s
 (median of ``--repeats``), the engine's acceptance statistics (mean acceptance length, acceptance by
@@ -27,8 +28,8 @@ import torch
 from deepinfer import LLM, SamplingParams
 
 
-def _configs(weights: Path, plugins: dict) -> dict[str, dict]:
-    spec = {"enabled": True, "drafter": "dspark", "max_draft": 5, "dspark_weights": str(weights)}
+def _configs(weights: Path, plugins: dict, extra: dict) -> dict[str, dict]:
+    spec = {"enabled": True, "drafter": "dspark", "max_draft": 5, "dspark_weights": str(weights), **extra}
     return {"off": plugins,
             "fixed": {**plugins, "spec_decode": {**spec, "plan": "fixed"}},
             "varlen": {**plugins, "spec_decode": {**spec, "plan": "varlen"}}}
@@ -68,21 +69,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--core-gemm", action="store_true")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache per engine (three live at once)")
+    ap.add_argument("--weights", type=Path, default=None, help="the drafter (default: the file beside --work)")
+    ap.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a further plugins.spec_decode field, e.g. dspark_context_window=1 (repeatable)")
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     data = torch.load(args.work / "data.pt", weights_only=False)
     held = data["held_seqs"]
     prompts = [ids[:p] for ids, p in zip(held.token_ids, held.prompt_lens, strict=True)]
-    weights = args.work.with_suffix(".safetensors")
+    weights = args.weights or args.work.with_suffix(".safetensors")
+    extra = {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
+             for k, v in (item.split("=", 1) for item in args.spec)}
     plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
     counts = args.prompts_per_batch or [8 if b == 1 else 2 * b for b in args.batches]
-    report: dict = {"model": args.model, "weights": str(weights), "max_tokens": args.max_tokens,
+    report: dict = {"model": args.model, "weights": str(weights), "spec": extra, "max_tokens": args.max_tokens,
                     "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "batches": {}}
     for batch, count in zip(args.batches, counts, strict=True):
         work = prompts[:count]
-        llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1), kv_cache_bytes=args.kv_cache_mb << 20)
-                for name, cfg in _configs(weights, plugins).items()}
+        llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1),
+                        kv_cache_bytes=args.kv_cache_mb << 20, max_model_len=2048)
+                for name, cfg in _configs(weights, plugins, extra).items()}
         for llm in llms.values():  # warm-up: first-call costs (packing, calibration) out of the timings
             _run(llm, work[:1], 1, 16)
         seconds: dict[str, list[float]] = {n: [] for n in llms}
