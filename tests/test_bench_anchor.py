@@ -55,7 +55,7 @@ def test_a_peer_file_is_read_and_tabled(tmp_path: Path) -> None:
     assert table[3].endswith("| - | - |")  # the peer did not measure batch 2
 
 
-@pytest.mark.parametrize("text, message", [("{not json}\n", "1: not a JSON line"),
+@pytest.mark.parametrize("text, message", [("{not json}\n", "1: not valid JSON"),
                                            ('{"meta": {}}\n{"x": 1}\n', "2: expected"),
                                            ('{"meta": {}}\n', "no decode-anchor rows")])
 def test_bad_peer_files_name_the_line(tmp_path: Path, text: str, message: str) -> None:

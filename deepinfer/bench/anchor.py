@@ -11,12 +11,13 @@ one with ``max_tokens = decode_tokens + 1`` (``t_full``); its decode tok/s is ``
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from deepinfer.bench.workloads import json_lines
 
 
 def anchor_prompts(batch: int, seed: int, vocab: int, prompt_len: int) -> list[list[int]]:
@@ -75,13 +76,9 @@ def read_peer_anchor(path: str | Path) -> tuple[dict[int, dict[str, Any]], dict[
         text = Path(path).read_text()
     except OSError as exc:
         raise ValueError(f"--baseline-file {str(path)!r}: {exc.strerror}") from None
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+    for number, item in json_lines(path, text):
+        if not isinstance(item, dict):
+            raise ValueError(f"{path}:{number}: expected a {{'B', 'decode_tok_s_median'}} row or a 'meta' line")
         if "meta" in item:
             meta = item["meta"]
         elif "B" in item and "decode_tok_s_median" in item:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,19 +100,25 @@ def repeat_workload(spec: WorkloadSpec, vocab_size: int, pattern_len: int = 8) -
     return out
 
 
+def json_lines(path: str | Path, text: str) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank JSON line of ``text`` (read from ``path``); a line that is
+    not JSON is a ``ValueError`` naming ``path:line``."""
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{lineno}: not valid JSON: {exc}") from None
+
+
 def file_workload(spec: WorkloadSpec, path: str | Path) -> list[BenchRequest]:
     """Read a JSONL file; ``num_prompts`` takes the first N lines (cycling when the file is shorter)."""
     file = Path(path)
     if not file.is_file():
         raise ValueError(f"--dataset {str(file)!r}: no such file (or use one of {', '.join(DATASETS)})")
     rows: list[BenchRequest] = []
-    for lineno, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{file}:{lineno}: not valid JSON: {exc}") from None
+    for lineno, item in json_lines(file, file.read_text()):
         if not isinstance(item, dict):
             raise ValueError(f"{file}:{lineno}: expected an object with prompt, prompt_token_ids or messages")
         out_len = int(item.get("output_len", item.get("max_tokens", spec.output_len)))
