@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import socket
 import threading
 import time
@@ -499,22 +498,23 @@ def test_non_streaming_client_that_disconnects_is_aborted(server: ServerThread) 
 
 
 def test_metrics_exposition_is_well_formed(server: ServerThread) -> None:
+    """prometheus_client's own parser reads the page: every family typed, the request histograms with
+    their buckets, the engine gauges, the process collector."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert server.post("/v1/completions", {"model": NAME, "prompt": "hello", "max_tokens": 3})[0] == 200
     status, text = server.http("GET", "/metrics")
     assert status == 200
-    label = r'[a-zA-Z_][a-zA-Z0-9_]*="[^"]*"'
-    sample = re.compile(rf"^[a-zA-Z_:][a-zA-Z0-9_:]*(\{{{label}(,{label})*\}})? (-?[0-9.e+-]+|\+Inf|-Inf|NaN)$")
-    types = {}
-    for line in text.strip().splitlines():
-        if line.startswith("# TYPE"):
-            _, _, name, kind = line.split()
-            types[name] = kind
-        elif not line.startswith("# HELP"):
-            assert sample.match(line), line
-    assert types["deepinfer_time_to_first_token_seconds"] == "histogram"
-    assert types["deepinfer_time_per_output_token_seconds"] == "histogram"
-    assert types["deepinfer_requests_total"] == "counter"
-    assert types["deepinfer_kv_cache_usage_ratio"] == "gauge"
-    assert types["deepinfer_prefix_cache_hit_rate"] == "gauge"
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["deepinfer_time_to_first_token_seconds"].type == "histogram"
+    assert families["deepinfer_time_per_output_token_seconds"].type == "histogram"
+    assert families["deepinfer_requests"].type == "counter"
+    assert families["deepinfer_kv_cache_usage_ratio"].type == "gauge"
+    assert families["deepinfer_prefix_cache_hit_rate"].type == "gauge"
+    assert families["deepinfer_engine_steps"].type == "counter" and "process_cpu_seconds" in families
+    buckets = [s for s in families["deepinfer_time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
+    assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value >= 1
+    assert not any(s.name.endswith("_created") for f in families.values() for s in f.samples)
 
 
 # ------------------------------------------------------------------------------------------ CLI
