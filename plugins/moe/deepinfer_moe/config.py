@@ -7,7 +7,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 class MoEConfig(BaseModel):
     """``plugins={"moe": {"enabled": True}}`` offers the MoE backends ``grouped``, ``triton``,
-    ``triton_fp8``, ``deep_gemm`` (and ``deep_ep`` for dispatch/combine where it imports); pick one
+    ``triton_fp8``, ``deep_gemm``; pick one
     with ``kernels.moe`` or let ``auto`` take the highest-priority one that fits the run."""
 
     model_config = ConfigDict(extra="forbid")
@@ -22,7 +22,3 @@ class MoEConfig(BaseModel):
         "deep_gemm: steps with at most this many tokens use the masked layout, longer ones the contiguous one"))
     warmup_tokens: list[int] = Field([1, 16, 64, 256, 4096], description=(
         "deep_gemm: token counts the layer runs once at load, to JIT-compile DeepGEMM's kernels"))
-    deep_ep_max_slots: int = Field(288, ge=1, description=(
-        "deep_ep: upper bound on expert slots per rank (DeepEP's experts per rank)"))
-    deep_ep_max_tokens_per_rank: int = Field(4096, ge=1, description=(
-        "deep_ep: most tokens a rank dispatches in one step (sizes DeepEP's buffer)"))

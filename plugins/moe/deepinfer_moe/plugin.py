@@ -7,7 +7,6 @@ from typing import Any
 from deepinfer import hookimpl
 from deepinfer_moe.batch_invariant import TritonBIMoEBackend
 from deepinfer_moe.config import MoEConfig
-from deepinfer_moe.deepep import DeepEPBackend
 from deepinfer_moe.deepgemm_backend import DeepGemmMoEBackend
 from deepinfer_moe.grouped import GroupedMoEBackend
 from deepinfer_moe.triton_backend import TritonMoEBackend
@@ -36,6 +35,4 @@ class Plugin:
             triton_fp8.priority = _FP8_AUTO_PRIORITY["triton_fp8"]
             deep_gemm.priority = _FP8_AUTO_PRIORITY["deep_gemm"]
         return [GroupedMoEBackend(), TritonMoEBackend(decode_max_tokens=cfg.decode_max_tokens), triton_fp8,
-                deep_gemm, DeepEPBackend(max_slots=cfg.deep_ep_max_slots,
-                                         max_tokens_per_rank=cfg.deep_ep_max_tokens_per_rank),
-                TritonBIMoEBackend()]
+                deep_gemm, TritonBIMoEBackend()]
