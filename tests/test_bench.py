@@ -266,7 +266,7 @@ def test_bench_reports_the_labelled_acceptance_normalized_extra(tiny_llama_dir: 
     flags = ("bench", "--model", str(tiny_llama_dir), "--num-prompts", "3", "--input-len", "12", "--output-len", "6",
              "--dataset", "repeat", "--no-progress", "--assumed-acceptance", "0.6", *SMALL_CACHE)
     spec = ("--set", "plugins.spec_decode.enabled=true", "--set", "plugins.spec_decode.max_draft=3")
-    code, _, err = _run_cli(capsys, *flags, "--output", str(out), *spec, "--set", "plugins.spec_decode.plan=fixed")
+    code, _, err = _run_cli(capsys, *flags, "--output", str(out), *spec)  # fixed: the default plan
     assert code == 0, err
     run = json.loads(out.read_text())["runs"][0]
     extra = run["acceptance_normalized_throughput"]
@@ -275,7 +275,7 @@ def test_bench_reports_the_labelled_acceptance_normalized_extra(tiny_llama_dir: 
     assert extra["output_throughput"] == pytest.approx(expected)
     code, _, err = _run_cli(capsys, *flags)
     assert code == 2 and "plugins.spec_decode.enabled" in err
-    code, _, err = _run_cli(capsys, *flags, *spec)  # varlen (the default plan) is never normalized
+    code, _, err = _run_cli(capsys, *flags, *spec, "--set", "speculative.plan=varlen")  # never normalized
     assert code == 2 and "plan=fixed" in err
 
 

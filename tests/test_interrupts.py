@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -143,10 +144,13 @@ def test_a_plugin_that_raises_in_a_step_aborts_the_live_requests(tiny_dir):
 def test_sigint_during_generate(tiny_dir, config):
     """The issue's reproduction: a real SIGINT lands wherever the main thread is during ``generate``."""
     llm = LLM(tiny_dir, block_size=16, kv_cache_bytes=1 << 21, max_num_seqs=4, plugins=CONFIGS[config])
-    prompts = _prompts(7)
-    many = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    prompts = _prompts(7) + _prompts(8)
+    many = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3]], PARAMS, use_tqdm=False)]
-    for delay in (0.05, 0.2, 0.35):
+    start = time.perf_counter()
+    llm.generate(prompts, [many] * len(prompts), use_tqdm=False)
+    whole = time.perf_counter() - start  # the signal lands early, midway and late in a run of this length
+    for delay in (0.1 * whole, 0.4 * whole, 0.7 * whole):
         timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
         timer.start()
         try:

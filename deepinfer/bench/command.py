@@ -166,13 +166,13 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
                                    desc=f"deepinfer {'offline' if c is None else f'C={c}'}",
                                    llm=first.pop() if first else None)
         if getattr(args, "assumed_acceptance", None) is not None:
-            speculation = config["plugins"].get("spec_decode") or {}
-            if not speculation.get("enabled"):
+            if not (config["plugins"].get("spec_decode") or {}).get("enabled"):
                 raise ValueError("--assumed-acceptance needs plugins.spec_decode.enabled=true")
-            if speculation.get("plan", "varlen") != "fixed":
+            speculation = config["speculative"]
+            if speculation["plan"] != "fixed":
                 raise ValueError("--assumed-acceptance normalizes fixed-k runs only (the reference refuses to "
-                                 "normalize varlen ones): set plugins.spec_decode.plan=fixed")
-            k = int(speculation.get("max_draft", 5))
+                                 f"normalize {speculation['plan']} ones): set speculative.plan=fixed")
+            k = int(speculation["max_draft"])
             run["acceptance_normalized_throughput"] = {
                 "label": "extra, not measured: output tok/s at an assumed per-draft acceptance "
                          "(the reference's fixed-k normalization, (1 + k*a) tokens per verify step)",
