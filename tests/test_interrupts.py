@@ -142,7 +142,17 @@ def test_a_plugin_that_raises_in_a_step_aborts_the_live_requests(tiny_dir):
 
 @pytest.mark.parametrize("config", ["sync", "overlap"])
 def test_sigint_during_generate(tiny_dir, config):
-    """The issue's reproduction: a real SIGINT lands wherever the main thread is during ``generate``."""
+    """The issue's reproduction: a real SIGINT lands wherever the main thread is during ``generate``. (Python's
+    own handler is put in place first: a process started in the background of a non-interactive shell
+    inherits SIGINT ignored.)"""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _sigint_drill(tiny_dir, config)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _sigint_drill(tiny_dir, config) -> None:
     llm = LLM(tiny_dir, block_size=16, kv_cache_bytes=1 << 21, max_num_seqs=4, plugins=CONFIGS[config])
     prompts = _prompts(7) + _prompts(8)
     many = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
