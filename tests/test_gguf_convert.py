@@ -337,3 +337,21 @@ def test_cache_dir_environment(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert cache_dir() == tmp_path / "home" / ".cache" / "deepinfer"
+
+
+def test_the_engine_imports_without_the_gguf_package() -> None:
+    """Only a conversion needs ``gguf``: a machine without it (the lent GPU's image) still runs models."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'gguf' or name.startswith('gguf.'):\n"
+            "            raise ImportError('no gguf here')\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import deepinfer, deepinfer.model.assets\n"
+            "from deepinfer import LLM\n"
+            "print('ok')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

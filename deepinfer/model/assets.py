@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from deepinfer.errors import ModelLoadError, ModelNotFoundError
-from deepinfer.model.gguf_convert import convert_gguf_to_hf
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +171,9 @@ def _build_alias(alias: str) -> Path:
             shutil.rmtree(target)
         started = time.perf_counter()
         logger.info("converting %s into %s", gguf_path.name, target)
+        # Imported here: only a conversion needs the gguf package (a GPU machine without it still runs models).
+        from deepinfer.model.gguf_convert import convert_gguf_to_hf
+
         convert_gguf_to_hf(gguf_path, target)
         logger.info("model %r ready at %s (%.1fs)", alias, target, time.perf_counter() - started)
     return target
