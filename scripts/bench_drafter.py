@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import set_flags_to_tree
 
 
 def _configs(weights: Path, plugins: dict, extra: dict) -> dict[str, dict]:
@@ -79,8 +80,7 @@ def main() -> None:
     held = data["held_seqs"]
     prompts = [ids[:p] for ids, p in zip(held.token_ids, held.prompt_lens, strict=True)]
     weights = args.weights or args.work.with_suffix(".safetensors")
-    extra = {k: json.loads(v) if v[:1].isdigit() or v in ("true", "false") else v
-             for k, v in (item.split("=", 1) for item in args.spec)}
+    extra = set_flags_to_tree([f"spec_decode.{item}" for item in args.spec]).get("spec_decode", {})
     plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
     counts = args.prompts_per_batch or [8 if b == 1 else 2 * b for b in args.batches]
     report: dict = {"model": args.model, "weights": str(weights), "spec": extra, "max_tokens": args.max_tokens,

@@ -63,6 +63,11 @@ def arguments(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in vars(args).items() if isinstance(v, str | int | float | bool | list | type(None))}
 
 
+def report_head(args: argparse.Namespace, started: str) -> dict[str, Any]:
+    """The fields every ``deepinfer bench`` report opens with: schema, start time, flags, environment."""
+    return {"schema": BENCH_SCHEMA, "created": started, "arguments": arguments(args), "environment": environment()}
+
+
 def _row(run: dict[str, Any]) -> str:
     if "request_rate" in run:
         c = f"rate {run['request_rate']}/s"
@@ -104,9 +109,8 @@ def run_http_bench(args: argparse.Namespace, model: str) -> dict[str, Any]:
     run_http(args.url, served, work[:2], rate=float("inf"), api_key=args.api_key)  # warm-up, not measured
     runs = [run_http(args.url, served, work, rate=rate, seed=args.seed, api_key=args.api_key)
             for rate in parse_rates(args.request_rate or "inf")]
-    report = {"schema": BENCH_SCHEMA, "created": started, "arguments": arguments(args), "environment": environment(),
-              "model": str(folder), "url": args.url, "workload": describe(spec, work), "runs": runs, "baseline": [],
-              "plots": []}
+    report = {**report_head(args, started), "model": str(folder), "url": args.url, "workload": describe(spec, work),
+              "runs": runs, "baseline": [], "plots": []}
     _write(report, args.output)
     return report
 
@@ -127,8 +131,7 @@ def run_anchor_bench(args: argparse.Namespace, model: str, overrides: dict[str, 
     ours = run_anchor(llm, batches, repeats=args.repeats, prompt_len=args.input_len, decode_tokens=args.output_len,
                       seed=args.seed + 1000)
     engine = llm.engine
-    report = {"schema": BENCH_SCHEMA, "created": started, "arguments": arguments(args), "environment": environment(),
-              "model": str(engine.model_path), "device": engine.device.type,
+    report = {**report_head(args, started), "model": str(engine.model_path), "device": engine.device.type,
               "dtype": str(engine.dtype).removeprefix("torch."), "decode_anchor": ours,
               "baseline_file": args.baseline_file, "baseline_meta": meta,
               "baseline_anchor": peer, "anchor_table": anchor_table(ours, peer, peer_name)}
@@ -206,10 +209,7 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
 
         plots = write_plots(runs, args.plot)
     report = {
-        "schema": BENCH_SCHEMA,
-        "created": started,
-        "arguments": arguments(args),
-        "environment": environment(),
+        **report_head(args, started),
         "model": str(model_path),
         "device": device.type,
         "dtype": dtype,

@@ -64,14 +64,6 @@ class SpecDecodeConfig(BaseModel):
     dspark_weights: str = "auto"
     dspark_auto_recipe: dict[str, Any] | None = None
 
-    @field_validator("plan", mode="before")
-    @classmethod
-    def _varlen_switch(cls, value: Any) -> Any:
-        """``DEEPINFER_ENABLE_MTP_VARLEN=1`` arrives as an int or bool."""
-        if isinstance(value, bool | int) and not isinstance(value, str):
-            return "varlen" if value else "fixed"
-        return value
-
     @field_validator("dspark_confidence_temperature", mode="before")
     @classmethod
     def _temperature_list(cls, value: Any) -> Any:
