@@ -120,6 +120,7 @@ class KernelsSection(_Section):
     cuda_graphs: bool = True
     cuda_graph_interval: int = Field(default=8, ge=1)
     force_balanced_routing: bool = False
+    compile: Literal["off", "inductor"] = "off"
 
 
 class EngineConfig(_Section):

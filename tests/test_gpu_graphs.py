@@ -43,7 +43,7 @@ def folder(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def _llm(folder: Path, graphs: bool, **overrides: Any) -> LLM:
     return LLM(folder, device="cuda", dtype="float32", kv_cache_bytes=1 << 26, block_size=16,
                max_num_seqs=MAX_SEQS, plugins={**PLUGINS, **overrides.pop("plugins", {})},
-               kernels={"cuda_graphs": graphs}, **overrides)
+               kernels={"cuda_graphs": graphs, **overrides.pop("kernels", {})}, **overrides)
 
 
 def _prompts(n: int) -> list[list[int]]:

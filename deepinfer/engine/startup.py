@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from deepinfer.config import EngineConfig, ResolvedConfig, build_config
+from deepinfer.engine.compiled import check_compile_support, compile_layers
 from deepinfer.engine.cost import CurveCache, StepCost, time_call
 from deepinfer.engine.graphs import DecodeGraphs
 from deepinfer.engine.intake import RequestIntake, load_tokenizer
@@ -125,6 +126,9 @@ class StartUp:
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_dtype, self.dtype)
         check_kv_dtype(specs, self.kv_dtype, self.dtype, cfg.cache.kv_dtype)
         self.load_report = self._load_weights()
+        if cfg.kernels.compile == "inductor":  # the fused decode step (engine/compiled.py)
+            check_compile_support(self.device, cfg.kernels.batch_invariant)
+            self.backends = compile_layers(self.model, self.backends)
 
         # The mtp drafter's MTP layers cache in the main pool: same block ids, sized from one budget.
         mtp_specs = self._mtp_cache_specs()

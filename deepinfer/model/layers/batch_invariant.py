@@ -162,6 +162,7 @@ class BatchInvariantGemmBackend(TorchGemmBackend):
     name = "batch_invariant"
     priority = _PRIORITY
     capabilities = _CAPS
+    traceable = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return chunked_linear(x, weight, bias)

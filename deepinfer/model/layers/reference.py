@@ -188,6 +188,7 @@ class TorchGemmBackend:
     priority = 0
     ops = frozenset({"linear"})
     capabilities = BackendCapabilities(dtypes=_ALL_DTYPES, graph_safe=True)
+    traceable = True  # plain F.linear: kernels.compile traces it (engine/compiled.py)
 
     def available(self) -> bool:
         return True

@@ -488,7 +488,9 @@ def _make_data(llm: Any, recipe: Recipe, layers: Sequence[int], work: Path) -> d
     else:
         train_prompts = continuation_prompts(recipe.prompts, train_pool, rng)
         held_prompts = continuation_prompts(recipe.held_out, held_pool, rng)
-    chunk = min(64, llm.engine.config.scheduler.max_num_seqs)  # a checkpoint every chunk of replies
+    # A checkpoint every chunk of replies: 64 on CPU (minutes each), a whole engine batch on a GPU.
+    max_seqs = llm.engine.config.scheduler.max_num_seqs
+    chunk = max_seqs if llm.engine.device.type == "cuda" else min(64, max_seqs)
     train_seqs = generate_replies(llm, train_prompts, recipe, greedy_only=False, seed=recipe.seed,
                                   checkpoint=work / "replies-train.json", chunk=chunk)
     held_seqs = generate_replies(llm, held_prompts, recipe, greedy_only=True, seed=recipe.seed + 1,

@@ -1,0 +1,63 @@
+"""``kernels.compile: inductor`` on CPU (Inductor's C++ backend; the GPU side is ``test_gpu_compile.py``):
+compiled layers give the plain layers' greedy tokens and logprobs, one compiled graph serves every layer,
+plugin backends are not traced, and the switch refuses what it cannot serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import save_tiny
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.compiled import OpaqueBackend
+from deepinfer.errors import ConfigError
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 40))]
+
+
+def _run(llm: LLM) -> list[tuple[list[int], list[float]]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [d[t] for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                                                            strict=True)]) for o in outs]
+
+
+def _llm(folder: Path, mode: str, **kernels: object) -> LLM:
+    return LLM(folder, device="cpu", dtype="float32", kv_cache_bytes=1 << 24, block_size=16,
+               kernels={"compile": mode, **kernels})
+
+
+@pytest.mark.slow
+def test_compiled_layers_equal_plain_layers_and_share_one_compile(tmp_path: Path) -> None:
+    import torch._dynamo.utils as dynamo_utils
+
+    save_tiny("llama", tmp_path, num_hidden_layers=4)
+    plain_llm = _llm(tmp_path, "off")
+    plain = _run(plain_llm)
+    plain_llm.shutdown()
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    llm = _llm(tmp_path, "inductor")
+    assert isinstance(llm.engine.runner.backends["paged_attention"], OpaqueBackend)
+    compiled = _run(llm)
+    for (ids_p, lp_p), (ids_c, lp_c) in zip(plain, compiled, strict=True):
+        assert ids_p == ids_c
+        assert torch.allclose(torch.tensor(lp_p), torch.tensor(lp_c), atol=1e-4, rtol=0)
+    # Two pieces per layer (before and after the attention call), each compiled for one-token and
+    # many-token steps: the count does not grow with the four layers.
+    assert 0 < dynamo_utils.counters["stats"]["unique_graphs"] <= 8
+    llm.shutdown()
+
+
+def test_compile_refuses_batch_invariant_kernels(tmp_path: Path) -> None:
+    save_tiny("llama", tmp_path)
+    with pytest.raises(ConfigError, match=r"kernels\.compile=inductor cannot be combined with kernels\.batch_invariant"):
+        _llm(tmp_path, "inductor", batch_invariant=True)
+
+
+def test_compile_mode_is_validated(tmp_path: Path) -> None:
+    save_tiny("llama", tmp_path)
+    with pytest.raises(ConfigError, match=r"kernels\.compile"):
+        _llm(tmp_path, "triton")
