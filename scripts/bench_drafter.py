@@ -3,7 +3,8 @@
     python scripts/bench_drafter.py --model smollm2-135m-instruct --work WORK_DIR \
         [--batches 1 8 32] [--repeats 3] [--max-tokens 128] [--output docs/bench/drafter_smollm2.json]
 
-``WORK_DIR`` is the training run's work folder (``<weights>.work``, holding ``data.pt``): its held-out
+``WORK_DIR`` is the training run's work folder (``<weights>.work``, holding ``data.pt`` or at least
+``replies-held-out.json``): its held-out
 prompts (passages and templates the training never saw) are the workload, and the weights file beside
 it is the drafter (``--weights F`` another one; ``--spec FIELD=VALUE`` further drafter settings). For
 each batch size (requests at once; batch 1 runs them one after another) the
@@ -76,9 +77,11 @@ def main() -> None:
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    data = torch.load(args.work / "data.pt", weights_only=False)
-    held = data["held_seqs"]
-    prompts = [ids[:p] for ids, p in zip(held.token_ids, held.prompt_lens, strict=True)]
+    if (args.work / "data.pt").exists():
+        held = torch.load(args.work / "data.pt", weights_only=False)["held_seqs"]
+        prompts = [ids[:p] for ids, p in zip(held.token_ids, held.prompt_lens, strict=True)]
+    else:  # a run whose labelled data stayed on another machine: its held-out replies checkpoint
+        prompts = json.loads((args.work / "replies-held-out.json").read_text())["prompts"]
     weights = args.weights or args.work.with_suffix(".safetensors")
     extra = set_flags_to_tree([f"spec_decode.{item}" for item in args.spec]).get("spec_decode", {})
     plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
