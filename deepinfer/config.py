@@ -122,6 +122,14 @@ class KernelsSection(_Section):
     force_balanced_routing: bool = False
     compile: Literal["off", "inductor"] = "off"
 
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_switch(cls, value: Any) -> Any:
+        """YAML reads ``off`` (``--set kernels.compile=off``) as false; true means ``inductor``."""
+        if isinstance(value, bool):
+            return "inductor" if value else "off"
+        return value
+
 
 class EngineConfig(_Section):
     """The whole engine configuration (API.md §5)."""

@@ -7,19 +7,18 @@
 set -uo pipefail
 out=$1; prompts=${2:-5000}; steps=${3:-10000}; minutes=${4:-7}
 mkdir -p "$out/a.work" "$out/b.work"
-common=(--device cuda --set model.dtype=float32 --set scheduler.max_num_seqs=256
+common=(--device cuda --set model.dtype=float32 --set scheduler.max_num_seqs=256 --set plugins.attention.enabled=true
+        --set cache.kv_cache_bytes=8000000000
         --recipe prompts="$prompts" --recipe held_out=96 --recipe max_reply_tokens=256
         --recipe steps="$steps" --recipe batch=256 --minutes "$minutes")
 deepinfer train-drafter "${common[@]}" --output "$out/a.safetensors" > "$out/a.log" 2>&1 &
 a=$!
 # The second run reuses the first's replies and labels (the data depend on the recipe's data fields,
-# which both share); it starts once they are written.
-while [ ! -f "$out/a.work/data.pt" ] && kill -0 $a 2>/dev/null; do sleep 5; done
-sleep 20   # torch.save writes the file in place: let it finish (the first run logs when it trains)
+# which both share); it starts once they are written (the first's "train-drafter" progress bar shows then).
 until grep -q "train-drafter" "$out/a.log" 2>/dev/null || ! kill -0 $a 2>/dev/null; do sleep 5; done
 ln -sf "$out/a.work/data.pt" "$out/b.work/data.pt"
-deepinfer train-drafter "${common[@]}" --recipe 'drafter={dspark_num_layers: 2}' \
+deepinfer train-drafter "${common[@]}" --set plugins.spec_decode.dspark_num_layers=2 \
     --output "$out/b.safetensors" > "$out/b.log" 2>&1 &
 b=$!
 wait $a $b
-echo "train_drafter_gpu: done" >> "$out/a.log"
+echo "train_drafter_gpu: done" > "$out/done"

@@ -61,3 +61,10 @@ def test_compile_mode_is_validated(tmp_path: Path) -> None:
     save_tiny("llama", tmp_path)
     with pytest.raises(ConfigError, match=r"kernels\.compile"):
         _llm(tmp_path, "triton")
+
+
+def test_compile_switch_reads_yaml_booleans() -> None:
+    from deepinfer.config import KernelsSection
+
+    assert KernelsSection(compile=False).compile == "off"
+    assert KernelsSection(compile=True).compile == "inductor"
