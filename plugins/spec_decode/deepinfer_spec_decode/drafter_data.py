@@ -21,35 +21,65 @@ from pathlib import Path
 
 KINDS = ("question", "code", "summary", "list")
 
-# Templates per kind; the last one of each kind is held out (used only for held-out prompts).
+# Templates per kind; the last ``HELD_OUT_TEMPLATES`` of each kind are held out (used only for held-out
+# prompts). Many phrasings per kind keep the drafter from learning one template's reply openings.
+HELD_OUT_TEMPLATES = 2
 TEMPLATES: dict[str, tuple[str, ...]] = {
     "question": (
         "What is {topic}? Explain it briefly.",
         "Can you tell me about {topic} in a few sentences?",
         "Why would someone use {topic}?",
         "Explain {topic} to a beginner.",
+        "How does {topic} work?",
+        "I keep hearing about {topic}. What is it for?",
+        "When should I use {topic}, and when not?",
+        "Describe {topic} in one paragraph.",
+        "What problem does {topic} solve?",
+        "Compare {topic} with a simpler alternative.",
         "What are the main ideas behind {topic}?",
+        "Teach me the basics of {topic}.",
     ),
     "code": (
         "Explain what this Python code does:\n\n{code}",
         "Write a short docstring for this function:\n\n{code}",
         "Is there a bug in this code? Explain.\n\n{code}",
         "Rewrite this code to be more readable:\n\n{code}",
+        "Add comments to this code:\n\n{code}",
+        "What does this function return?\n\n{code}",
+        "Write a unit test for this function:\n\n{code}",
+        "How could this code be made faster?\n\n{code}",
+        "Translate this Python code into plain English:\n\n{code}",
+        "What inputs would make this code fail?\n\n{code}",
         "Describe the purpose of each line:\n\n{code}",
+        "Review this code as a senior engineer would:\n\n{code}",
     ),
     "summary": (
         "Summarize the following text in two sentences:\n\n{text}",
         "What is the main point of this passage?\n\n{text}",
         "Give a one-paragraph summary:\n\n{text}",
         "Explain this text in simple words:\n\n{text}",
+        "Summarize this for a busy reader:\n\n{text}",
+        "What are the key takeaways of this text?\n\n{text}",
+        "Rewrite this passage more concisely:\n\n{text}",
+        "Give this text a title and a one-line summary:\n\n{text}",
+        "What questions does this passage answer?\n\n{text}",
+        "Summarize the following in three bullet points:\n\n{text}",
         "Write a short summary of this:\n\n{text}",
+        "Tell me what this text is about:\n\n{text}",
     ),
     "list": (
         "List three facts about {topic}.",
         "Give me a numbered list of steps to learn {topic}.",
         "What are five things to know about {topic}? Answer as a list.",
         "List the pros and cons of {topic}.",
+        "List common mistakes people make with {topic}.",
+        "Give a checklist for using {topic} well.",
+        "List four questions a beginner might ask about {topic}.",
+        "Name some alternatives to {topic}, as a list.",
+        "List the key terms related to {topic} with one-line definitions.",
+        "Outline a short tutorial on {topic} as numbered steps.",
         "Make a bulleted list of tips for working with {topic}.",
+        "List three use cases for {topic}.",
     ),
 }
 
@@ -153,11 +183,13 @@ def _fill(kind: str, template: str, pool: Passages, rng: random.Random) -> str:
 
 
 def chat_prompts(n: int, pool: Passages, rng: random.Random, *, held_out: bool) -> list[Prompt]:
-    """``n`` user messages, kinds in turn; held-out prompts use only each kind's last template."""
+    """``n`` user messages, kinds in turn; held-out prompts use only each kind's last
+    ``HELD_OUT_TEMPLATES`` templates, training prompts the others."""
     prompts = []
     for i in range(n):
         kind = KINDS[i % len(KINDS)]
-        templates = TEMPLATES[kind][-1:] if held_out else TEMPLATES[kind][:-1]
+        cut = len(TEMPLATES[kind]) - HELD_OUT_TEMPLATES
+        templates = TEMPLATES[kind][cut:] if held_out else TEMPLATES[kind][:cut]
         prompts.append(Prompt(kind, _fill(kind, rng.choice(templates), pool, rng)))
     return prompts
 

@@ -56,7 +56,7 @@ from deepinfer_spec_decode.dspark import DSparkNetwork, build_network, lm_head_o
 
 logger = logging.getLogger(__name__)
 
-RECIPE_VERSION = 2  # bump when the training procedure changes what a recipe produces
+RECIPE_VERSION = 3  # bump when the training procedure changes what a recipe produces
 
 
 @dataclass(frozen=True)
