@@ -28,7 +28,7 @@ drafted for ``r`` requests afterwards is charged
   but it is what more verified tokens per step amortize.
 
 Each observation is first predicted: ``prediction_error`` is the median relative error
-``|predicted − measured| / measured`` over the last ``window`` steps (``stats()``).
+``|predicted − measured| / measured`` over the last ``term_window`` steps (``stats()``).
 """
 
 from __future__ import annotations
