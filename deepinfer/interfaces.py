@@ -246,10 +246,21 @@ class Drafter(Protocol):
 
 
 class StepCostModel(Protocol):
-    """Step time (seconds) as a function of total query tokens in a step (``engine/cost.py``)."""
+    """Step time (seconds) of a decode step as a function of its total query tokens (``engine/cost.py``).
 
-    def step_time(self, query_tokens: int) -> float: ...
-    def observe(self, query_tokens: int, seconds: float) -> None: ...
+    The core builds it and hands it to the plan; a plan only calls ``step_time``, and a plan written
+    against ``step_time(query_tokens)`` alone keeps working (``requests`` defaults to 0)."""
+
+    def step_time(self, query_tokens: int, *, requests: int = 0) -> float:
+        """Seconds of a decode step of ``query_tokens`` (every one a verified row: forward, sampler and
+        verification) followed by drafting for ``requests`` requests (0: drafting not charged)."""
+        ...
+
+    def observe(self, query_tokens: int, seconds: float, *, sampler_seconds: float | None = None,
+                requests: int = 0, draft_seconds: float | None = None) -> None:
+        """A measured decode step: ``seconds`` of forward and LM head, ``sampler_seconds`` of sampling and
+        verification, ``draft_seconds`` of drafting for ``requests`` requests after it (None: not measured)."""
+        ...
 
 
 class VerificationPlan(Protocol):
@@ -257,7 +268,8 @@ class VerificationPlan(Protocol):
 
     def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
         """Total query tokens over decode rows, Σ(1 + drafts verified), from host-side confidences
-        ``[B, k]`` of the previous round. Fixes the batch bucket.
+        ``[B, k]`` of the previous round. Fixes the batch bucket. A plan that weighs step time asks
+        ``cost.step_time(total, requests=B)``: each of the B requests drafts again after the step.
 
         Confidence matrices hold each request's per-draft conditional confidences in (0, 1]; a
         position past a request's last draft is exactly 0 (nothing to verify there); a draft whose

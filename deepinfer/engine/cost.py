@@ -1,17 +1,34 @@
-"""The step-cost model: step time as a function of the query tokens in a step (reference/deepinfer.md §5).
+"""The step-cost model: what a decode step costs, in seconds (reference/deepinfer.md §5).
 
-A curve of (query tokens, seconds) is profiled on placeholder batches as far as it is needed: sizes
-are powers of two (then the largest step) and a size is measured the first time a query reaches
-it (one warm-up and five timed forwards; the extremes are dropped and the middle three averaged), so
-a small batch never pays for profiling a large one. The curve is then corrected online: each
-observed decode step adds its normalized residual ``(seconds − curve(q)) / q`` to a window, a
-median is kept per profiled size (sizes with at least ``min_samples`` samples count), and the
-median of those medians is a per-token slope added to the curve (never negative). The curve
-ignores context length, as the reference's does.
+A step of ``q`` query tokens (every one a verified row: a verification step samples each of them)
+drafted for ``r`` requests afterwards is charged
 
-On a GPU with CUDA graphs the whole curve is profiled at start-up, one point per graph bucket (the
-time of a replay), and may be cached on disk (``CurveCache``: one JSON file per run shape, reused
-while younger than its TTL), as the reference's decode-perf cache does.
+    step_time(q, requests=r) = forward(q) + sampler_per_row · q + draft_per_request · r
+
+- ``forward``: a curve of (query tokens, seconds) of forward and LM head, profiled on placeholder
+  batches. Without CUDA graphs (CPU, eager GPU) sizes are powers of two (then the largest step), each
+  measured the first time a query reaches it (one warm-up and five timed forwards; the extremes are
+  dropped and the middle three averaged), so a small batch never pays for profiling a large one, and
+  the curve is linear between them. With CUDA graphs (``bucketed``) the whole curve is profiled at
+  start-up, one point per graph bucket (the time of a replay), and a step is charged as the smallest
+  bucket ≥ ``q``, padding included: that is the graph it replays (a step past the largest bucket runs
+  eagerly and is extended linearly). The curve may be cached on disk (``CurveCache``: one JSON file per
+  run shape, reused while younger than its TTL), as the reference's decode-perf cache does. It is
+  corrected online: each observed decode step adds its normalized residual
+  ``(seconds − curve(b)) / b`` (``b`` the charged tokens) to a window, a median is kept per profiled
+  size (sizes with at least ``min_samples`` samples count), and the median of those medians is a
+  per-token slope added to the curve (never negative). The curve ignores context length, as the
+  reference's does.
+- ``sampler_per_row``: the sampler's and verification's seconds per verified row, the windowed median
+  of the observed ``sampler_seconds / q`` (0 until ``min_samples`` steps were seen). The reference keeps
+  a median of ``sampler_ms`` per batch size; per row it carries over to the sizes not seen yet.
+- ``draft_per_request``: the drafter's seconds per drafting request (a forward per step for ``mtp`` and
+  ``dspark``; host work only for ``ngram``), the windowed median of the observed
+  ``draft_seconds / requests`` (0 until ``min_samples`` steps were seen). It does not depend on ``q``,
+  but it is what more verified tokens per step amortize.
+
+Each observation is first predicted: ``prediction_error`` is the median relative error
+``|predicted − measured| / measured`` over the last ``term_window`` steps (``stats()``).
 """
 
 from __future__ import annotations
@@ -61,18 +78,49 @@ def time_call(fn: Callable[[], None], device: torch.device, *, warmup: int = 1, 
     return sum(middle) / len(middle)
 
 
+class WindowedMedian:
+    """The median of the last ``window`` samples (0.0 until ``min_samples`` arrived), recomputed only
+    after a new sample."""
+
+    def __init__(self, window: int, min_samples: int) -> None:
+        self._samples: deque[float] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self._median: float | None = None
+
+    def add(self, value: float) -> None:
+        self._samples.append(value)
+        self._median = None
+
+    def value(self) -> float:
+        if self._median is None:
+            ready = len(self._samples) >= self.min_samples
+            self._median = statistics.median(self._samples) if ready else 0.0
+        return self._median
+
+
 class StepCost:
     """``StepCostModel`` over a curve that ``measure(query_tokens) -> seconds`` fills on demand, up
-    to ``max_tokens``, at ``sizes`` (default ``profile_sizes(max_tokens)``)."""
+    to ``max_tokens``, at ``sizes`` (default ``profile_sizes(max_tokens)``). ``bucketed``: the sizes are
+    the CUDA-graph buckets that serve decode steps, so a step is charged as its bucket (padding
+    included) instead of interpolated. ``window``: the residuals kept for the slope; ``term_window``: the
+    samples kept for the sampler and drafter terms and for the prediction error."""
 
     def __init__(self, measure: Callable[[int], float], max_tokens: int, *, sizes: Sequence[int] | None = None,
-                 window: int = 5000, min_samples: int = 10) -> None:
+                 bucketed: bool = False, window: int = 5000, term_window: int = 500, min_samples: int = 10) -> None:
+        if bucketed and not sizes:
+            raise ValueError("StepCost(bucketed=True) needs the graph buckets as sizes")
         self._measure = measure
         self._todo = sorted(sizes) if sizes else profile_sizes(max_tokens)
         self._sizes: list[int] = []
         self._seconds: list[float] = []
+        self.bucketed = bucketed
         self._residuals: deque[tuple[int, float]] = deque(maxlen=window)
+        self._slope: float | None = None  # cached until the next observation
         self.min_samples = min_samples
+        self.sampler_per_row = WindowedMedian(term_window, min_samples)
+        self.draft_per_request = WindowedMedian(term_window, min_samples)
+        self.errors = WindowedMedian(term_window, 1)
+        self.predicted_steps = 0
 
     @property
     def points(self) -> list[tuple[int, float]]:
@@ -108,26 +156,85 @@ class StepCost:
         frac = (query_tokens - sizes[lo]) / (sizes[hi] - sizes[lo])
         return secs[lo] + frac * (secs[hi] - secs[lo])
 
+    def charged_tokens(self, query_tokens: int) -> int:
+        """The query tokens a step of ``query_tokens`` computes: with graph buckets, the smallest bucket
+        ≥ it (padding included); without, or past the largest bucket (an eager step), the tokens themselves."""
+        if not self.bucketed:
+            return query_tokens
+        self._profile_up_to(query_tokens)
+        if query_tokens > self._sizes[-1]:
+            return query_tokens
+        return self._sizes[bisect.bisect_left(self._sizes, query_tokens)]
+
     def _bucket(self, query_tokens: int) -> int:
         i = bisect.bisect_left(self._sizes, query_tokens)
         return self._sizes[min(i, len(self._sizes) - 1)]
 
     def slope(self) -> float:
-        """The online per-token correction (seconds per query token, ≥ 0)."""
-        by_bucket: dict[int, list[float]] = {}
-        for bucket, r in self._residuals:
-            by_bucket.setdefault(bucket, []).append(r)
-        medians = [statistics.median(v) for v in by_bucket.values() if len(v) >= self.min_samples]
-        return max(0.0, statistics.median(medians)) if medians else 0.0
+        """The online per-token correction of the forward curve (seconds per charged token, ≥ 0)."""
+        if self._slope is None:
+            by_bucket: dict[int, list[float]] = {}
+            for bucket, r in self._residuals:
+                by_bucket.setdefault(bucket, []).append(r)
+            medians = [statistics.median(v) for v in by_bucket.values() if len(v) >= self.min_samples]
+            self._slope = max(0.0, statistics.median(medians)) if medians else 0.0
+        return self._slope
 
-    def step_time(self, query_tokens: int) -> float:
-        return self.curve(query_tokens) + self.slope() * query_tokens
+    def forward_time(self, query_tokens: int) -> float:
+        """Seconds of the forward and LM head of a step of ``query_tokens``: the curve and the slope at
+        the charged tokens."""
+        charged = self.charged_tokens(query_tokens)
+        return self.curve(charged) + self.slope() * charged
 
-    def observe(self, query_tokens: int, seconds: float) -> None:
+    def step_time(self, query_tokens: int, *, requests: int = 0) -> float:
+        """Seconds of a decode step of ``query_tokens`` (all verified rows) followed by drafting for
+        ``requests`` requests: forward, sampler and verification, drafter."""
+        return (self.forward_time(query_tokens) + self.sampler_per_row.value() * query_tokens
+                + self.draft_per_request.value() * requests)
+
+    def observe(self, query_tokens: int, seconds: float, *, sampler_seconds: float | None = None,
+                requests: int = 0, draft_seconds: float | None = None) -> None:
+        """Learn from a decode step of ``query_tokens``: ``seconds`` of forward and LM head,
+        ``sampler_seconds`` of sampling and verification, ``draft_seconds`` of drafting for ``requests``
+        requests afterwards (None: not measured). The step is predicted first (``stats``)."""
         if query_tokens <= 0:
             return
-        residual = (seconds - self.curve(query_tokens)) / query_tokens
-        self._residuals.append((self._bucket(query_tokens), residual))
+        if requests <= 0:
+            draft_seconds = None
+        self._record_error(query_tokens, seconds, sampler_seconds, requests, draft_seconds)
+        charged = self.charged_tokens(query_tokens)
+        self._residuals.append((self._bucket(query_tokens), (seconds - self.curve(charged)) / charged))
+        self._slope = None
+        if sampler_seconds is not None:
+            self.sampler_per_row.add(sampler_seconds / query_tokens)
+        if draft_seconds is not None:
+            self.draft_per_request.add(draft_seconds / requests)
+
+    def _record_error(self, query_tokens: int, seconds: float, sampler_seconds: float | None, requests: int,
+                      draft_seconds: float | None) -> None:
+        """The relative error of the model's prediction of the parts of a step that were measured."""
+        predicted, measured = self.forward_time(query_tokens), seconds
+        if sampler_seconds is not None:
+            predicted += self.sampler_per_row.value() * query_tokens
+            measured += sampler_seconds
+        if draft_seconds is not None:
+            predicted += self.draft_per_request.value() * requests
+            measured += draft_seconds
+        if measured > 0:
+            self.errors.add(abs(predicted - measured) / measured)
+            self.predicted_steps += 1
+
+    def stats(self) -> dict[str, float | int]:
+        """``get_stats()["step_cost"]``: the median relative error of the step times predicted before
+        each observation (over the last ``term_window`` steps) and how many steps were predicted, and the
+        learned terms (seconds)."""
+        return {
+            "prediction_error": self.errors.value(),
+            "predicted_steps": self.predicted_steps,
+            "slope_seconds_per_token": self.slope(),
+            "sampler_seconds_per_row": self.sampler_per_row.value(),
+            "draft_seconds_per_request": self.draft_per_request.value(),
+        }
 
 
 class CurveCache:

@@ -121,6 +121,8 @@ class LLMEngine:
     # ------------------------------------------------------------------------------------------ stats
 
     def get_stats(self) -> dict[str, Any]:
+        """Cumulative counters (API.md §4), one sub-dict per enabled plugin, and under speculative decoding
+        ``step_cost``: the step-cost model's prediction error and learned terms (``StepCost.stats``)."""
         kv = self.kv
         stats: dict[str, Any] = {
             "steps": self.stats.steps,
@@ -139,6 +141,8 @@ class LLMEngine:
             "device_busy_s": self.stats.device_busy_s,
             "device_idle_s": self.stats.device_idle_s,
         }
+        if self.speculator is not None and isinstance(self.speculator.cost, StepCost):
+            stats["step_cost"] = self.speculator.cost.stats()
         stats.update(self.host.plugin_stats())
         return stats
 

@@ -11,6 +11,7 @@ sampling (``sampling/verify.py``), and requests without drafts sample exactly as
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -83,6 +84,10 @@ class StepResults:
     ready: torch.cuda.Event | None = None
     # On CUDA: recorded on the stream before the step's first kernel (with ``ready``, the step's device span).
     started: torch.cuda.Event | None = None
+    # On CUDA: recorded between the LM head and the sampler, splitting the device span (``time_split``).
+    forwarded: torch.cuda.Event | None = None
+    # Host seconds of the forward (LM head included) and of the sampler: the step's split off CUDA.
+    host_split: tuple[float, float] = (0.0, 0.0)
 
     def host_results(self) -> tuple[SampleResult | None, VerifyResult | None]:
         """``sampled`` and ``verified`` readable on the host: the pinned copies once the step's event has
@@ -91,6 +96,14 @@ class StepResults:
             return self.sampled, self.verified
         self.ready.synchronize()
         return self.host_sampled, self.host_verified
+
+    def time_split(self) -> tuple[float, float]:
+        """``(forward, sampler)`` seconds of the step: forward with the LM head, then sampling or
+        verification (with the copy of its results to the host). On CUDA from the step's events, read
+        after ``host_results`` (they have fired then: no wait); elsewhere the host's clock."""
+        if self.started is None or self.forwarded is None or self.ready is None:
+            return self.host_split
+        return self.started.elapsed_time(self.forwarded) / 1000, self.forwarded.elapsed_time(self.ready) / 1000
 
 
 class ModelRunner:
@@ -254,10 +267,11 @@ class ModelRunner:
     def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResults:
         """Forward, LM head on the selected rows, and sampling (all on the device). ``fill`` =
         ``(rows, tokens)`` writes tokens still on the device into ``input_ids`` first."""
-        started = None
+        started = forwarded = None
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
             started.record()
+        t0 = time.perf_counter()
         if inputs.graph is not None:
             assert self.graphs is not None
             self.graphs.load(inputs.graph)
@@ -272,6 +286,10 @@ class ModelRunner:
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.ctx)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
+        t1 = time.perf_counter()
+        if self.device.type == "cuda":
+            forwarded = torch.cuda.Event(enable_timing=True)
+            forwarded.record()
         sampled = verified = None
         if inputs.verify is not None or inputs.sampling is not None:
             rows = logits.index_select(0, inputs.sample_rows)
@@ -290,19 +308,21 @@ class ModelRunner:
                 assert self.penalties is not None
                 emitted = verified.tokens if verified is not None else sampled.tokens  # type: ignore[union-attr]
                 self.penalties.record(inputs.penalties, emitted)
+        host_split = (t1 - t0, time.perf_counter() - t1)
         kept = None
         if self.keep_hidden and self.hidden_layers:
             kept = torch.cat([self.model.captured_hidden[i] for i in self.hidden_layers], dim=-1)
         elif self.keep_hidden:
             kept = hidden
         results = StepResults(inputs.samplers, sampled, inputs.prompt_spans,
-                              logits if inputs.prompt_spans else None, verified, kept)
+                              logits if inputs.prompt_spans else None, verified, kept, host_split=host_split)
         if self.device.type == "cuda":
             results.host_sampled = to_host(sampled) if sampled is not None else None
             results.host_verified = to_host(verified) if verified is not None else None
             results.ready = torch.cuda.Event(enable_timing=True)
             results.ready.record()
             results.started = started
+            results.forwarded = forwarded
         return results
 
     def work_drained(self) -> None:

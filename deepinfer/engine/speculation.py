@@ -5,9 +5,10 @@ tokens, and a ``VerificationPlan`` grants each decode request a number of drafts
 module holds the glue: it caps drafts at what a request may still emit, asks the plan (budget, then
 split), hands the drafter its inputs and keeps each request's proposal (``Drafts``, by request id and
 epoch: the proposal lives here, not on the request, and reaches the step rows through the plan), and
-feeds decode-step times to the step-cost model. Verification itself is ``sampling/verify.py``; the rollback of rejected
-positions is the core's ``process`` (a request's computed length goes back to its last accepted
-token, so the next step overwrites their KV).
+feeds each decode step's measured times (forward, sampler, drafting) to the step-cost model.
+Verification itself is ``sampling/verify.py``; the rollback of rejected positions is the core's
+``process`` (a request's computed length goes back to its last accepted token, so the next step
+overwrites their KV).
 
 Drafters with a paged cache of their own on the main pool's block ids (MTP) also get the step's
 committed rows (``CommittedRows``): the main model's final hidden state of every token the step
@@ -21,6 +22,7 @@ in place of the final hidden state.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -192,18 +194,20 @@ class Speculator:
                 for (req, drafts), g, n in zip(proposed, granted, limits, strict=True)}
 
     def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
-                hidden: torch.Tensor | None = None) -> None:
+                hidden: torch.Tensor | None = None) -> float:
         """Ask the drafter for the next drafts of ``requests`` (each just committed tokens) and keep
         them (``drafts_of``). With a ``cache``, ``spans`` (every live row of the step) and ``hidden``
         (the step's final hidden states) become ``DraftInputs.rows``, and the drafter runs even with
         no request to draft for (its cache rows must still be written). Reads the proposal on the host
-        (deliberate: the scheduler needs it)."""
+        (deliberate: the scheduler needs it), so the seconds returned (0.0: the drafter did not run)
+        cover the drafter's device work too."""
+        start = time.perf_counter()
         rows, chain = None, None
         if self.cache is not None and hidden is not None:
             chain = DraftChain(requests, self.cache, self.max_draft)
             rows = self._committed_rows(requests, spans, hidden, chain)
         if not requests and rows is None:
-            return
+            return 0.0
         dev = self.device
         width = max((r.num_tokens for r in requests), default=1)
         history = torch.full((len(requests), width), -1, dtype=torch.int64)
@@ -221,7 +225,7 @@ class Speculator:
         )
         proposal = self.drafter.propose(inputs)
         if not requests:
-            return
+            return time.perf_counter() - start
         tokens = proposal.tokens.tolist()
         confidence = proposal.confidence.float().clamp(MIN_CONFIDENCE, 1.0).tolist()
         raw = proposal.raw_confidence if proposal.raw_confidence is not None else proposal.confidence
@@ -232,6 +236,7 @@ class Speculator:
             probs = proposal.probs[i, :n] if proposal.probs is not None and n else None
             self.proposals[req.request_id] = Drafts(req.epoch, tuple(row[:n]), tuple(confidence[i][:n]),
                                                     tuple(raw_confidence[i][:n]), probs)
+        return time.perf_counter() - start
 
     def _committed_rows(self, requests: Sequence[Request], spans: Sequence[CommittedSpan], hidden: torch.Tensor,
                         chain: DraftChain) -> CommittedRows | None:
@@ -263,8 +268,11 @@ class Speculator:
             chain=chain,
         )
 
-    def observe_step(self, batch: SchedulerOutput, forward_seconds: float) -> None:
-        """Feed a pure decode step's forward time to the step-cost model."""
+    def observe_step(self, batch: SchedulerOutput, forward_seconds: float, sampler_seconds: float, drafted: int,
+                     draft_seconds: float | None) -> None:
+        """Feed a pure decode step's times to the step-cost model: its forward and sampler seconds, and
+        the seconds of drafting for ``drafted`` requests after it (None: not measured)."""
         rows = batch.scheduled
         if rows and all(s.samples and s.num_new_tokens == 1 + len(s.drafts) for s in rows):
-            self.cost.observe(batch.num_tokens, forward_seconds)
+            self.cost.observe(batch.num_tokens, forward_seconds, sampler_seconds=sampler_seconds, requests=drafted,
+                              draft_seconds=draft_seconds)

@@ -324,21 +324,22 @@ class StartUp:
             # Verification-shaped rows (1 + max_draft tokens per request): what the plan's budget buys.
             return time_call(lambda: runner.placeholder_step(query_tokens, 1 + settings.max_draft), self.device)
 
-        cost = self._step_cost(measure, largest, 1 + settings.max_draft, graphs)
+        # A runner that keeps captured layer features (dspark) runs every step eagerly: no graph serves it.
+        cost = self._step_cost(measure, largest, 1 + settings.max_draft, None if hidden_layers else graphs)
         return runner, Speculator(drafter, plan, cost, settings.max_draft, self.device, cache)
 
     def _step_cost(self, measure: Callable[[int], float], largest: int, query_len: int,
                    graphs: DecodeGraphs | None) -> StepCost:
-        """The varlen plan's step-cost curve: profiled on demand on eager placeholder steps, or, with CUDA
-        graphs, at start-up from one replay per graph bucket (cached on disk when
-        ``scheduler.step_cost_cache_dir`` is set)."""
+        """The varlen plan's step-cost model: its curve profiled on demand on eager placeholder steps, or,
+        when ``graphs`` serve verification steps, at start-up from one replay per graph bucket (cached on
+        disk when ``scheduler.step_cost_cache_dir`` is set), each step then charged as its bucket."""
         if graphs is None or query_len not in graphs.max_query_lens:  # verification steps run eagerly
             return StepCost(measure, largest)
 
         def replay(query_tokens: int) -> float:
             return time_call(lambda: graphs.replay((query_tokens, query_len)), self.device)
 
-        cost = StepCost(replay, largest, sizes=graphs.buckets)
+        cost = StepCost(replay, largest, sizes=graphs.buckets, bucketed=True)  # a step replays its bucket's graph
         sched = self.config.scheduler
         folder = sched.step_cost_cache_dir
         cache = CurveCache(folder, sched.step_cost_cache_ttl_s) if folder else None

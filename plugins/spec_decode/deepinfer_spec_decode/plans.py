@@ -8,8 +8,9 @@ go to the smaller flat index (request · k + position): the result is determinis
 - ``varlen``: the confidence-driven plan. A slot's value is the running product of its request's
   conditional confidences (the probability that it is accepted). ``budget`` walks the slots from
   most to least likely and keeps the total query tokens that maximize expected accepted tokens per
-  second of step time (from the step-cost model); ``split`` gives that total to the best slots of
-  the newest confidences.
+  second of step time (from the step-cost model: forward at the step's graph bucket, the sampler per
+  verified row, and the drafting of every request after the step); ``split`` gives that total to the
+  best slots of the newest confidences.
 """
 
 from __future__ import annotations
@@ -59,13 +60,13 @@ class VarlenPlan:
         rates = acceptance_rates(stale_confidence).reshape(-1)
         ranked = torch.sort(-rates, stable=True).values.neg()
         expected, tokens = float(batch), batch
-        best_tokens, best = tokens, expected / cost.step_time(tokens)
+        best_tokens, best = tokens, expected / cost.step_time(tokens, requests=batch)
         for rate in ranked.tolist():
             if rate <= 0:
                 break
             expected += rate
             tokens += 1
-            throughput = expected / cost.step_time(tokens)
+            throughput = expected / cost.step_time(tokens, requests=batch)
             if throughput > best:
                 best, best_tokens = throughput, tokens
         return best_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from deepinfer_spec_decode.calibration import IsotonicCalibrator, pool_adjacent_violators
 from deepinfer_spec_decode.plans import FixedPlan, VarlenPlan, acceptance_rates
@@ -12,15 +13,18 @@ from deepinfer.engine.cost import StepCost
 
 
 class CurveCost:
-    """A step-cost model from a function of query tokens."""
+    """A step-cost model from a function of query tokens, plus ``per_request`` seconds of drafting."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, per_request: float = 0.0):
         self.fn = fn
+        self.per_request = per_request
+        self.requests: set[int] = set()  # what the plan asked with
 
-    def step_time(self, q: int) -> float:
-        return self.fn(q)
+    def step_time(self, q: int, *, requests: int = 0) -> float:
+        self.requests.add(requests)
+        return self.fn(q) + self.per_request * requests
 
-    def observe(self, q: int, seconds: float) -> None:
+    def observe(self, q: int, seconds: float, **measured) -> None:
         pass
 
 
@@ -111,6 +115,77 @@ def test_step_cost_profiles_once_interpolates_and_learns_a_slope():
         cost.observe(16, 2.5 + 16 * 0.01)  # every step 10 ms per token slower than profiled
     assert abs(cost.slope() - 0.01) < 1e-9 and abs(cost.step_time(16) - 2.66) < 1e-9
     assert len(calls) == 6
+
+
+def _profiled(table):
+    """``measure`` over a table of profiled seconds, and the sizes it was asked for."""
+    calls = []
+
+    def measure(q):
+        calls.append(q)
+        return table[q]
+
+    return measure, calls
+
+
+BUCKETS = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5, 24: 3.3}
+
+
+def test_step_cost_under_graphs_charges_the_bucket_a_step_pads_to():
+    measure, _ = _profiled(BUCKETS)
+    graphs = StepCost(measure, 24, sizes=sorted(BUCKETS), bucketed=True, min_samples=3)
+    eager = StepCost(measure, 24, sizes=sorted(BUCKETS))
+    for q, bucket in [(1, 1), (3, 4), (4, 4), (9, 16), (15, 16), (17, 24), (24, 24)]:
+        assert graphs.charged_tokens(q) == bucket and eager.charged_tokens(q) == q
+        assert abs(graphs.step_time(q) - BUCKETS[bucket]) < 1e-9  # padding charged: a step function
+    assert eager.step_time(9) < graphs.step_time(9)  # interpolation charges the real tokens only
+    assert abs(graphs.step_time(32) - eager.step_time(32)) < 1e-9  # past the last graph: eager, extended
+    for _ in range(3):  # a 9-token step replays the 16-token graph: its residual is per padded token
+        graphs.observe(9, BUCKETS[16] + 16 * 0.01)
+    assert abs(graphs.slope() - 0.01) < 1e-9 and abs(graphs.step_time(9) - (BUCKETS[16] + 0.16)) < 1e-9
+
+
+def test_step_cost_needs_the_buckets_when_bucketed():
+    with pytest.raises(ValueError, match="bucketed"):
+        StepCost(lambda q: 1.0, 8, bucketed=True)
+
+
+def test_step_cost_learns_the_sampler_per_verified_row_and_the_drafter_per_request():
+    measure, _ = _profiled(BUCKETS)
+    cost = StepCost(measure, 24, min_samples=5)
+    gen = torch.Generator().manual_seed(3)
+    for i in range(5):
+        q = int(torch.randint(2, 25, (), generator=gen))
+        assert cost.step_time(q, requests=2) == cost.curve(q)  # nothing learned yet: forward alone
+        cost.observe(q, cost.curve(q), sampler_seconds=0.002 * q, requests=2 + i, draft_seconds=0.03 * (2 + i))
+    cost.observe(8, cost.curve(8), sampler_seconds=5.0, requests=0, draft_seconds=9.0)  # no drafting: no sample
+    assert abs(cost.sampler_per_row.value() - 0.002) < 1e-12
+    assert abs(cost.draft_per_request.value() - 0.03) < 1e-12
+    assert abs(cost.step_time(10, requests=4) - (cost.curve(10) + 0.02 + 0.12)) < 1e-9
+    assert abs(cost.step_time(10) - (cost.curve(10) + 0.02)) < 1e-9  # a plan that names no requests
+    assert cost.slope() == 0.0  # the forward was as profiled
+
+
+def test_step_cost_reports_its_prediction_error():
+    measure, _ = _profiled(BUCKETS)
+    cost = StepCost(measure, 24, min_samples=1000)  # nothing is learned: every step is predicted by the curve
+    assert cost.stats()["predicted_steps"] == 0 and cost.stats()["prediction_error"] == 0.0
+    for q in (1, 3, 8, 20):  # 10% slower than predicted
+        cost.observe(q, 1.1 * cost.curve(q))
+    cost.observe(5, 0.9 * cost.curve(5) - 0.01, sampler_seconds=0.01)  # 10% faster, the sampler measured apart
+    stats = cost.stats()
+    assert stats["predicted_steps"] == 5
+    assert abs(stats["prediction_error"] - 0.1 / 1.1) < 1e-9  # the median of four 1/11 and one 1/9
+    assert set(stats) == {"prediction_error", "predicted_steps", "slope_seconds_per_token",
+                          "sampler_seconds_per_row", "draft_seconds_per_request"}
+
+
+def test_varlen_charges_the_drafting_of_every_request_and_verifies_more_when_it_is_dear():
+    conf = _random_confidence(5, 4, 2)
+    expensive_tokens = CurveCost(lambda q: 0.1 + 1.0 * q)
+    assert VarlenPlan().budget(conf, expensive_tokens) == 5 and expensive_tokens.requests == {5}
+    dear_drafting = CurveCost(lambda q: 0.1 + 1.0 * q, per_request=100.0)  # amortized by every verified token
+    assert VarlenPlan().budget(conf, dear_drafting) == 5 + int((conf > 0).sum())
 
 
 def test_unverified_positions_borrow_the_previous_positions_calibration():

@@ -92,6 +92,24 @@ def test_outputs_never_exceed_max_tokens_and_stop_inside_accepted_drafts(tmp_pat
     assert out == expected
 
 
+def test_the_step_cost_model_learns_from_the_engines_decode_steps(tmp_path):
+    """The core feeds every pure decode step's forward, sampler and drafting seconds to the step-cost
+    model; ``get_stats()["step_cost"]`` shows what it learned and how well it predicted the steps."""
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = repeating_prompts(4, 5)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    reference, plain = _generate(folder, prompts, params)
+    assert "step_cost" not in plain.get_stats()  # no speculation, no step-cost model
+    oracle = write_oracle_file(tmp_path, prompts, reference)
+    out, llm = _generate(folder, prompts, params, spec_plugins("oracle", "varlen", oracle_file=oracle,
+                                                               oracle_corruption=0.3))
+    assert out == reference
+    cost = llm.get_stats()["step_cost"]
+    assert cost["predicted_steps"] >= 10
+    assert cost["sampler_seconds_per_row"] > 0 and cost["draft_seconds_per_request"] > 0
+    assert cost["prediction_error"] > 0  # wall-clock steps on a shared CPU are never predicted exactly
+
+
 @pytest.mark.parametrize("draft_probs", [False, True], ids=["onehot", "probs"])
 def test_sampled_tokens_follow_the_target_distribution(tmp_path, draft_probs):
     """Seeded requests with speculation on; the second and third output tokens (produced through
