@@ -16,10 +16,10 @@ import json
 from pathlib import Path
 
 import torch
-
-from deepinfer import LLM
 from deepinfer_spec_decode.drafter_training import DrafterTrainer, Recipe, Sequences, manifest_path, teacher_labels
 from deepinfer_spec_decode.dspark import build_network, lm_head_of, load_weights, target_layers
+
+from deepinfer import LLM
 
 
 def main() -> None:
