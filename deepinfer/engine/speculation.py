@@ -8,7 +8,9 @@ epoch: the proposal lives here, not on the request, and reaches the step rows th
 feeds each decode step's measured times (forward, sampler, drafting) to the step-cost model.
 Verification itself is ``sampling/verify.py``; the rollback of rejected positions is the core's
 ``process`` (a request's computed length goes back to its last accepted token, so the next step
-overwrites their KV).
+overwrites their KV). When the plan verifies none of the drafts it was offered, drafting pauses for
+1, 2, 4 … (at most ``PAUSE_LIMIT``) steps while that repeats (``Speculator._note_grant``): the engine
+then decodes without paying for drafts that would not be verified, and probes again after the pause.
 
 Drafters with a paged cache of their own on the main pool's block ids (MTP) also get the step's
 committed rows (``CommittedRows``): the main model's final hidden state of every token the step
@@ -33,6 +35,7 @@ from deepinfer.engine.request import Request
 from deepinfer.interfaces import CommittedRows, Drafter, DraftInputs, ForwardContext, StepCostModel, VerificationPlan
 
 MIN_CONFIDENCE = 1e-6  # a real draft never has confidence 0, which marks "no draft" for plans
+PAUSE_LIMIT = 64  # the longest drafting pause, in steps (Speculator._note_grant)
 SCRATCH_TABLE = (0,)  # block 0 is never handed out (kv/pools.py): rows that must not land anywhere write it
 SCRATCH_SLOT = 0  # nor is state slot 0 (kv/state.py): the per-request state of such rows
 
@@ -158,6 +161,8 @@ class Speculator:
         self.device = device
         self.cache = cache  # set when the drafter reads the committed rows (MTP): DraftInputs.rows
         self.proposals: dict[str, Drafts] = {}  # request id -> its newest proposal
+        self._pause = 0  # the current drafting pause length (steps), PAUSE_LIMIT at most
+        self._pause_left = 0  # steps of it still to skip
 
     def drafts_of(self, req: Request) -> Drafts | None:
         """``req``'s live proposal (None when it has none, or only one from before it was preempted)."""
@@ -189,9 +194,23 @@ class Speculator:
                 confidence[i, :n] = torch.tensor(drafts.confidence[:n])
         # Synchronous steps see the newest confidences on the host, so budget and split use the same.
         total = self.plan.budget(confidence, self.cost)
-        granted = self.plan.split(confidence, total).tolist()
-        return {req.request_id: drafts.granted(min(int(g), n))
-                for (req, drafts), g, n in zip(proposed, granted, limits, strict=True)}
+        granted = [min(int(g), n) for g, n in zip(self.plan.split(confidence, total).tolist(), limits, strict=True)]
+        if sum(limits):
+            self._note_grant(sum(granted))
+        return {req.request_id: drafts.granted(g) for (req, drafts), g in zip(proposed, granted, strict=True)}
+
+    def _note_grant(self, verified: int) -> None:
+        """The drafting pause: after a step whose plan verified none of the drafts it was offered (they
+        did not pay: ``varlen`` at a batch where the verified rows cost more than they bring), the next
+        1, then 2, 4 … up to ``PAUSE_LIMIT`` proposals are skipped while that repeats, so the engine
+        decodes without paying for drafting; a step that verifies a draft ends the pause."""
+        self._pause = min(max(1, 2 * self._pause), PAUSE_LIMIT) if verified == 0 else 0
+        self._pause_left = self._pause
+
+    @property
+    def paused(self) -> bool:
+        """Whether the next proposal is skipped (``_note_grant``)."""
+        return self._pause_left > 0
 
     def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
                 hidden: torch.Tensor | None = None) -> float:
@@ -202,6 +221,11 @@ class Speculator:
         (deliberate: the scheduler needs it), so the seconds returned (0.0: the drafter did not run)
         cover the drafter's device work too."""
         start = time.perf_counter()
+        if self._pause_left > 0:  # drafting paused: no request drafts (a drafter's cache rows are still written)
+            self._pause_left -= 1
+            for req in requests:
+                self.proposals.pop(req.request_id, None)
+            requests = []
         rows, chain = None, None
         if self.cache is not None and hidden is not None:
             chain = DraftChain(requests, self.cache, self.max_draft)

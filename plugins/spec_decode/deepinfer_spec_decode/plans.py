@@ -9,8 +9,9 @@ go to the smaller flat index (request · k + position): the result is determinis
   conditional confidences (the probability that it is accepted). ``budget`` walks the slots from
   most to least likely and keeps the total query tokens that maximize expected accepted tokens per
   second of step time (from the step-cost model: forward at the step's graph bucket, the sampler per
-  verified row, and the drafting of every request after the step); ``split`` gives that total to the
-  best slots of the newest confidences.
+  verified row, and the drafting of every request after the step), against decoding without any
+  draft (no drafting charged: when the plan verifies nothing the engine pauses drafting); ``split``
+  gives that total to the best slots of the newest confidences.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ class VarlenPlan:
         rates = acceptance_rates(stale_confidence).reshape(-1)
         ranked = torch.sort(-rates, stable=True).values.neg()
         expected, tokens = float(batch), batch
-        best_tokens, best = tokens, expected / cost.step_time(tokens, requests=batch)
+        # The baseline is decoding without speculation: no draft verified, and none drafted either (the
+        # engine pauses drafting after a step that verifies nothing), so no drafting cost.
+        best_tokens, best = tokens, expected / cost.step_time(tokens)
         for rate in ranked.tolist():
             if rate <= 0:
                 break

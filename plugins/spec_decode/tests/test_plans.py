@@ -180,12 +180,16 @@ def test_step_cost_reports_its_prediction_error():
                           "sampler_seconds_per_row", "draft_seconds_per_request"}
 
 
-def test_varlen_charges_the_drafting_of_every_request_and_verifies_more_when_it_is_dear():
+def test_varlen_charges_drafting_only_to_budgets_that_verify_drafts():
+    """The baseline is decoding without speculation, which drafts nothing (the engine pauses drafting
+    after a step that verifies no draft); every budget with drafts pays the drafting of every request."""
     conf = _random_confidence(5, 4, 2)
     expensive_tokens = CurveCost(lambda q: 0.1 + 1.0 * q)
-    assert VarlenPlan().budget(conf, expensive_tokens) == 5 and expensive_tokens.requests == {5}
-    dear_drafting = CurveCost(lambda q: 0.1 + 1.0 * q, per_request=100.0)  # amortized by every verified token
-    assert VarlenPlan().budget(conf, dear_drafting) == 5 + int((conf > 0).sum())
+    assert VarlenPlan().budget(conf, expensive_tokens) == 5 and expensive_tokens.requests == {0, 5}
+    dear_drafting = CurveCost(lambda q: 1.0 + 0.001 * q, per_request=100.0)  # verified rows cheap, drafting dear
+    assert VarlenPlan().budget(conf, dear_drafting) == 5
+    cheap_drafting = CurveCost(lambda q: 1.0 + 0.001 * q, per_request=0.001)
+    assert VarlenPlan().budget(conf, cheap_drafting) > 5
 
 
 def test_unverified_positions_borrow_the_previous_positions_calibration():

@@ -110,6 +110,43 @@ def test_the_step_cost_model_learns_from_the_engines_decode_steps(tmp_path):
     assert cost["prediction_error"] > 0  # wall-clock steps on a shared CPU are never predicted exactly
 
 
+def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
+    """When no verified draft can pay (a step's cost explodes with its query tokens), varlen verifies
+    none and the engine stops drafting: proposals come at the back-off steps only (1, 2, 4 … skipped
+    between them), and the tokens are those of decoding without speculation."""
+    from deepinfer.engine.speculation import PAUSE_LIMIT
+
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = repeating_prompts(2, 5)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    reference, _ = _generate(folder, prompts, params)
+    oracle = write_oracle_file(tmp_path, prompts, reference)
+    llm = LLM(folder, block_size=16, max_num_seqs=2,
+              plugins=spec_plugins("oracle", "varlen", oracle_file=oracle, oracle_corruption=0.0))
+    speculator = llm.engine.speculator
+
+    class ExplodingCost:
+        def step_time(self, q: int, *, requests: int = 0) -> float:
+            return float(q) ** 4
+
+        def observe(self, q: int, seconds: float, **measured) -> None:
+            pass
+
+    speculator.cost = ExplodingCost()
+    drafted: list[int] = []
+    propose = speculator.drafter.propose
+    speculator.drafter.propose = lambda inputs: drafted.append(int(inputs.last_tokens.shape[0])) or propose(inputs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    steps = llm.get_stats()["steps"]
+    proposals = [n for n in drafted if n]
+    # Back-off 1, 2, 4, …: about log2 of the steps, never one per step.
+    assert 0 < len(proposals) <= 2 + steps.bit_length() + steps // PAUSE_LIMIT
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("draft_probs", [False, True], ids=["onehot", "probs"])
 def test_sampled_tokens_follow_the_target_distribution(tmp_path, draft_probs):
     """Seeded requests with speculation on; the second and third output tokens (produced through
