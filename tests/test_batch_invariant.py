@@ -4,8 +4,9 @@ executor (docs/design.md, "Batch invariance and deterministic sampling").
 
 Compositions vary the batch size, the neighbours' prompt lengths, the target's position in the batch,
 chunked prefill (a small token budget splits prompts differently) and prefill mixed with decode (the
-target arrives while its neighbours decode). Spec-decode combinations and DeepSeek-V4 are not covered
-yet: the verifier and the V4 attention have no batch-invariant backend (see the design note).
+target arrives while its neighbours decode). Speculative decoding with the ``fixed`` plan is covered
+(verification rows are per-request, multi-token queries of the same invariant kernels); ``varlen`` is
+refused. DeepSeek-V4 is not covered: its attention has no batch-invariant backend (see the design note).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from batch_invariance import check_invariance, generate_among, neighbour_ids
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.errors import ConfigError
 from deepinfer.interfaces import RunRequirements
 from deepinfer.model.layers.batch_invariant import (
     ROW_CHUNK,
@@ -72,6 +74,35 @@ def test_batch_invariant_mode_selects_the_invariant_backends(smol_bi):
 
 def test_smollm2_logprobs_bitwise_equal_in_every_batch(smol_bi):
     _check_invariance(smol_bi, 49152, prompt_len=37)
+
+
+def test_fixed_speculation_keeps_outputs_bitwise_equal_in_every_batch(smollm2_dir):
+    """Deterministic speculative decoding (issue 28 item 4): under ``kernels.batch_invariant`` with the
+    ``fixed`` plan, a target whose prompt repeats (so ``ngram`` drafts and some drafts are accepted)
+    gets bitwise the tokens and logprobs it gets alone, greedy and seeded-sampled, in every batch."""
+    llm = LLM(smollm2_dir, kv_cache_bytes=1 << 27, max_model_len=512, block_size=16, max_num_batched_tokens=96,
+              kernels={"batch_invariant": True},
+              plugins={"spec_decode": {"enabled": True, "drafter": "ngram", "plan": "fixed", "max_draft": 4}})
+    try:
+        half = neighbour_ids(1000, 12, 49152)
+        target = half + half + half[:6]
+        for params in (SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
+                       SamplingParams(temperature=0.8, seed=77, max_tokens=12, logprobs=3, ignore_eos=True)):
+            alone = generate_among(llm, target, params, [], neighbour_tokens=TARGET_TOKENS)
+            for k, (lengths, index, delay) in enumerate(COMPOSITIONS):
+                neighbours = [neighbour_ids(k * 100 + j, n, 49152) for j, n in enumerate(lengths)]
+                assert generate_among(llm, target, params, neighbours, neighbour_tokens=TARGET_TOKENS,
+                                      target_index=index, delay_steps=delay) == alone, f"composition {k}"
+        stats = llm.get_stats()["spec_decode"]
+        assert stats["verify_steps"] > 0 and stats["mean_acceptance_length"] > 1.0
+    finally:
+        llm.shutdown()
+
+
+def test_varlen_speculation_is_refused_under_batch_invariance(smollm2_dir):
+    with pytest.raises(ConfigError, match=r"cannot be combined with kernels\.batch_invariant"):
+        LLM(smollm2_dir, kv_cache_bytes=1 << 27, max_model_len=512, kernels={"batch_invariant": True},
+            plugins={"spec_decode": {"enabled": True, "drafter": "ngram", "plan": "varlen"}})
 
 
 def test_reference_backends_are_not_batch_invariant(smollm2_dir):

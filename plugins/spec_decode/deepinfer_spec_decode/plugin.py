@@ -84,6 +84,12 @@ class Plugin:
                 f"({self.config.max_draft + 1}): rejected drafts are rolled back")
         if self.config.drafter == "dspark":
             check_config(self.config, info)
+        if config.kernels.batch_invariant and config.speculative.plan == "varlen":
+            raise ConfigError(
+                "speculative.plan='varlen' cannot be combined with kernels.batch_invariant: varlen sizes each "
+                "step's verified drafts from measured step times and the neighbours' confidences, so what a "
+                "request verifies, and with sampling what it emits, would depend on its batch; use plan 'fixed' "
+                "(the reference also requires varlen off for deterministic inference)")
 
     @hookimpl
     def deepinfer_step_end(self, stats: StepStats) -> None:
