@@ -28,6 +28,8 @@ Layers and weights: ``RMSNorm`` (the core's norm, statistics in float32); ``init
 Randomness and draft choice: ``uniform(seeds, positions, purpose)`` and ``Purpose``, the counter-based
     draws of ``sampling/rng.py``; ``inverse_cdf(probs, u)``, the sampler's choice of a token from one
     uniform per row.
+Statistics: ``pool_adjacent_violators(values, weights)``, the isotonic fit the core's step-cost curve
+    uses, for calibrations that must be monotone the same way.
 Strategies: ``ExactReplayPlanner``, the built-in ``exact`` replay planner, for a planner that restores
     exactly in some cases and bounds the replay in others.
 """
@@ -35,6 +37,7 @@ Strategies: ``ExactReplayPlanner``, the built-in ``exact`` replay planner, for a
 from __future__ import annotations
 
 from deepinfer.defaults import ExactReplayPlanner
+from deepinfer.isotonic import pool_adjacent_violators
 from deepinfer.kv import fp8
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.reference import ALL_KV_DTYPES, TorchAttentionBackend, write_kv
@@ -56,6 +59,7 @@ __all__ = [
     "fp8",
     "init_dummy",
     "inverse_cdf",
+    "pool_adjacent_violators",
     "row_block",
     "uniform",
     "write_kv",

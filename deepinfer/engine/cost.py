@@ -9,8 +9,10 @@ drafted for ``r`` requests afterwards is charged
   batches. Without CUDA graphs (CPU, eager GPU) sizes are powers of two (then the largest step), each
   measured the first time a query reaches it (one warm-up and five timed forwards; the extremes are
   dropped and the middle three averaged), so a small batch never pays for profiling a large one, and
-  the curve is linear between them. With CUDA graphs (``bucketed``) the whole curve is profiled at
-  start-up, one point per graph bucket (the time of a replay), and a step is charged as the smallest
+  the curve is linear between them. The profiled points are fitted non-decreasing first
+  (pool-adjacent-violators): on CPU the first sizes, measured while the process is cold, came out
+  slower than larger ones, which made verifying drafts look cheaper than decoding. With CUDA graphs
+  (``bucketed``) the whole curve is profiled at start-up, one point per graph bucket (the time of a replay), and a step is charged as the smallest
   bucket ≥ ``q``, padding included: that is the graph it replays (a step past the largest bucket runs
   eagerly and is extended linearly). The curve may be cached on disk (``CurveCache``: one JSON file per
   run shape, reused while younger than its TTL), as the reference's decode-perf cache does. It is
@@ -45,6 +47,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from deepinfer.isotonic import pool_adjacent_violators
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,7 @@ class StepCost:
         self._todo = sorted(sizes) if sizes else profile_sizes(max_tokens)
         self._sizes: list[int] = []
         self._seconds: list[float] = []
+        self._fit: list[float] | None = None  # _fitted's cache
         self.bucketed = bucketed
         self._residuals: deque[tuple[int, float]] = deque(maxlen=window)
         self._slope: float | None = None  # cached until the next observation
@@ -136,6 +141,7 @@ class StepCost:
         """Take a profiled curve (e.g. from ``CurveCache``) instead of measuring it."""
         self._sizes = [int(q) for q, _ in points]
         self._seconds = [float(t) for _, t in points]
+        self._fit = None
         self._todo = []
 
     def _profile_up_to(self, query_tokens: int) -> None:
@@ -144,11 +150,19 @@ class StepCost:
             self._sizes.append(size)
             self._seconds.append(self._measure(size))
 
+    def _fitted(self) -> list[float]:
+        """The profiled seconds made non-decreasing in the query tokens (pool-adjacent-violators): a
+        larger step never costs less, and a point measured slow while the process was still cold (the
+        first sizes, on CPU) is pooled with its neighbours instead of making fewer tokens look dearer."""
+        if self._fit is None or len(self._fit) != len(self._seconds):
+            self._fit = pool_adjacent_violators(self._seconds, [1.0] * len(self._seconds))
+        return self._fit
+
     def curve(self, query_tokens: int) -> float:
-        """Profiled seconds at ``query_tokens``: linear between profiled sizes, extended past the last
-        two, flat below the first."""
+        """Profiled seconds at ``query_tokens`` (``_fitted``): linear between profiled sizes, extended
+        past the last two, flat below the first."""
         self._profile_up_to(query_tokens)
-        sizes, secs = self._sizes, self._seconds
+        sizes, secs = self._sizes, self._fitted()
         if query_tokens <= sizes[0] or len(sizes) == 1:
             return secs[0] if query_tokens <= sizes[0] else secs[0] * query_tokens / sizes[0]
         i = min(bisect.bisect_left(sizes, query_tokens), len(sizes) - 1)

@@ -6,10 +6,11 @@ import itertools
 
 import pytest
 import torch
-from deepinfer_spec_decode.calibration import IsotonicCalibrator, pool_adjacent_violators
+from deepinfer_spec_decode.calibration import IsotonicCalibrator
 from deepinfer_spec_decode.plans import FixedPlan, VarlenPlan, acceptance_rates
 
 from deepinfer.engine.cost import StepCost
+from deepinfer.ops import pool_adjacent_violators
 
 
 class CurveCost:
@@ -129,6 +130,17 @@ def _profiled(table):
 
 
 BUCKETS = {1: 1.0, 2: 1.1, 4: 1.3, 8: 1.7, 16: 2.5, 24: 3.3}
+
+
+def test_step_cost_fits_the_profiled_points_non_decreasing():
+    """A cold first measurement (1 token slower than 4, as measured on CPU) is pooled with its
+    neighbours: the curve never charges fewer tokens more."""
+    measured = {1: 63.6, 2: 64.9, 4: 47.5, 8: 50.5}
+    cost = StepCost(lambda q: measured[q], 8)
+    cost.profile_all()
+    curve = [cost.curve(q) for q in range(1, 9)]
+    assert all(a <= b + 1e-12 for a, b in itertools.pairwise(curve))
+    assert abs(curve[0] - sum(measured.values()) / 4) < 1e-9  # all four pooled: 56.6
 
 
 def test_step_cost_under_graphs_charges_the_bucket_a_step_pads_to():
