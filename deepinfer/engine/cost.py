@@ -12,11 +12,12 @@ drafted for ``r`` requests afterwards is charged
   the curve is linear between them. The profiled points are fitted non-decreasing first
   (pool-adjacent-violators): on CPU the first sizes, measured while the process is cold, came out
   slower than larger ones, which made verifying drafts look cheaper than decoding. With CUDA graphs
-  (``bucketed``) the whole curve is profiled at start-up, one point per graph bucket (the time of a replay), and a step is charged as the smallest
-  bucket ≥ ``q``, padding included: that is the graph it replays (a step past the largest bucket runs
-  eagerly and is extended linearly). The curve may be cached on disk (``CurveCache``: one JSON file per
-  run shape, reused while younger than its TTL), as the reference's decode-perf cache does. It is
-  corrected online: each observed decode step adds its normalized residual
+  (``bucketed``) the whole curve is profiled at start-up, one point per graph bucket (the time of a
+  replay), and a step is charged as the smallest bucket ≥ ``q``, padding included: that is the graph
+  it replays (a step past the largest bucket runs eagerly and is extended linearly). The curve may
+  be cached on disk (``CurveCache``: one JSON file per run shape, reused while younger than its
+  TTL), as the reference's decode-perf cache does. It is corrected online: each observed decode step
+  adds its normalized residual
   ``(seconds − curve(b)) / b`` (``b`` the charged tokens) to a window, a median is kept per profiled
   size (sizes with at least ``min_samples`` samples count), and the median of those medians is a
   per-token slope added to the curve (never negative). The curve ignores context length, as the
