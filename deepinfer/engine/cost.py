@@ -17,11 +17,11 @@ drafted for ``r`` requests afterwards is charged
   it replays (a step past the largest bucket runs eagerly and is extended linearly). The curve may
   be cached on disk (``CurveCache``: one JSON file per run shape, reused while younger than its
   TTL), as the reference's decode-perf cache does. It is corrected online: each observed decode step
-  adds its normalized residual
-  ``(seconds − curve(b)) / b`` (``b`` the charged tokens) to a window, a median is kept per profiled
-  size (sizes with at least ``min_samples`` samples count), and the median of those medians is a
-  per-token slope added to the curve (never negative). The curve ignores context length, as the
-  reference's does.
+  adds its residual ``seconds − curve(b)`` (``b`` the charged tokens) to a window, a median is kept per
+  profiled size (sizes with at least ``min_samples`` samples count), and the least-squares line through
+  those medians (slope never negative; through the origin while one size is observed, the reference's
+  per-token correction) is added to the curve: an offset every step pays plus a slope per token.
+  The curve ignores context length, as the reference's does.
 - ``sampler_per_row``: the sampler's and verification's seconds per verified row, the windowed median
   of the observed ``sampler_seconds / q`` (0 until ``min_samples`` steps were seen). The reference keeps
   a median of ``sampler_ms`` per batch size; per row it carries over to the sizes not seen yet.
@@ -120,8 +120,8 @@ class StepCost:
         self._seconds: list[float] = []
         self._fit: list[float] | None = None  # _fitted's cache
         self.bucketed = bucketed
-        self._residuals: deque[tuple[int, float]] = deque(maxlen=window)
-        self._slope: float | None = None  # cached until the next observation
+        self._residuals: deque[tuple[int, float]] = deque(maxlen=window)  # (charged tokens, seconds − curve)
+        self._line: tuple[float, float] | None = None  # _correction's, cached until the next observation
         self.min_samples = min_samples
         self.sampler_per_row = WindowedMedian(term_window, min_samples)
         self.draft_per_request = WindowedMedian(term_window, min_samples)
@@ -185,21 +185,46 @@ class StepCost:
         i = bisect.bisect_left(self._sizes, query_tokens)
         return self._sizes[min(i, len(self._sizes) - 1)]
 
+    def _correction(self) -> tuple[float, float]:
+        """``(offset, slope)``, the online correction of the forward curve: the least-squares line through
+        the medians of the observed residuals ``seconds − curve`` of each profiled size (sizes with at
+        least ``min_samples`` samples count; x is their mean charged tokens), its slope never negative.
+        With one size observed it is a slope through the origin (the reference's per-token correction).
+        An offset keeps a cost that every step pays alike (longer contexts than the profile's, host
+        work) from being read as a cost per token, which would make verifying drafts look dear."""
+        if self._line is None:
+            groups: dict[int, list[tuple[int, float]]] = {}
+            for charged, r in self._residuals:
+                groups.setdefault(self._bucket(charged), []).append((charged, r))
+            points = [(statistics.fmean(q for q, _ in v), statistics.median(r for _, r in v))
+                      for v in groups.values() if len(v) >= self.min_samples]
+            if not points:
+                self._line = (0.0, 0.0)
+            elif len(points) == 1:
+                q, m = points[0]
+                self._line = (0.0, max(0.0, m / q))
+            else:
+                mq = statistics.fmean(q for q, _ in points)
+                mr = statistics.fmean(r for _, r in points)
+                var = sum((q - mq) ** 2 for q, _ in points)
+                slope = max(0.0, sum((q - mq) * (r - mr) for q, r in points) / var) if var else 0.0
+                self._line = (mr - slope * mq, slope)
+        return self._line
+
     def slope(self) -> float:
         """The online per-token correction of the forward curve (seconds per charged token, ≥ 0)."""
-        if self._slope is None:
-            by_bucket: dict[int, list[float]] = {}
-            for bucket, r in self._residuals:
-                by_bucket.setdefault(bucket, []).append(r)
-            medians = [statistics.median(v) for v in by_bucket.values() if len(v) >= self.min_samples]
-            self._slope = max(0.0, statistics.median(medians)) if medians else 0.0
-        return self._slope
+        return self._correction()[1]
+
+    def offset(self) -> float:
+        """The online per-step correction of the forward curve (seconds, may be negative)."""
+        return self._correction()[0]
 
     def forward_time(self, query_tokens: int) -> float:
-        """Seconds of the forward and LM head of a step of ``query_tokens``: the curve and the slope at
-        the charged tokens."""
+        """Seconds of the forward and LM head of a step of ``query_tokens``: the curve and the online
+        correction at the charged tokens."""
         charged = self.charged_tokens(query_tokens)
-        return self.curve(charged) + self.slope() * charged
+        offset, slope = self._correction()
+        return max(0.0, self.curve(charged) + offset + slope * charged)
 
     def step_time(self, query_tokens: int, *, requests: int = 0) -> float:
         """Seconds of a decode step of ``query_tokens`` (all verified rows) followed by drafting for
@@ -218,8 +243,8 @@ class StepCost:
             draft_seconds = None
         self._record_error(query_tokens, seconds, sampler_seconds, requests, draft_seconds)
         charged = self.charged_tokens(query_tokens)
-        self._residuals.append((self._bucket(query_tokens), (seconds - self.curve(charged)) / charged))
-        self._slope = None
+        self._residuals.append((charged, seconds - self.curve(charged)))
+        self._line = None
         if sampler_seconds is not None:
             self.sampler_per_row.add(sampler_seconds / query_tokens)
         if draft_seconds is not None:
@@ -246,6 +271,7 @@ class StepCost:
         return {
             "prediction_error": self.errors.value(),
             "predicted_steps": self.predicted_steps,
+            "offset_seconds": self.offset(),
             "slope_seconds_per_token": self.slope(),
             "sampler_seconds_per_row": self.sampler_per_row.value(),
             "draft_seconds_per_request": self.draft_per_request.value(),

@@ -157,6 +157,18 @@ def test_step_cost_under_graphs_charges_the_bucket_a_step_pads_to():
     assert abs(graphs.slope() - 0.01) < 1e-9 and abs(graphs.step_time(9) - (BUCKETS[16] + 0.16)) < 1e-9
 
 
+def test_step_cost_reads_a_cost_every_step_pays_as_an_offset_not_per_token():
+    """Real steps 8 ms slower than the profile at every size (longer contexts, host work): the
+    correction is an offset, so verifying more tokens is not charged for it."""
+    measure, _ = _profiled(BUCKETS)
+    cost = StepCost(measure, 24, min_samples=3)
+    for q in (1, 4, 8, 16, 24):
+        for _ in range(3):
+            cost.observe(q, cost.curve(q) + 0.008)
+    assert abs(cost.offset() - 0.008) < 1e-9 and cost.slope() < 1e-9
+    assert abs((cost.step_time(6) - cost.step_time(1)) - (cost.curve(6) - cost.curve(1))) < 1e-9
+
+
 def test_step_cost_needs_the_buckets_when_bucketed():
     with pytest.raises(ValueError, match="bucketed"):
         StepCost(lambda q: 1.0, 8, bucketed=True)
@@ -188,7 +200,7 @@ def test_step_cost_reports_its_prediction_error():
     stats = cost.stats()
     assert stats["predicted_steps"] == 5
     assert abs(stats["prediction_error"] - 0.1 / 1.1) < 1e-9  # the median of four 1/11 and one 1/9
-    assert set(stats) == {"prediction_error", "predicted_steps", "slope_seconds_per_token",
+    assert set(stats) == {"prediction_error", "predicted_steps", "offset_seconds", "slope_seconds_per_token",
                           "sampler_seconds_per_row", "draft_seconds_per_request"}
 
 
