@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gpu_graphs import BATCHES, _compare, _graph_buckets_used, _llm, _prompts, _run
+from test_gpu_graphs import BATCHES, _compare, _llm, _prompts, _run, assert_every_bucket_replays
 from tiny_deepseek import save_tiny_v3
 from tiny_models import save_tiny
 
@@ -29,14 +29,7 @@ def test_compiled_graphs_equal_plain_graphs_for_every_bucket(folder: Path, plugi
     plain_llm = _llm(folder, graphs=True, plugins=plugins)
     plain = {n: _run(plain_llm, _prompts(n)) for n in BATCHES}
     plain_llm.shutdown()
-    llm = _llm(folder, graphs=True, plugins=plugins, kernels={"compile": "inductor"})
-    used = _graph_buckets_used(llm)
-    for n in BATCHES:
-        _compare(plain[n], _run(llm, _prompts(n)))
-    assert {tokens for tokens, _ in used} == set(llm.engine.runner.graphs.buckets)
-    stats = llm.get_stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    llm.shutdown()
+    assert_every_bucket_replays(_llm(folder, graphs=True, plugins=plugins, kernels={"compile": "inductor"}), plain)
 
 
 def test_compiled_graphs_under_speculative_decoding(folder: Path) -> None:

@@ -79,6 +79,18 @@ def _graph_buckets_used(llm: LLM) -> set[tuple[int, int]]:
     return used
 
 
+def assert_every_bucket_replays(llm: LLM, expected: dict[int, list]) -> None:
+    """Each batch of ``BATCHES`` on ``llm`` gives ``expected[batch]``, every graph bucket is replayed and
+    no block is left; then ``llm`` is shut down."""
+    used = _graph_buckets_used(llm)
+    for n in BATCHES:
+        _compare(expected[n], _run(llm, _prompts(n)))
+    assert {tokens for tokens, _ in used} == set(llm.engine.runner.graphs.buckets)
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.shutdown()
+
+
 def test_graph_replay_equals_eager_for_every_bucket(folder: Path) -> None:
     eager_llm = _llm(folder, graphs=False)
     eager = {n: _run(eager_llm, _prompts(n)) for n in BATCHES}
@@ -107,14 +119,7 @@ def test_deepseek_v4_decode_steps_replay_graphs_equal_eager(tmp_path: Path) -> N
     eager = {n: _run(eager_llm, _prompts(n)) for n in BATCHES}
     eager_llm.shutdown()
     for plugins in ({}, {"scheduling": {"enabled": True}}):
-        llm = _llm(tmp_path, graphs=True, load_format="dummy", plugins=plugins)
-        used = _graph_buckets_used(llm)
-        for n in BATCHES:
-            _compare(eager[n], _run(llm, _prompts(n)))
-        assert {tokens for tokens, _ in used} == set(llm.engine.runner.graphs.buckets)
-        stats = llm.get_stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        llm.shutdown()
+        assert_every_bucket_replays(_llm(tmp_path, graphs=True, load_format="dummy", plugins=plugins), eager)
 
 
 def test_router_stats_of_replayed_steps_count_only_real_tokens(tmp_path: Path) -> None:

@@ -207,11 +207,6 @@ class Speculator:
         self._pause = min(max(1, 2 * self._pause), PAUSE_LIMIT) if verified == 0 else 0
         self._pause_left = self._pause
 
-    @property
-    def paused(self) -> bool:
-        """Whether the next proposal is skipped (``_note_grant``)."""
-        return self._pause_left > 0
-
     def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
                 hidden: torch.Tensor | None = None) -> float:
         """Ask the drafter for the next drafts of ``requests`` (each just committed tokens) and keep
