@@ -154,14 +154,16 @@ def prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
 
 def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int, profile_out: Path | None,
                     plugins: list[str], cuda_graphs: bool, profile_batch: int | None = None,
-                    kv_dtype: str = "auto", max_prefill_tokens: int = 32768, compile_mode: str = "off") -> dict:
+                    kv_dtype: str = "auto", max_prefill_tokens: int = 32768, compile_mode: str = "off",
+                    gemm: str = "auto") -> dict:
     from deepinfer import LLM, SamplingParams
     from deepinfer.bench.anchor import run_anchor
 
     vocab = config["vocab_size"]
     t = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda",
-              kernels={"force_balanced_routing": True, "cuda_graphs": cuda_graphs, "compile": compile_mode},
+              kernels={"force_balanced_routing": True, "cuda_graphs": cuda_graphs, "compile": compile_mode,
+                       "gemm": gemm},
               cache={"kv_cache_bytes": 4 << 30, "kv_dtype": kv_dtype}, max_num_seqs=max(batches),
               max_num_batched_tokens=min(max_prefill_tokens, max(4096, max(batches) * PROMPT_LEN)),
               plugins={name: {"enabled": True} for name in plugins})
@@ -337,11 +339,12 @@ def main() -> None:
     parser.add_argument("--profile-batch", type=int, help="batch of the profiled steps (default: the largest)")
     parser.add_argument("--compile", action="store_true",
                         help="kernels.compile=inductor (the fused decode step; build_s then includes compiling)")
+    parser.add_argument("--gemm", default="auto", help="kernels.gemm (e.g. triton_gemv: the split-K GEMV for M <= 16)")
     args = parser.parse_args()
     config = SHAPES[args.shape]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": config,
               "date": time.strftime("%Y-%m-%d"), "plugins": args.plugins, "cuda_graphs": not args.eager,
-              "kv_dtype": args.kv_dtype, "compile": "inductor" if args.compile else "off"}
+              "kv_dtype": args.kv_dtype, "compile": "inductor" if args.compile else "off", "gemm": args.gemm}
     bw = copy_bandwidth()
     result["copy_bandwidth_bytes_s"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -350,7 +353,8 @@ def main() -> None:
         (folder / "config.json").write_text(json.dumps(config))
         result["deepinfer"] = bench_deepinfer(folder, config, args.batch, args.repeats, args.profile_out,
                                               args.plugins, not args.eager, args.profile_batch, args.kv_dtype,
-                                              args.max_prefill_tokens, "inductor" if args.compile else "off")
+                                              args.max_prefill_tokens, "inductor" if args.compile else "off",
+                                              args.gemm)
     torch.cuda.empty_cache()
     if not args.no_transformers and config is not LLAMA_CONFIG:
         try:

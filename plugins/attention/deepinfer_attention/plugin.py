@@ -11,6 +11,7 @@ from deepinfer.interfaces import EngineInfo
 from deepinfer_attention.batch_invariant import TritonBIAttentionBackend, TritonBIGemmBackend, TritonBIMLABackend
 from deepinfer_attention.config import AttentionConfig
 from deepinfer_attention.flash_mla import FlashMLABackend
+from deepinfer_attention.gemv import TritonGemvBackend
 from deepinfer_attention.replay import BoundedReplayPlanner, consumers, min_keep_tokens, windowed
 from deepinfer_attention.triton_backends import TritonAttentionBackend, TritonMLABackend
 from deepinfer_attention.triton_v4 import TritonV4Backend
@@ -69,4 +70,4 @@ class Plugin:
 
     @hookimpl
     def deepinfer_gemm_backends(self) -> list[Any]:
-        return [TritonBIGemmBackend()]
+        return [TritonBIGemmBackend(), TritonGemvBackend()]
