@@ -335,22 +335,21 @@ class DeepseekMoE(nn.Module):
         # Through the ``linear`` op when given (the forward passes it), so batch-invariant mode covers the gate.
         logits = F.linear(x.float(), self.gate_weight) if gemm is None else gemm.linear(x.float(), self.gate_weight)
         t, e, g = logits.shape[0], d.n_routed, d.n_group
-        if d.v3:
-            scores = logits.sigmoid()
+        scores = logits.sigmoid() if d.v3 else logits.softmax(dim=-1)
+        choice = scores
+        if d.balanced:  # the benchmark's forced routing: the router's own choice is never computed
+            ids = self._balanced_ids(positions)
+        elif d.v3:
             choice = scores + self.e_score_correction_bias
             if g > 1:
                 group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
                 choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
             ids = choice.topk(d.top_k, dim=-1).indices
         else:
-            scores = logits.softmax(dim=-1)
-            choice = scores
             if d.topk_method == "group_limited_greedy" and g > 1:
                 group_scores = scores.view(t, g, e // g).amax(dim=-1)
                 choice = scores.masked_fill(~self._group_mask(group_scores), 0.0)
             ids = choice.topk(d.top_k, dim=-1).indices
-        if d.balanced:
-            ids = self._balanced_ids(positions)
         weights = scores.gather(1, ids) if d.balanced or d.v3 else choice.gather(1, ids)
         if d.norm_topk:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
