@@ -32,6 +32,8 @@ Statistics: ``pool_adjacent_violators(values, weights)``, the isotonic fit the c
     uses, for calibrations that must be monotone the same way.
 Strategies: ``ExactReplayPlanner``, the built-in ``exact`` replay planner, for a planner that restores
     exactly in some cases and bounds the replay in others.
+Files: ``cache_dir()``, the project's cache root (``$DEEPINFER_CACHE_DIR``, else the XDG cache), where a
+    plugin keeps what it builds or trains once per machine (compiled kernels, drafters).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from __future__ import annotations
 from deepinfer.defaults import ExactReplayPlanner
 from deepinfer.isotonic import pool_adjacent_violators
 from deepinfer.kv import fp8
+from deepinfer.model.assets import cache_dir
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.reference import ALL_KV_DTYPES, TorchAttentionBackend, write_kv
 from deepinfer.model.layers.reference_deepseek import TorchMLABackend, TorchMoEBackend, write_latent
@@ -56,6 +59,7 @@ __all__ = [
     "TorchMLABackend",
     "TorchMoEBackend",
     "TorchSinkAttentionBackend",
+    "cache_dir",
     "fp8",
     "init_dummy",
     "inverse_cdf",

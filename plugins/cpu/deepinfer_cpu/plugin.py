@@ -7,10 +7,11 @@ from typing import Any
 from deepinfer import hookimpl
 from deepinfer_cpu.config import CPUConfig
 from deepinfer_cpu.onednn import OneDNNGemmBackend
+from deepinfer_cpu.paged_attention import CPUPagedAttentionBackend
 
 
 class Plugin:
-    """Offers the ``onednn`` GEMM backend (README.md)."""
+    """Offers the ``onednn`` GEMM backend and the ``cpu_paged`` attention backend (README.md)."""
 
     config_model = CPUConfig
 
@@ -20,3 +21,7 @@ class Plugin:
     @hookimpl
     def deepinfer_gemm_backends(self) -> list[Any]:
         return [OneDNNGemmBackend(min_rows=self.config.min_rows, pack_rows=self.config.pack_rows)]
+
+    @hookimpl
+    def deepinfer_attention_backends(self) -> list[Any]:
+        return [CPUPagedAttentionBackend()]

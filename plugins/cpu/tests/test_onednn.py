@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
+from deepinfer_cpu.paged_attention import compiler
 from tiny_models import assert_cached_logits_match, save_tiny
 
 from deepinfer import LLM
@@ -71,6 +72,7 @@ def test_auto_takes_onednn_on_cpu_and_logits_match_transformers(tiny_llama) -> N
     model, folder = tiny_llama
     llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, plugins={"cpu": {"enabled": True}})
     assert llm.engine.runner.backends["linear"].name == "onednn"
+    assert llm.engine.runner.backends["paged_attention"].name == ("cpu_paged" if compiler() else "torch")
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (3, 11, 20)]
     assert_cached_logits_match(llm, model, prompts, decode_steps=8)

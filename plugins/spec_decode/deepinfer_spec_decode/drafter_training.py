@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from deepinfer.errors import ConfigError
+from deepinfer.ops import cache_dir as cache_root
 from deepinfer.ops import init_dummy
 from deepinfer_spec_decode.config import SpecDecodeConfig
 from deepinfer_spec_decode.drafter_data import Prompt, chat_prompts, continuation_prompts, local_passages
@@ -507,11 +508,9 @@ def manifest_path(weights: Path) -> Path:
 
 
 def cache_dir() -> Path:
-    """``$DEEPINFER_CACHE_DIR/drafters`` (default ``~/.cache/deepinfer/drafters``)."""
-    import os
-
-    root = os.environ.get("DEEPINFER_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "deepinfer") / "drafters"
+    """``drafters`` under the project's cache root (``deepinfer.ops.cache_dir``: ``$DEEPINFER_CACHE_DIR``,
+    else ``~/.cache/deepinfer``)."""
+    return cache_root() / "drafters"
 
 
 def weights_cache(model_path: Path, recipe: Recipe) -> Path:

@@ -1,0 +1,83 @@
+"""The ``cpu_paged`` attention backend (``paged_attention.py``, ``csrc/paged_decode.c``): the kernel equals
+a float64 masked softmax over the gathered keys (GQA, block boundaries, a one-key context, sliding
+windows with visibility floors); in the engine it is what ``auto`` takes with the plugin, and greedy
+tokens and logprobs equal the core's backend through decode, mixed and verification steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from deepinfer_cpu.paged_attention import compiler, paged_decode
+from tiny_models import save_tiny
+
+from deepinfer import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler")
+
+
+def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               lens: list[int], scale: float, window: int, floors: list[int]) -> torch.Tensor:
+    """Per request in float64: gather its keys, mask (causal, window, floor), softmax, weighted values."""
+    heads, kv_heads, bs = q.shape[1], k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        blocks = tables[b, : -(-n // bs)]
+        k = k_cache[blocks].reshape(-1, kv_heads, k_cache.shape[3])[:n].double()
+        v = v_cache[blocks].reshape(-1, kv_heads, v_cache.shape[3])[:n].double()
+        k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
+        p, j = n - 1, torch.arange(n)
+        visible = j <= p
+        if window > 0:
+            visible &= (j > p - window) & ((j >= floors[b]) | (j == p))
+        scores = torch.einsum("hd,jhd->hj", q[b].double(), k) * scale
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[b] = torch.einsum("hj,jhd->hd", weights, v)
+    return out
+
+
+@pytest.mark.parametrize(("window", "with_floors"), [(0, False), (5, False), (7, True)])
+def test_kernel_equals_a_float64_masked_softmax(window: int, with_floors: bool) -> None:
+    gen = torch.Generator().manual_seed(window)
+    bs, kv_heads, heads, dim = 4, 2, 6, 16
+    lens = [1, 4, 5, 13, 30]  # one key; a full block; one past it; several blocks
+    width = max(-(-n // bs) for n in lens) + 1
+    blocks = len(lens) * width + 3
+    k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen)
+    tables = torch.randperm(blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), heads, dim, generator=gen)
+    floors = [0, 2, 3, 9, 20] if with_floors else [0] * len(lens)
+    got = paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), scale=0.3, window=window,
+                       floors=torch.tensor(floors) if with_floors else None)
+    want = _reference(q, k_cache, v_cache, tables, lens, 0.3, window, floors)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny("llama", tmp_path_factory.mktemp("llama"))[1]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_engine_steps_equal_the_core_backend(tiny_llama: Path) -> None:
+    """Five prompts through two sequence slots (admissions land beside decode rows), then the same with
+    ``ngram`` speculation (verification steps): tokens equal, logprobs within float32 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (3, 17, 40, 9, 25)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    ngram = {"spec_decode": {"enabled": True, "drafter": "ngram", "max_draft": 3}}
+    for extra in ({}, ngram):
+        runs = {}
+        for cpu in (False, True):
+            llm = LLM(tiny_llama, block_size=16, kv_cache_bytes=1 << 22, max_num_seqs=2,
+                      plugins={"cpu": {"enabled": cpu}, **extra})
+            assert llm.engine.runner.backends["paged_attention"].name == ("cpu_paged" if cpu else "torch")
+            runs[cpu] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+            llm.shutdown()
+        for core, kernel in zip(runs[False], runs[True], strict=True):
+            assert core.token_ids == kernel.token_ids
+            for a, b in zip(core.logprobs, kernel.logprobs, strict=True):
+                for tok in a.keys() & b.keys():
+                    assert abs(a[tok] - b[tok]) < 1e-4
