@@ -1,21 +1,23 @@
-"""``cpu_paged`` (op ``paged_attention``): decode steps answered straight from the paged cache.
+"""``cpu_paged`` (op ``paged_attention``): short query rows answered straight from the paged cache.
 
 The core's reference backend answers a decode row by gathering the request's whole blocks into a
 padded ``[batch, longest context, kv heads, dim]`` copy and running a masked SDPA over it: every key and
 value is read, written and read again, and at batch 32 on SmolLM2 that was 160 of a 250 ms decode step
-(docs/benchmarks.md, issue 36). ``csrc/paged_decode.c`` reads each (request, KV head)'s keys and values
-once through the block table for all the query heads of its GQA group, one OpenMP task per pair, with
-``torch.get_num_threads()`` threads.
+(docs/benchmarks.md, issue 36). ``csrc/paged_attention.c`` reads each (request, KV head)'s keys and values
+once through the block table for every query row of the request and all the query heads of its GQA group,
+one OpenMP task per pair, with ``torch.get_num_threads()`` threads.
 
-Steps whose every row is one decode token take the kernel; any other step — prefill chunks, verification
-rows, a step mixing them with decode rows — goes whole to the core's ``TorchAttentionBackend``, which the
-kernel equals within float32 rounding (the order of the sums). float32 models and plain caches only (its
-capabilities): a bf16 or FP8-cache run keeps the core's backend.
+Steps whose every request has at most ``MAX_QUERY_ROWS`` query rows take the kernel: decode rows,
+speculative verification rows (1 + drafts), short prompt chunks, in any mix. A step with a longer chunk
+goes whole to the core's ``TorchAttentionBackend`` (long prefill is GEMM-bound; its attention is the
+reference's causal SDPA). The kernel equals the reference within float32 rounding (the order of the
+sums). float32 models and plain caches only (its capabilities): a bf16 or FP8-cache run keeps the core's
+backend.
 
-The kernel is compiled on first use with the system C compiler (``cc -O3 -march=native -fopenmp -fno-math-errno``) into
-``<deepinfer cache>/cpu_kernels/`` under a name hashed from the source, the flags and the compiler, so a
-machine builds it once (about a second); ``available()`` is False without a compiler, and a failed build
-raises with the compiler's message.
+The kernel is compiled on first use with the system C compiler (``FLAGS``) into ``<deepinfer
+cache>/cpu_kernels/`` under a name hashed from the source, the flags and the compiler, so a machine
+builds it once (under a second); ``available()`` is False without a compiler, and a failed build raises
+with the compiler's message.
 """
 
 from __future__ import annotations
@@ -34,7 +36,10 @@ import torch
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
 from deepinfer.ops import TorchAttentionBackend, cache_dir, write_kv
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.c"
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+# Query rows per request the kernel takes (a verification step's 1 + max_draft, short prompts); its score
+# buffer holds rows × group × context floats per task.
+MAX_QUERY_ROWS = 16
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")  # no errno: expf vectorizes
 
 
@@ -54,7 +59,7 @@ def load_kernel() -> ctypes.CDLL:
         raise RuntimeError("plugins.cpu: the cpu_paged attention kernel needs a C compiler (cc, gcc or clang)")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / "cpu_kernels" / f"paged_decode-{key}.so"
+    target = cache_dir() / "cpu_kernels" / f"paged_attention-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
@@ -65,39 +70,41 @@ def load_kernel() -> ctypes.CDLL:
             os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
     lib = ctypes.CDLL(str(target))
     i64, f32 = ctypes.c_int64, ctypes.c_float
-    lib.paged_decode_f32.restype = ctypes.c_int
-    lib.paged_decode_f32.argtypes = [ctypes.c_void_p] * 7 + [i64] * 7 + [f32, ctypes.c_int]
+    lib.paged_attention_f32.restype = ctypes.c_int
+    lib.paged_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [i64] * 7 + [f32, ctypes.c_int]
     return lib
 
 
-def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, *, scale: float, window: int = 0,
-                 floors: torch.Tensor | None = None) -> torch.Tensor:
-    """``q [B, Hq, D]`` (one query per request, at position ``seq_lens − 1``) against the paged
-    ``k_cache, v_cache [blocks, block_size, Hkv, D]``; float32, every tensor on the CPU. Returns ``[B, Hq, D]``."""
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_starts: torch.Tensor, *, scale: float, window: int = 0,
+                    floors: torch.Tensor | None = None) -> torch.Tensor:
+    """``q [T, Hq, D]``: request r's rows ``query_starts[r] : query_starts[r + 1]`` are its last tokens (its
+    keys up to ``seq_lens[r]`` already in the cache), against the paged ``k_cache, v_cache [blocks,
+    block_size, Hkv, D]``; float32, every tensor on the CPU. Returns ``[T, Hq, D]``."""
     assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     q = q.contiguous()
     tables = block_tables.to(torch.int64).contiguous()
     lens = seq_lens.to(torch.int64).contiguous()
+    starts = query_starts.to(torch.int64).contiguous()
     floor_arg = None
     if floors is not None:
         floors = floors.to(torch.int64).contiguous()
         floor_arg = floors.data_ptr()
     out = torch.empty_like(q)
-    batch, heads, dim = q.shape
-    failed = load_kernel().paged_decode_f32(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), floor_arg,
-        out.data_ptr(), batch, heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1], window, scale,
-        torch.get_num_threads())
+    heads, dim = q.shape[1], q.shape[2]
+    failed = load_kernel().paged_attention_f32(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
+        floor_arg, out.data_ptr(), lens.shape[0], heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1],
+        window, scale, torch.get_num_threads())
     if failed:
         raise MemoryError("cpu_paged attention: the kernel could not allocate its score buffer")
     return out
 
 
 class CPUPagedAttentionBackend:
-    """Op ``paged_attention`` on CPU: decode-only float32 steps through ``paged_decode``, every other step
-    through the core's reference backend (module docstring)."""
+    """Op ``paged_attention`` on CPU: steps of short query rows through ``paged_attention``, steps with a
+    long prompt chunk through the core's reference backend (module docstring)."""
 
     name = "cpu_paged"
     priority = 10  # above the core's torch backend (0) on CPU runs with the plugin enabled
@@ -114,8 +121,9 @@ class CPUPagedAttentionBackend:
                         kv_cache: tuple[torch.Tensor, ...], ctx: ForwardContext, *,
                         scale: float, window: int = 0) -> torch.Tensor:
         """The ``AttentionBackend`` contract (``deepinfer/interfaces.py``)."""
-        if not ctx.num_decodes == len(ctx.seq_lens_host) == q.shape[0]:  # not a decode-only step
+        starts = ctx.query_start_loc_host
+        if any(starts[i + 1] - starts[i] > MAX_QUERY_ROWS for i in range(len(starts) - 1)):
             return self.reference.paged_attention(q, k, v, kv_cache, ctx, scale=scale, window=window)
         write_kv(k, v, kv_cache, ctx.slot_mapping)
-        return paged_decode(q, kv_cache[0], kv_cache[1], ctx.block_tables, ctx.seq_lens, scale=scale,
-                            window=window, floors=ctx.visibility_floor if window > 0 else None)
+        return paged_attention(q, kv_cache[0], kv_cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
+                               scale=scale, window=window, floors=ctx.visibility_floor if window > 0 else None)

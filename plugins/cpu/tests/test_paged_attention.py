@@ -1,7 +1,8 @@
-"""The ``cpu_paged`` attention backend (``paged_attention.py``, ``csrc/paged_decode.c``): the kernel equals
-a float64 masked softmax over the gathered keys (GQA, block boundaries, a one-key context, sliding
-windows with visibility floors); in the engine it is what ``auto`` takes with the plugin, and greedy
-tokens and logprobs equal the core's backend through decode, mixed and verification steps."""
+"""The ``cpu_paged`` attention backend (``paged_attention.py``, ``csrc/paged_attention.c``): the kernel equals
+a float64 masked softmax over the gathered keys (GQA, decode and multi-row requests, block boundaries, a
+one-key context, sliding windows with visibility floors); in the engine it is what ``auto`` takes with the
+plugin, and greedy tokens and logprobs equal the core's backend through prefill, decode, mixed and
+verification steps."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from deepinfer_cpu.paged_attention import compiler, paged_decode
+from deepinfer_cpu.paged_attention import compiler, paged_attention
 from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
@@ -18,28 +19,34 @@ pytestmark = pytest.mark.skipif(compiler() is None, reason="no C compiler")
 
 
 def _reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-               lens: list[int], scale: float, window: int, floors: list[int]) -> torch.Tensor:
-    """Per request in float64: gather its keys, mask (causal, window, floor), softmax, weighted values."""
+               lens: list[int], rows: list[int], scale: float, window: int, floors: list[int]) -> torch.Tensor:
+    """Per request in float64: gather its keys, then for each of its query rows (its last ``rows[r]``
+    positions) mask (causal, window, floor), softmax and weight the values."""
     heads, kv_heads, bs = q.shape[1], k_cache.shape[2], k_cache.shape[1]
     out = torch.empty(q.shape, dtype=torch.float64)
-    for b, n in enumerate(lens):
+    first_row = 0
+    for b, (n, m) in enumerate(zip(lens, rows, strict=True)):
         blocks = tables[b, : -(-n // bs)]
         k = k_cache[blocks].reshape(-1, kv_heads, k_cache.shape[3])[:n].double()
         v = v_cache[blocks].reshape(-1, kv_heads, v_cache.shape[3])[:n].double()
         k, v = k.repeat_interleave(heads // kv_heads, dim=1), v.repeat_interleave(heads // kv_heads, dim=1)
-        p, j = n - 1, torch.arange(n)
-        visible = j <= p
-        if window > 0:
-            visible &= (j > p - window) & ((j >= floors[b]) | (j == p))
-        scores = torch.einsum("hd,jhd->hj", q[b].double(), k) * scale
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        out[b] = torch.einsum("hj,jhd->hd", weights, v)
+        j = torch.arange(n)
+        for i in range(m):
+            p = n - m + i
+            visible = j <= p
+            if window > 0:
+                visible &= (j > p - window) & ((j >= floors[b]) | (j == p))
+            scores = torch.einsum("hd,jhd->hj", q[first_row + i].double(), k) * scale
+            weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+            out[first_row + i] = torch.einsum("hj,jhd->hd", weights, v)
+        first_row += m
     return out
 
 
 @pytest.mark.parametrize(("window", "with_floors"), [(0, False), (5, False), (7, True)])
-def test_kernel_equals_a_float64_masked_softmax(window: int, with_floors: bool) -> None:
-    gen = torch.Generator().manual_seed(window)
+@pytest.mark.parametrize("rows", [[1, 1, 1, 1, 1], [1, 4, 5, 2, 16]])  # decode rows; verification / short chunks
+def test_kernel_equals_a_float64_masked_softmax(window: int, with_floors: bool, rows: list[int]) -> None:
+    gen = torch.Generator().manual_seed(window + len(rows))
     bs, kv_heads, heads, dim = 4, 2, 6, 16
     lens = [1, 4, 5, 13, 30]  # one key; a full block; one past it; several blocks
     width = max(-(-n // bs) for n in lens) + 1
@@ -47,11 +54,12 @@ def test_kernel_equals_a_float64_masked_softmax(window: int, with_floors: bool) 
     k_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen)
     v_cache = torch.randn(blocks, bs, kv_heads, dim, generator=gen)
     tables = torch.randperm(blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
-    q = torch.randn(len(lens), heads, dim, generator=gen)
+    q = torch.randn(sum(rows), heads, dim, generator=gen)
+    starts = torch.tensor([0, *rows]).cumsum(0)
     floors = [0, 2, 3, 9, 20] if with_floors else [0] * len(lens)
-    got = paged_decode(q, k_cache, v_cache, tables, torch.tensor(lens), scale=0.3, window=window,
-                       floors=torch.tensor(floors) if with_floors else None)
-    want = _reference(q, k_cache, v_cache, tables, lens, 0.3, window, floors)
+    got = paged_attention(q, k_cache, v_cache, tables, torch.tensor(lens), starts, scale=0.3, window=window,
+                          floors=torch.tensor(floors) if with_floors else None)
+    want = _reference(q, k_cache, v_cache, tables, lens, rows, 0.3, window, floors)
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 

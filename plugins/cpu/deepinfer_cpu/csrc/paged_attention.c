@@ -1,0 +1,110 @@
+/* Paged attention for short query rows on the CPU, float32 (deepinfer_cpu/paged_attention.py loads it
+ * through ctypes): decode rows, speculative verification rows, short prompt chunks.
+ *
+ * Request r owns query rows [starts[r], starts[r + 1]): its last m tokens, at positions len - m .. len - 1
+ * (len = seq_lens[r], their keys already written to the cache). Each (request, KV head) task reads that
+ * head's keys and values straight from the paged cache through the request's block table, once, for every
+ * query row of the request and every query head of the KV head's GQA group: scores, softmax, weighted sum
+ * of values. Nothing is gathered into a temporary first.
+ *
+ * Layouts (all contiguous): q and out [tokens, heads, dim]; k_cache and v_cache [blocks, block_size,
+ * kv_heads, dim]; tables [requests, table_width] (block ids); seq_lens [requests]; starts [requests + 1];
+ * floors [requests] or NULL. Visible keys of a query at position p: j <= p; with window > 0 also
+ * j > p - window and (j >= floor or j == p), the core's rule (deepinfer/model/layers/reference.py, _visible).
+ * Returns 0, or 1 when a score buffer could not be allocated.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int visible(int64_t j, int64_t p, int64_t window, int64_t floor_) {
+    if (j > p) return 0;
+    if (window > 0 && (j <= p - window || (j < floor_ && j != p))) return 0;
+    return 1;
+}
+
+int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
+                        const int64_t *seq_lens, const int64_t *starts, const int64_t *floors, float *out,
+                        int64_t requests, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                        int64_t table_width, int64_t window, float scale, int threads) {
+    const int64_t group = heads / kv_heads;
+    const int64_t row = kv_heads * dim; /* one cache position: every KV head's vector */
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < requests * kv_heads; ++task) {
+        const int64_t r = task / kv_heads, h = task % kv_heads;
+        const int64_t m = starts[r + 1] - starts[r], len = seq_lens[r], first_pos = len - m;
+        const int64_t lo = (window > 0 && first_pos - window + 1 > 0) ? first_pos - window + 1 : 0;
+        const int64_t floor_ = (window > 0 && floors != NULL) ? floors[r] : 0;
+        const int64_t n = len - lo, lanes = m * group; /* score rows: (query row, query head of the group) */
+        const int64_t *table = tables + r * table_width;
+        float *scores = malloc(sizeof(float) * (size_t)(lanes * n + lanes)); /* [lanes][n], then the sums */
+        if (scores == NULL) {
+            failed = 1;
+            continue;
+        }
+        float *sums = scores + lanes * n;
+        /* Scores, block by block (one table lookup per block). */
+        for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
+            const int64_t begin = blk * block_size > lo ? blk * block_size : lo;
+            const int64_t end = (blk + 1) * block_size < len ? (blk + 1) * block_size : len;
+            const float *kj = k_cache + (table[blk] * block_size + (begin - blk * block_size)) * row + h * dim;
+            for (int64_t j = begin; j < end; ++j, kj += row) {
+                for (int64_t i = 0; i < m; ++i) {
+                    const int seen = visible(j, first_pos + i, window, floor_);
+                    const float *qi = q + ((starts[r] + i) * heads + h * group) * dim;
+                    for (int64_t g = 0; g < group; ++g) {
+                        float acc = 0.0f;
+                        if (seen) {
+                            const float *qg = qi + g * dim;
+#pragma omp simd reduction(+ : acc)
+                            for (int64_t d = 0; d < dim; ++d) acc += qg[d] * kj[d];
+                        }
+                        scores[(i * group + g) * n + (j - lo)] = seen ? acc * scale : -INFINITY;
+                    }
+                }
+            }
+        }
+        /* Softmax weights per lane (a query's own key is always visible: the max is finite). */
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+            float *s = scores + lane * n, top = -INFINITY, total = 0.0f;
+            for (int64_t x = 0; x < n; ++x) top = s[x] > top ? s[x] : top;
+#pragma omp simd reduction(+ : total)
+            for (int64_t x = 0; x < n; ++x) {
+                s[x] = expf(s[x] - top);
+                total += s[x];
+            }
+            sums[lane] = total;
+        }
+        /* Weighted sum of the values, block by block. */
+        for (int64_t i = 0; i < m; ++i) memset(out + ((starts[r] + i) * heads + h * group) * dim, 0,
+                                               sizeof(float) * (size_t)(group * dim));
+        for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
+            const int64_t begin = blk * block_size > lo ? blk * block_size : lo;
+            const int64_t end = (blk + 1) * block_size < len ? (blk + 1) * block_size : len;
+            const float *vj = v_cache + (table[blk] * block_size + (begin - blk * block_size)) * row + h * dim;
+            for (int64_t j = begin; j < end; ++j, vj += row) {
+                for (int64_t i = 0; i < m; ++i) {
+                    float *oi = out + ((starts[r] + i) * heads + h * group) * dim;
+                    for (int64_t g = 0; g < group; ++g) {
+                        const float w = scores[(i * group + g) * n + (j - lo)];
+                        if (w == 0.0f) continue; /* masked (or vanishing) */
+                        float *og = oi + g * dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < dim; ++d) og[d] += w * vj[d];
+                    }
+                }
+            }
+        }
+        for (int64_t i = 0; i < m; ++i) {
+            for (int64_t g = 0; g < group; ++g) {
+                const float inv = 1.0f / sums[i * group + g];
+                float *og = out + ((starts[r] + i) * heads + h * group + g) * dim;
+                for (int64_t d = 0; d < dim; ++d) og[d] *= inv;
+            }
+        }
+        free(scores);
+    }
+    return failed;
+}
