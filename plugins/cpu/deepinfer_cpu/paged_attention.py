@@ -121,8 +121,7 @@ class CPUPagedAttentionBackend:
                         kv_cache: tuple[torch.Tensor, ...], ctx: ForwardContext, *,
                         scale: float, window: int = 0) -> torch.Tensor:
         """The ``AttentionBackend`` contract (``deepinfer/interfaces.py``)."""
-        starts = ctx.query_start_loc_host
-        if any(starts[i + 1] - starts[i] > MAX_QUERY_ROWS for i in range(len(starts) - 1)):
+        if ctx.max_query_len > MAX_QUERY_ROWS:  # a long prompt chunk in the step
             return self.reference.paged_attention(q, k, v, kv_cache, ctx, scale=scale, window=window)
         write_kv(k, v, kv_cache, ctx.slot_mapping)
         return paged_attention(q, kv_cache[0], kv_cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,

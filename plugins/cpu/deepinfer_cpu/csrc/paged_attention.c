@@ -24,6 +24,15 @@ static int visible(int64_t j, int64_t p, int64_t window, int64_t floor_) {
     return 1;
 }
 
+/* The keys [*begin, *end) of table block blk that lie in [lo, len), and the offset in a cache tensor of key
+ * *begin's vector for KV head h. */
+static int64_t block_span(const int64_t *table, int64_t blk, int64_t lo, int64_t len, int64_t block_size,
+                          int64_t row, int64_t h, int64_t dim, int64_t *begin, int64_t *end) {
+    *begin = blk * block_size > lo ? blk * block_size : lo;
+    *end = (blk + 1) * block_size < len ? (blk + 1) * block_size : len;
+    return (table[blk] * block_size + (*begin - blk * block_size)) * row + h * dim;
+}
+
 int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                         const int64_t *seq_lens, const int64_t *starts, const int64_t *floors, float *out,
                         int64_t requests, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
@@ -47,9 +56,8 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
         float *sums = scores + lanes * n;
         /* Scores, block by block (one table lookup per block). */
         for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
-            const int64_t begin = blk * block_size > lo ? blk * block_size : lo;
-            const int64_t end = (blk + 1) * block_size < len ? (blk + 1) * block_size : len;
-            const float *kj = k_cache + (table[blk] * block_size + (begin - blk * block_size)) * row + h * dim;
+            int64_t begin, end;
+            const float *kj = k_cache + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end);
             for (int64_t j = begin; j < end; ++j, kj += row) {
                 for (int64_t i = 0; i < m; ++i) {
                     const int seen = visible(j, first_pos + i, window, floor_);
@@ -81,9 +89,8 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
         for (int64_t i = 0; i < m; ++i) memset(out + ((starts[r] + i) * heads + h * group) * dim, 0,
                                                sizeof(float) * (size_t)(group * dim));
         for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
-            const int64_t begin = blk * block_size > lo ? blk * block_size : lo;
-            const int64_t end = (blk + 1) * block_size < len ? (blk + 1) * block_size : len;
-            const float *vj = v_cache + (table[blk] * block_size + (begin - blk * block_size)) * row + h * dim;
+            int64_t begin, end;
+            const float *vj = v_cache + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end);
             for (int64_t j = begin; j < end; ++j, vj += row) {
                 for (int64_t i = 0; i < m; ++i) {
                     float *oi = out + ((starts[r] + i) * heads + h * group) * dim;
