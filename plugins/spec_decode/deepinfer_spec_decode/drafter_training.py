@@ -190,6 +190,11 @@ class Labels:
     prompt_lens: list[int]
     lengths: list[int]
 
+    def to(self, device: torch.device | str) -> Labels:
+        """The same labels with their tensors on ``device`` (training reads them there: no per-step copy)."""
+        return dataclasses.replace(self, features=self.features.to(device), top_ids=self.top_ids.to(device),
+                                   top_logits=self.top_logits.to(device), tokens=self.tokens.to(device))
+
     def anchors(self, k: int) -> torch.Tensor:
         """Rows ``a`` (global) that can anchor a block: inside a reply, with a row before them."""
         rows = [s + p for s, p, n in zip(self.starts, self.prompt_lens, self.lengths, strict=True)
@@ -244,18 +249,22 @@ class DrafterTrainer:
         params = [p for p in network.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
         self.step_count = 0
+        self._bounds_of: tuple[Labels, torch.Tensor, torch.Tensor] | None = None
 
     def _batch(self, labels: Labels, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The inputs and targets of blocks anchored at ``anchors`` (global rows)."""
+        """The inputs and targets of blocks anchored at ``anchors`` (global rows). The index arithmetic runs
+        on the host; the gathers run where the labels live (``Labels.to``)."""
         k, window = self.k, self.window
-        starts = torch.tensor(labels.starts)
+        starts, lengths = self._bounds(labels)
         rows = anchors.unsqueeze(1) + torch.arange(k)  # [B, k] rows a … a + k − 1
         seq = torch.bucketize(anchors, starts, right=True) - 1
-        ends = starts[seq] + torch.tensor(labels.lengths)[seq]  # one past each sequence
+        ends = starts[seq] + lengths[seq]  # one past each sequence
         valid = rows < ends.unsqueeze(1)
         rows = torch.where(valid, rows, anchors.unsqueeze(1))
-        block = torch.full((anchors.shape[0], k), self.noise_token_id, dtype=torch.int64)
-        block[:, 0] = labels.tokens[anchors]
+        where = labels.tokens.device
+        rows_at = rows.to(where, non_blocking=True)
+        block = torch.full((anchors.shape[0], k), self.noise_token_id, dtype=torch.int64, device=where)
+        block[:, 0] = labels.tokens[anchors.to(where, non_blocking=True)]
         # The context window: rows a − W … a − 1 of the anchor's sequence; each distinct row is projected once.
         context_rows = anchors.unsqueeze(1) - window + torch.arange(window)
         visible = context_rows >= starts[seq].unsqueeze(1)
@@ -263,11 +272,18 @@ class DrafterTrainer:
         unique, index = torch.unique(context_rows, return_inverse=True)
         unique_pos = unique - starts[torch.bucketize(unique, starts, right=True) - 1]
         block_positions = (anchors - starts[seq]).unsqueeze(1) + torch.arange(k)
-        batch = {"context_features": labels.features[unique], "context_positions": unique_pos, "context_index": index,
+        batch = {"context_features": labels.features[unique.to(where, non_blocking=True)],
+                 "context_positions": unique_pos, "context_index": index,
                  "visible": visible, "block": block, "block_positions": block_positions,
-                 "previous": labels.tokens[rows], "top_ids": labels.top_ids[rows],
-                 "top_logits": labels.top_logits[rows], "valid": valid}
+                 "previous": labels.tokens[rows_at], "top_ids": labels.top_ids[rows_at],
+                 "top_logits": labels.top_logits[rows_at], "valid": valid}
         return {name: t.to(self.device, non_blocking=True) for name, t in batch.items()}
+
+    def _bounds(self, labels: Labels) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's first row and length as host tensors (made once per ``Labels``)."""
+        if self._bounds_of is None or self._bounds_of[0] is not labels:
+            self._bounds_of = (labels, torch.tensor(labels.starts), torch.tensor(labels.lengths))
+        return self._bounds_of[1], self._bounds_of[2]
 
     def _forward(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Corrected logits ``[B, k, Vd]`` and confidence logits ``[B, k]`` (teacher-forced previous tokens)."""
@@ -291,8 +307,9 @@ class DrafterTrainer:
         probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
         return probs, draft_ids.clamp(max=net.draft_vocab_size - 1)
 
-    def train_step(self, labels: Labels, anchors: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on the blocks anchored at ``anchors``."""
+    def train_step(self, labels: Labels, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One optimizer step on the blocks anchored at ``anchors``; its losses and the share of accepted
+        positions as device scalars (reading them is the caller's choice: each read waits for the step)."""
         self.network.train()
         b = self._batch(labels, anchors)
         logits, z = self._forward(b)
@@ -314,9 +331,8 @@ class DrafterTrainer:
             group["lr"] = self._lr()
         self.optimizer.step()
         self.step_count += 1
-        return {"loss": float(loss.detach()), "draft": float(draft_loss.detach()),
-                "confidence": float(conf_loss.detach()),
-                "accept": float((accepted * b["valid"]).sum() / b["valid"].sum())}
+        return {"loss": loss.detach(), "draft": draft_loss.detach(), "confidence": conf_loss.detach(),
+                "accept": (accepted * b["valid"]).sum() / b["valid"].sum()}
 
     def _lr(self) -> float:
         r, s = self.recipe, self.step_count
@@ -416,6 +432,8 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
         torch.save(data, data_file)
     gen_seconds = time.perf_counter() - started
     train_labels, held_labels, train_seqs = data["train"], data["held_out"], data["train_seqs"]
+    if engine.device.type == "cuda":  # batches gathered on the device: no host copy of features per step
+        train_labels, held_labels = train_labels.to(engine.device), held_labels.to(engine.device)
 
     vocab = target.vocab_size
     draft_size = recipe.draft_vocab_size if recipe.draft_vocab_size and recipe.draft_vocab_size < vocab else None
@@ -444,9 +462,11 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
             log(f"stopped at step {trainer.step_count}: the {minutes} min budget is spent")
             break
         pick = anchors[anchor_runs(anchors.shape[0], recipe.batch, gen)]
-        last = trainer.train_step(train_labels, pick)
+        stats = trainer.train_step(train_labels, pick)
         bar.update(1)
-        bar.set_postfix({n: f"{v:.3f}" for n, v in last.items()})
+        if trainer.step_count % 50 == 0 or trainer.step_count == recipe.steps:
+            last = {n: float(v) for n, v in stats.items()}
+            bar.set_postfix({n: f"{v:.3f}" for n, v in last.items()})
         if trainer.step_count % 250 == 0:
             torch.save({"network": network.state_dict(), "optimizer": trainer.optimizer.state_dict(),
                         "step": trainer.step_count}, state_file)
@@ -459,7 +479,7 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
     reply_tokens = sum(n - p for n, p in zip(train_labels.lengths, train_labels.prompt_lens, strict=True))
     coverage = None
     if draft_size is not None:
-        inside = torch.isin(held_labels.tokens, network.d2t.cpu())
+        inside = torch.isin(held_labels.tokens.cpu(), network.d2t.cpu())
         coverage = float(inside.float().mean())
     manifest = {
         "target": str(engine.model_path), "target_hash": target_hash(engine.model_path),

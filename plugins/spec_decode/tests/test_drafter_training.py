@@ -63,7 +63,7 @@ def test_training_lowers_the_loss_and_the_replay_finds_the_planted_rule():
     before = trainer.evaluate(held)
     anchors = train.anchors(k)
     gen = torch.Generator().manual_seed(0)
-    losses = [trainer.train_step(train, anchors[torch.randint(0, len(anchors), (32,), generator=gen)])["loss"]
+    losses = [float(trainer.train_step(train, anchors[torch.randint(0, len(anchors), (32,), generator=gen)])["loss"])
               for _ in range(recipe.steps)]
     after = trainer.evaluate(held)
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
