@@ -7,9 +7,9 @@
 ``replies-held-out.json``): its held-out
 prompts (passages and templates the training never saw) are the workload, and the weights file beside
 it is the drafter (``--weights F`` another one; ``--spec FIELD=VALUE`` further drafter settings). For
-each batch size (requests at once; batch 1 runs them one after another) the
-configurations ``off``, ``fixed`` (``max_draft`` 5) and ``varlen`` run interleaved, greedy, until EOS
-or ``--max-tokens``; outputs must be token-identical across configurations. Reported: output tokens/s
+each batch size (requests at once; batch 1 runs them one after another) the configurations
+``off``, ``fixed`` (``max_draft`` 5) and ``varlen`` (``--configs``: a subset) run interleaved, greedy,
+until EOS or ``--max-tokens``; outputs must be token-identical across configurations. Reported: output tokens/s
 (median of ``--repeats``), the engine's acceptance statistics (mean acceptance length, acceptance by
 position, calibrated ECE), and at batch 1 the median wall time of one engine step (a plain decode step
 against a verify + draft step). Every configuration runs the ``cpu`` plugin's GEMMs (``--core-gemm``:
@@ -74,6 +74,8 @@ def main() -> None:
     ap.add_argument("--weights", type=Path, default=None, help="the drafter (default: the file beside --work)")
     ap.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE",
                     help="a further plugins.spec_decode field, e.g. dspark_context_window=1 (repeatable)")
+    ap.add_argument("--configs", nargs="+", default=["off", "fixed", "varlen"], choices=["off", "fixed", "varlen"],
+                    help="the configurations to run (off is the speed-ups' baseline and always runs)")
     ap.add_argument("--output", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -92,7 +94,7 @@ def main() -> None:
         work = prompts[:count]
         llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1),
                         kv_cache_bytes=args.kv_cache_mb << 20, max_model_len=2048)
-                for name, cfg in _configs(weights, plugins, extra).items()}
+                for name, cfg in _configs(weights, plugins, extra).items() if name == "off" or name in args.configs}
         for llm in llms.values():  # warm-up: first-call costs (packing, calibration) out of the timings
             _run(llm, work[:1], 1, 16)
         seconds: dict[str, list[float]] = {n: [] for n in llms}
@@ -112,10 +114,12 @@ def main() -> None:
             med = statistics.median(seconds[name])
             row[name] = {"tok_s": tokens / med, "seconds": seconds[name],
                          "median_step_ms": 1e3 * statistics.median(steps[name])}
-            stats = llm.get_stats().get("spec_decode")
-            if stats:
-                row[name]["spec"] = stats
-        for name in ("fixed", "varlen"):
+            stats = llm.get_stats()
+            if stats.get("spec_decode"):
+                row[name]["spec"] = stats["spec_decode"]
+            if stats.get("step_cost"):
+                row[name]["step_cost"] = stats["step_cost"]
+        for name in set(llms) - {"off"}:
             row[name]["speedup"] = row[name]["tok_s"] / row["off"]["tok_s"]
         report["batches"][str(batch)] = row
         print(json.dumps({"batch": batch, **{n: {k: v for k, v in row[n].items() if k != "seconds"}

@@ -201,15 +201,15 @@ class EngineCore:
             self.stats.steps += 1
             self.stats.generated_tokens += sum(len(tokens) for _, tokens in sampled)
             step_verifies = tuple(verifies)
-            draft_seconds = 0.0
+            draft_seconds, drafted = 0.0, 0
             if self.speculator is not None:
-                draft_seconds = self.speculator.propose(drafting, spans, results.hidden)
+                draft_seconds, drafted = self.speculator.propose(drafting, spans, results.hidden)
         for name, secs in scheduled.timer.seconds.items():
             self.stats.phase_seconds[name] += secs
         if self.speculator is not None:
             # With a step in flight (an overlapped executor) the drafter ran beside it, and its read waited
             # for it: its time is not the drafter's.
-            self.speculator.observe_step(batch, *results.time_split(), len(drafting),
+            self.speculator.observe_step(batch, *results.time_split(), drafted,
                                          None if self.inflight else draft_seconds)
         self.structured.fill_pending()  # phase 4: masks of the step in flight, from the advanced matchers
         if self.on_step_end is not None:

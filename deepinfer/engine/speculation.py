@@ -208,13 +208,15 @@ class Speculator:
         self._pause_left = self._pause
 
     def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
-                hidden: torch.Tensor | None = None) -> float:
+                hidden: torch.Tensor | None = None) -> tuple[float, int]:
         """Ask the drafter for the next drafts of ``requests`` (each just committed tokens) and keep
         them (``drafts_of``). With a ``cache``, ``spans`` (every live row of the step) and ``hidden``
         (the step's final hidden states) become ``DraftInputs.rows``, and the drafter runs even with
         no request to draft for (its cache rows must still be written). Reads the proposal on the host
         (deliberate: the scheduler needs it), so the seconds returned (0.0: the drafter did not run)
-        cover the drafter's device work too."""
+        cover the drafter's device work too. Returns those seconds and the number of requests drafted
+        for (0 while drafting is paused: the seconds then are the cache rows' alone, which the
+        step-cost model must not read as a cost per drafting request)."""
         start = time.perf_counter()
         if self._pause_left > 0:  # drafting paused: no request drafts (a drafter's cache rows are still written)
             self._pause_left -= 1
@@ -226,7 +228,7 @@ class Speculator:
             chain = DraftChain(requests, self.cache, self.max_draft)
             rows = self._committed_rows(requests, spans, hidden, chain)
         if not requests and rows is None:
-            return 0.0
+            return 0.0, 0
         dev = self.device
         width = max((r.num_tokens for r in requests), default=1)
         history = torch.full((len(requests), width), -1, dtype=torch.int64)
@@ -244,7 +246,7 @@ class Speculator:
         )
         proposal = self.drafter.propose(inputs)
         if not requests:
-            return time.perf_counter() - start
+            return time.perf_counter() - start, 0
         tokens = proposal.tokens.tolist()
         confidence = proposal.confidence.float().clamp(MIN_CONFIDENCE, 1.0).tolist()
         raw = proposal.raw_confidence if proposal.raw_confidence is not None else proposal.confidence
@@ -255,7 +257,7 @@ class Speculator:
             probs = proposal.probs[i, :n] if proposal.probs is not None and n else None
             self.proposals[req.request_id] = Drafts(req.epoch, tuple(row[:n]), tuple(confidence[i][:n]),
                                                     tuple(raw_confidence[i][:n]), probs)
-        return time.perf_counter() - start
+        return time.perf_counter() - start, len(requests)
 
     def _committed_rows(self, requests: Sequence[Request], spans: Sequence[CommittedSpan], hidden: torch.Tensor,
                         chain: DraftChain) -> CommittedRows | None:

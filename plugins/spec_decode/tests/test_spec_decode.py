@@ -113,7 +113,8 @@ def test_the_step_cost_model_learns_from_the_engines_decode_steps(tmp_path):
 def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
     """When no verified draft can pay (a step's cost explodes with its query tokens), varlen verifies
     none and the engine stops drafting: proposals come at the back-off steps only (1, 2, 4 … skipped
-    between them), and the tokens are those of decoding without speculation."""
+    between them), and the tokens are those of decoding without speculation. The step-cost model
+    hears of drafting only from steps that drafted: a paused step is not a free drafting request."""
     from deepinfer.engine.speculation import PAUSE_LIMIT
 
     folder = save_tiny("llama", tmp_path / "m")[1]
@@ -130,7 +131,9 @@ def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
             return float(q) ** 4
 
         def observe(self, q: int, seconds: float, **measured) -> None:
-            pass
+            observed.append(measured)
+
+    observed: list[dict] = []
 
     speculator.cost = ExplodingCost()
     drafted: list[int] = []
@@ -142,6 +145,9 @@ def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
     proposals = [n for n in drafted if n]
     # Back-off 1, 2, 4, …: about log2 of the steps, never one per step.
     assert 0 < len(proposals) <= 2 + steps.bit_length() + steps // PAUSE_LIMIT
+    drafting_steps = [m for m in observed if m["requests"]]
+    assert len(drafting_steps) <= len(proposals) < len(observed)
+    assert all(m["draft_seconds"] > 0 for m in drafting_steps)
     stats = llm.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     llm.shutdown()
