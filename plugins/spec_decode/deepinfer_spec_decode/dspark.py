@@ -88,6 +88,7 @@ from deepinfer_spec_decode.mtp import choose_drafts
 EPS = 1e-6
 ROPE_THETA = 10000.0
 LOGIT_CLAMP = 60.0  # the confidence head's sigmoid argument is clamped at ±60 (reference §4)
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # y = x · Wᵀ (F.linear, or a GEMM backend's)
 
 
 def default_target_layers(num_layers: int) -> list[int]:
@@ -127,30 +128,30 @@ class DSparkBlock(nn.Module):
         """``[..., S, H]`` → ``[..., heads, S, head_dim]``."""
         return t.unflatten(-1, (self.heads, -1)).transpose(-3, -2)
 
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
         """``context [N, H]`` projected target rows at ``positions [N]`` → their keys (RoPE'd) and values
         ``[N, 2, H]`` (through ``ctx_kv``, or without it the block rows' ``attn_norm`` and ``qkv``)."""
         if self.ctx_kv is None:
-            key, value = self.qkv(self.attn_norm(context)).chunk(3, dim=-1)[1:]
+            key, value = linear(self.attn_norm(context), self.qkv.weight).chunk(3, dim=-1)[1:]
         else:
-            key, value = self.ctx_kv(context).chunk(2, dim=-1)
+            key, value = linear(context, self.ctx_kv.weight).chunk(2, dim=-1)
         key = rope(self.heads_of(key.unsqueeze(0)), positions)[0].transpose(0, 1).flatten(-2)
         return torch.stack([key, value], dim=1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, visible: torch.Tensor,
-                positions: torch.Tensor) -> torch.Tensor:
+                positions: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
         """``x [B, k, H]`` block rows at ``positions [B, k]``, ``context [B, W, 2, H]`` the window's keys and
         values, ``visible [B, W]`` which window rows exist → ``[B, k, H]``."""
         batch, k, hidden = x.shape
-        q, key, value = (self.heads_of(t) for t in self.qkv(self.attn_norm(x)).chunk(3, dim=-1))
+        q, key, value = (self.heads_of(t) for t in linear(self.attn_norm(x), self.qkv.weight).chunk(3, dim=-1))
         q, key = rope(q, positions.unsqueeze(1)), rope(key, positions.unsqueeze(1))
         key = torch.cat([self.heads_of(context[:, :, 0]), key], dim=2)
         value = torch.cat([self.heads_of(context[:, :, 1]), value], dim=2)
         mask = torch.cat([visible, visible.new_ones(batch, k)], dim=1)[:, None, None, :]
         attn = F.scaled_dot_product_attention(q, key, value, attn_mask=mask)
-        x = x + self.o(attn.transpose(1, 2).reshape(batch, k, hidden))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + linear(attn.transpose(1, 2).reshape(batch, k, hidden), self.o.weight)
+        gate, up = linear(self.mlp_norm(x), self.gate_up.weight).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down.weight)
 
 
 class MarkovHead(nn.Module):
@@ -226,20 +227,21 @@ class DSparkNetwork(nn.Module):
         """Draft ids → target ids."""
         return draft_ids if self.d2t is None else self.d2t[draft_ids]
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
         """Target features ``[N, H·L]`` of committed rows at ``positions [N]`` → every layer's keys and
-        values of them ``[N, layers, 2, H]`` (what the drafter's context cache keeps per row)."""
-        context = self.main_norm(self.main_proj(features))
-        return torch.stack([layer.context_kv(context, positions) for layer in self.layers], dim=1)
+        values of them ``[N, layers, 2, H]`` (what the drafter's context cache keeps per row). ``linear``
+        computes every projection (the engine's GEMM backend when drafting; ``F.linear`` in training)."""
+        context = self.main_norm(linear(features, self.main_proj.weight))
+        return torch.stack([layer.context_kv(context, positions, linear) for layer in self.layers], dim=1)
 
     def block(self, context: torch.Tensor, visible: torch.Tensor, embedded: torch.Tensor,
-              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+              positions: torch.Tensor, linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``embedded [B, k, H]`` block at ``positions [B, k]`` over each request's context window
         (``context [B, W, layers, 2, H]`` from ``context_kv``, ``visible [B, W]``) → (block rows before the
         final norm, after it), both ``[B, k, H]``."""
         x = embedded
         for i, layer in enumerate(self.layers):
-            x = layer(x, context[:, :, i], visible, positions)
+            x = layer(x, context[:, :, i], visible, positions, linear)
         return x, self.norm(x)
 
 
@@ -316,7 +318,8 @@ class DSparkDrafter:
             raise RuntimeError("the dspark drafter needs the step's committed rows (DraftInputs.rows); the engine "
                                "provides them when the model captures the drafter's target layers")
         # Every committed row (prefill chunks included) enters the context cache before any request drafts.
-        self.context[rows.ctx.slot_mapping] = self.network.context_kv(rows.hidden, rows.ctx.positions)
+        linear = rows.ctx.backends["linear"].linear  # the engine's GEMMs (on CPU: packed once, not per call)
+        self.context[rows.ctx.slot_mapping] = self.network.context_kv(rows.hidden, rows.ctx.positions, linear)
         if batch == 0:
             empty = torch.empty(0, k, device=dev)
             return DraftProposal(empty.long(), None, empty)
@@ -324,8 +327,9 @@ class DSparkDrafter:
         block_ids = torch.full((batch, k), self.noise_token_id, dtype=torch.int64, device=dev)
         block_ids[:, 0] = inputs.last_tokens
         block_positions = inputs.positions.unsqueeze(1) + torch.arange(k, device=dev)
-        before_norm, normed = self.network.block(context, visible, self.model.embed_tokens(block_ids), block_positions)
-        logits = rows.ctx.backends["linear"].linear(normed.reshape(batch * k, -1), self.head)
+        before_norm, normed = self.network.block(context, visible, self.model.embed_tokens(block_ids), block_positions,
+                                                 linear)
+        logits = linear(normed.reshape(batch * k, -1), self.head)
         report = bool((inputs.temperature > 0).any())  # one read: whether distributions are reported at all
         tokens, probs, confidence = draft_block(
             logits.float().reshape(batch, k, -1), before_norm, inputs.last_tokens, self.network,
