@@ -13,7 +13,7 @@ until EOS or ``--max-tokens``; outputs must be token-identical across configurat
 (median of ``--repeats``), the engine's acceptance statistics (mean acceptance length, acceptance by
 position, calibrated ECE), and at batch 1 the median wall time of one engine step (a plain decode step
 against a verify + draft step). Every configuration runs the ``cpu`` plugin's GEMMs (``--core-gemm``:
-the core's torch GEMM instead).
+the core's torch GEMM instead) and, with ``--overlap``, the ``scheduling`` plugin's overlapped executor.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--core-gemm", action="store_true")
+    ap.add_argument("--overlap", action="store_true", help="every configuration on the overlapped executor")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache per engine (three live at once)")
     ap.add_argument("--weights", type=Path, default=None, help="the drafter (default: the file beside --work)")
     ap.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE",
@@ -87,9 +88,11 @@ def main() -> None:
     weights = args.weights or args.work.with_suffix(".safetensors")
     extra = set_flags_to_tree([f"spec_decode.{item}" for item in args.spec]).get("spec_decode", {})
     plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
+    if args.overlap:
+        plugins["scheduling"] = {"enabled": True}  # scheduler.executor auto: overlap
     counts = args.prompts_per_batch or [8 if b == 1 else 2 * b for b in args.batches]
     report: dict = {"model": args.model, "weights": str(weights), "spec": extra, "max_tokens": args.max_tokens,
-                    "threads": args.threads, "date": time.strftime("%Y-%m-%d"), "batches": {}}
+                    "threads": args.threads, "overlap": args.overlap, "date": time.strftime("%Y-%m-%d"), "batches": {}}
     for batch, count in zip(args.batches, counts, strict=True):
         work = prompts[:count]
         llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1),

@@ -8,9 +8,10 @@ epoch: the proposal lives here, not on the request, and reaches the step rows th
 feeds each decode step's measured times (forward, sampler, drafting) to the step-cost model.
 Verification itself is ``sampling/verify.py``; the rollback of rejected positions is the core's
 ``process`` (a request's computed length goes back to its last accepted token, so the next step
-overwrites their KV). When the plan verifies none of the drafts it was offered, drafting pauses for
-1, 2, 4 … (at most ``PAUSE_LIMIT``) steps while that repeats (``Speculator._note_grant``): the engine
-then decodes without paying for drafts that would not be verified, and probes again after the pause.
+overwrites their KV). When the plan verifies none of the drafts a request offered, that request's
+drafting pauses for 1, 2, 4 … (at most ``PAUSE_LIMIT``) steps while that repeats
+(``Speculator._note_grants``): the engine then decodes it without paying for drafts that would not be
+verified, and probes again after the pause, while requests whose drafts the plan takes keep drafting.
 
 Drafters with a paged cache of their own on the main pool's block ids (MTP) also get the step's
 committed rows (``CommittedRows``): the main model's final hidden state of every token the step
@@ -35,7 +36,7 @@ from deepinfer.engine.request import Request
 from deepinfer.interfaces import CommittedRows, Drafter, DraftInputs, ForwardContext, StepCostModel, VerificationPlan
 
 MIN_CONFIDENCE = 1e-6  # a real draft never has confidence 0, which marks "no draft" for plans
-PAUSE_LIMIT = 64  # the longest drafting pause, in steps (Speculator._note_grant)
+PAUSE_LIMIT = 64  # the longest drafting pause, in steps (Speculator._note_grants)
 SCRATCH_TABLE = (0,)  # block 0 is never handed out (kv/pools.py): rows that must not land anywhere write it
 SCRATCH_SLOT = 0  # nor is state slot 0 (kv/state.py): the per-request state of such rows
 
@@ -161,8 +162,8 @@ class Speculator:
         self.device = device
         self.cache = cache  # set when the drafter reads the committed rows (MTP): DraftInputs.rows
         self.proposals: dict[str, Drafts] = {}  # request id -> its newest proposal
-        self._pause = 0  # the current drafting pause length (steps), PAUSE_LIMIT at most
-        self._pause_left = 0  # steps of it still to skip
+        self._pause: dict[str, int] = {}  # request id -> its drafting pause length (steps), PAUSE_LIMIT at most
+        self._pause_left: dict[str, int] = {}  # request id -> steps of its pause still to skip
 
     def drafts_of(self, req: Request) -> Drafts | None:
         """``req``'s live proposal (None when it has none, or only one from before it was preempted)."""
@@ -170,8 +171,10 @@ class Speculator:
         return drafts if drafts is not None and drafts.epoch == req.epoch else None
 
     def forget(self, request_id: str) -> None:
-        """Drop a finished request's proposal."""
+        """Drop a finished request's proposal and drafting pause."""
         self.proposals.pop(request_id, None)
+        self._pause.pop(request_id, None)
+        self._pause_left.pop(request_id, None)
 
     @staticmethod
     def draft_limit(req: Request, drafts: Drafts) -> int:
@@ -195,17 +198,21 @@ class Speculator:
         # Synchronous steps see the newest confidences on the host, so budget and split use the same.
         total = self.plan.budget(confidence, self.cost)
         granted = [min(int(g), n) for g, n in zip(self.plan.split(confidence, total).tolist(), limits, strict=True)]
-        if sum(limits):
-            self._note_grant(sum(granted))
+        self._note_grants([(req.request_id, n, g) for (req, _), n, g in zip(proposed, limits, granted, strict=True)])
         return {req.request_id: drafts.granted(g) for (req, drafts), g in zip(proposed, granted, strict=True)}
 
-    def _note_grant(self, verified: int) -> None:
-        """The drafting pause: after a step whose plan verified none of the drafts it was offered (they
-        did not pay: ``varlen`` at a batch where the verified rows cost more than they bring), the next
-        1, then 2, 4 … up to ``PAUSE_LIMIT`` proposals are skipped while that repeats, so the engine
-        decodes without paying for drafting; a step that verifies a draft ends the pause."""
-        self._pause = min(max(1, 2 * self._pause), PAUSE_LIMIT) if verified == 0 else 0
-        self._pause_left = self._pause
+    def _note_grants(self, grants: Sequence[tuple[str, int, int]]) -> None:
+        """The drafting pause, per request, from ``(request id, drafts offered, drafts granted)``: after a
+        step whose plan verified none of the drafts a request offered (they did not pay: ``varlen`` at a
+        batch where the verified rows cost more than they bring), that request's next 1, then 2, 4 … up
+        to ``PAUSE_LIMIT`` proposals are skipped while that repeats, so the engine decodes it without
+        paying for its drafting; a step that verifies one of its drafts ends its pause. Requests the plan
+        keeps granting draft on: at a large batch only they pay for drafting."""
+        for request_id, offered, granted in grants:
+            if not offered:
+                continue
+            pause = min(max(1, 2 * self._pause.get(request_id, 0)), PAUSE_LIMIT) if granted == 0 else 0
+            self._pause[request_id] = self._pause_left[request_id] = pause
 
     def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
                 hidden: torch.Tensor | None = None) -> tuple[float, int]:
@@ -215,14 +222,18 @@ class Speculator:
         no request to draft for (its cache rows must still be written). Reads the proposal on the host
         (deliberate: the scheduler needs it), so the seconds returned (0.0: the drafter did not run)
         cover the drafter's device work too. Returns those seconds and the number of requests drafted
-        for (0 while drafting is paused: the seconds then are the cache rows' alone, which the
-        step-cost model must not read as a cost per drafting request)."""
+        for (paused requests not counted: with every request paused the seconds are the cache rows'
+        alone, which the step-cost model must not read as a cost per drafting request)."""
         start = time.perf_counter()
-        if self._pause_left > 0:  # drafting paused: no request drafts (a drafter's cache rows are still written)
-            self._pause_left -= 1
-            for req in requests:
+        drafting = []
+        for req in requests:  # a paused request does not draft (a drafter's cache rows are still written)
+            left = self._pause_left.get(req.request_id, 0)
+            if left > 0:
+                self._pause_left[req.request_id] = left - 1
                 self.proposals.pop(req.request_id, None)
-            requests = []
+            else:
+                drafting.append(req)
+        requests = drafting
         rows, chain = None, None
         if self.cache is not None and hidden is not None:
             chain = DraftChain(requests, self.cache, self.max_draft)

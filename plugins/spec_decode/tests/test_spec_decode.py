@@ -153,6 +153,45 @@ def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
     llm.shutdown()
 
 
+def test_a_request_whose_drafts_go_unverified_pauses_alone(tmp_path):
+    """The drafting pause is per request: under a plan that verifies the first request's drafts and never
+    the second's, the second stops drafting (back-off 1, 2, 4 …) while the first drafts after every step,
+    and the tokens are those of decoding without speculation."""
+    from deepinfer.engine.speculation import PAUSE_LIMIT
+
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = repeating_prompts(2, 5)
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    reference, _ = _generate(folder, prompts, params)
+    oracle = write_oracle_file(tmp_path, prompts, reference)
+    llm = LLM(folder, block_size=16, max_num_seqs=2,
+              plugins=spec_plugins("oracle", "varlen", oracle_file=oracle, oracle_corruption=0.0))
+    speculator = llm.engine.speculator
+
+    class FirstRequestOnly:
+        def budget(self, stale_confidence: torch.Tensor, cost) -> int:
+            return int(stale_confidence.shape[0] + (stale_confidence[0] > 0).sum())
+
+        def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
+            granted = torch.zeros(confidence.shape[0], dtype=torch.int64)
+            granted[0] = total - confidence.shape[0]
+            return granted
+
+    speculator.plan = FirstRequestOnly()
+    drafted: list[int] = []
+    propose = speculator.drafter.propose
+    speculator.drafter.propose = lambda inputs: drafted.append(int(inputs.last_tokens.shape[0])) or propose(inputs)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    steps = llm.get_stats()["steps"]
+    both = sum(1 for n in drafted if n == 2)
+    assert both <= 2 + steps.bit_length() + steps // PAUSE_LIMIT
+    assert sum(1 for n in drafted if n == 1) >= steps // 3  # the first request went on drafting
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("draft_probs", [False, True], ids=["onehot", "probs"])
 def test_sampled_tokens_follow_the_target_distribution(tmp_path, draft_probs):
     """Seeded requests with speculation on; the second and third output tokens (produced through
