@@ -137,6 +137,10 @@ DraftPlanner = Callable[[Sequence[Request]], dict[str, Drafts]]
 """The drafts each decode request verifies this step (speculative decoding), by request id: the
 granted prefix of its live proposal (possibly no token; requests without a proposal are absent)."""
 
+DraftingPaused = Callable[[str], bool]
+"""Whether a request's next proposal is skipped (its drafting is paused, ``Speculator.paused``): such a
+request has no drafts to wait for."""
+
 
 class Scheduler:
     """Owns the waiting and running queues and the KV block tables. With a ``draft_planner``
@@ -145,10 +149,12 @@ class Scheduler:
 
     def __init__(self, kv: KVCacheManager, policy: SchedulePolicy, *, max_num_seqs: int,
                  max_num_batched_tokens: int, chunked_prefill: bool,
-                 draft_planner: DraftPlanner | None = None, replay: ReplayStart | None = None) -> None:
+                 draft_planner: DraftPlanner | None = None, drafting_paused: DraftingPaused | None = None,
+                 replay: ReplayStart | None = None) -> None:
         self.kv = kv
         self.policy = policy
         self.draft_planner = draft_planner
+        self.drafting_paused = drafting_paused
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -260,8 +266,13 @@ class Scheduler:
         """Under speculative decoding a request whose sampled tokens are still unread (an overlapped
         executor's step in flight) sits this step out: how many tokens it commits, and so its positions
         and the drafts proposed after them, are known only once that step is processed. Its next step
-        then verifies exactly what the synchronous executor's would (plugins/scheduling/README.md)."""
-        return self.draft_planner is not None and req.num_pending > 0
+        then verifies exactly what the synchronous executor's would (plugins/scheduling/README.md). A
+        request whose drafting is paused (``drafting_paused``) has nothing to wait for: the proposal
+        after its step in flight is skipped, so its next step is a plain decode step, and it is
+        scheduled like a request without speculation."""
+        if self.draft_planner is None or req.num_pending == 0:
+            return False
+        return self.drafting_paused is None or not self.drafting_paused(req.request_id)
 
     @staticmethod
     def _at_limit(req: Request) -> bool:

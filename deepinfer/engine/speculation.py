@@ -176,6 +176,12 @@ class Speculator:
         self._pause.pop(request_id, None)
         self._pause_left.pop(request_id, None)
 
+    def paused(self, request_id: str) -> bool:
+        """Whether the request's next proposal is skipped (its drafting pause has steps left). The
+        scheduler lets such a request run while its previous step is in flight: the proposal made
+        after that step skips it, so there is no draft to wait for (``Scheduler._awaits_drafts``)."""
+        return self._pause_left.get(request_id, 0) > 0
+
     @staticmethod
     def draft_limit(req: Request, drafts: Drafts) -> int:
         """Drafts ``req`` may verify of its proposal ``drafts``: it emits at most 1 + drafts tokens,

@@ -160,6 +160,7 @@ class StartUp:
                                    max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
                                    chunked_prefill=cfg.scheduler.chunked_prefill,
                                    draft_planner=self.speculator.plan_drafts if self.speculator else None,
+                                   drafting_paused=self.speculator.paused if self.speculator else None,
                                    replay=replay)
         if not cfg.scheduler.chunked_prefill and cfg.scheduler.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(

@@ -10,11 +10,13 @@ follows measured step times), so only its greedy tokens are fixed by the model a
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
 
 import pytest
+import torch
 from abort_drills import drain_with_random_aborts
 from spec_setup import repeating_prompts, spec_plugins, write_oracle_file
 from test_deepseek_v3 import _build as build_deepseek
@@ -256,3 +258,44 @@ def test_smollm2_structured_output_with_speculation_overlap_equals_sync(smollm2_
     assert set(json.loads(texts[0], strict=False)) >= {"name", "age"}
     assert texts[1] in ("red", "green", "blue") and texts[2][:2] == "20" and len(texts[2]) == 7
     assert set(json.loads(texts[3], strict=False)) >= {"city", "population"}
+
+
+class _VerifyNothing:
+    """A plan that never verifies a draft: every request's drafting pauses (1, 2, 4 … steps)."""
+
+    def budget(self, stale_confidence, cost) -> int:
+        return int(stale_confidence.shape[0])
+
+    def split(self, confidence, total):
+        return confidence.new_zeros(confidence.shape[0], dtype=torch.int64)
+
+
+def test_a_request_whose_drafting_is_paused_runs_in_consecutive_steps_under_overlap(tmp_path):
+    """While a request's drafting is paused there is no draft to wait for, so under overlap it is
+    scheduled in consecutive steps, not every other one (step indices recorded), and the greedy tokens
+    equal the synchronous executor's."""
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = repeating_prompts(2, 5)
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain, _ = _run(folder, {}, prompts, params)
+    spec = spec_plugins("oracle", "varlen", oracle_file=write_oracle_file(tmp_path, prompts, [o for o, _ in plain]),
+                        oracle_corruption=0.0)
+    llm = _llm(folder, {**spec, **OVERLAP})
+    core = llm.engine.core
+    llm.engine.speculator.plan = _VerifyNothing()
+    schedule, steps_of, calls = core.schedule, {}, [0]
+
+    def spy():  # every schedule call is a step index, empty ones (all requests waiting) included
+        scheduled = schedule()
+        for row in scheduled.batch.scheduled:
+            steps_of.setdefault(row.request.request_id, []).append(calls[0])
+        calls[0] += 1
+        return scheduled
+
+    core.schedule = spy
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == plain
+    for steps in steps_of.values():
+        consecutive = sum(b - a == 1 for a, b in itertools.pairwise(steps))
+        assert consecutive >= 0.75 * (len(steps) - 1)
+    _assert_clean(llm)
