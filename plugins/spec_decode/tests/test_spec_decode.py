@@ -110,13 +110,9 @@ def test_the_step_cost_model_learns_from_the_engines_decode_steps(tmp_path):
     assert cost["prediction_error"] > 0  # wall-clock steps on a shared CPU are never predicted exactly
 
 
-def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
-    """When no verified draft can pay (a step's cost explodes with its query tokens), varlen verifies
-    none and the engine stops drafting: proposals come at the back-off steps only (1, 2, 4 … skipped
-    between them), and the tokens are those of decoding without speculation. The step-cost model
-    hears of drafting only from steps that drafted: a paused step is not a free drafting request."""
-    from deepinfer.engine.speculation import PAUSE_LIMIT
-
+def _two_oracle_requests(tmp_path):
+    """A tiny Llama with the exact ``oracle`` drafter under ``varlen``, two repeating prompts, greedy
+    params and the tokens without speculation."""
     folder = save_tiny("llama", tmp_path / "m")[1]
     prompts = repeating_prompts(2, 5)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -124,6 +120,25 @@ def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
     oracle = write_oracle_file(tmp_path, prompts, reference)
     llm = LLM(folder, block_size=16, max_num_seqs=2,
               plugins=spec_plugins("oracle", "varlen", oracle_file=oracle, oracle_corruption=0.0))
+    return llm, prompts, params, reference
+
+
+def _count_drafting_requests(speculator) -> list[int]:
+    """A list that gets the number of requests of every call of the speculator's drafter."""
+    drafted: list[int] = []
+    propose = speculator.drafter.propose
+    speculator.drafter.propose = lambda inputs: drafted.append(int(inputs.last_tokens.shape[0])) or propose(inputs)
+    return drafted
+
+
+def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
+    """When no verified draft can pay (a step's cost explodes with its query tokens), varlen verifies
+    none and the engine stops drafting: proposals come at the back-off steps only (1, 2, 4 … skipped
+    between them), and the tokens are those of decoding without speculation. The step-cost model
+    hears of drafting only from steps that drafted: a paused step is not a free drafting request."""
+    from deepinfer.engine.speculation import PAUSE_LIMIT
+
+    llm, prompts, params, reference = _two_oracle_requests(tmp_path)
     speculator = llm.engine.speculator
 
     class ExplodingCost:
@@ -136,9 +151,7 @@ def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
     observed: list[dict] = []
 
     speculator.cost = ExplodingCost()
-    drafted: list[int] = []
-    propose = speculator.drafter.propose
-    speculator.drafter.propose = lambda inputs: drafted.append(int(inputs.last_tokens.shape[0])) or propose(inputs)
+    drafted = _count_drafting_requests(speculator)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     steps = llm.get_stats()["steps"]
@@ -159,13 +172,7 @@ def test_a_request_whose_drafts_go_unverified_pauses_alone(tmp_path):
     and the tokens are those of decoding without speculation."""
     from deepinfer.engine.speculation import PAUSE_LIMIT
 
-    folder = save_tiny("llama", tmp_path / "m")[1]
-    prompts = repeating_prompts(2, 5)
-    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    reference, _ = _generate(folder, prompts, params)
-    oracle = write_oracle_file(tmp_path, prompts, reference)
-    llm = LLM(folder, block_size=16, max_num_seqs=2,
-              plugins=spec_plugins("oracle", "varlen", oracle_file=oracle, oracle_corruption=0.0))
+    llm, prompts, params, reference = _two_oracle_requests(tmp_path)
     speculator = llm.engine.speculator
 
     class FirstRequestOnly:
@@ -178,9 +185,7 @@ def test_a_request_whose_drafts_go_unverified_pauses_alone(tmp_path):
             return granted
 
     speculator.plan = FirstRequestOnly()
-    drafted: list[int] = []
-    propose = speculator.drafter.propose
-    speculator.drafter.propose = lambda inputs: drafted.append(int(inputs.last_tokens.shape[0])) or propose(inputs)
+    drafted = _count_drafting_requests(speculator)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == reference
     steps = llm.get_stats()["steps"]
