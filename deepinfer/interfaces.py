@@ -268,8 +268,10 @@ class VerificationPlan(Protocol):
 
     def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
         """Total query tokens over decode rows, Σ(1 + drafts verified), from host-side confidences
-        ``[B, k]`` of the previous round. Fixes the batch bucket. A plan that weighs step time asks
-        ``cost.step_time(total, requests=B)``: each of the B requests drafts again after the step.
+        ``[B, k]`` of the previous round, one row per decode request of the step (all zeros: a request
+        without drafts). Fixes the batch bucket. A plan that weighs step time asks
+        ``cost.step_time(total, requests=R)``, R the rows with drafts: each of them drafts again after
+        the step.
 
         Confidence matrices hold each request's per-draft conditional confidences in (0, 1]; a
         position past a request's last draft is exactly 0 (nothing to verify there); a draft whose

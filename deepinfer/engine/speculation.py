@@ -190,22 +190,24 @@ class Speculator:
 
     def plan_drafts(self, requests: Sequence[Request]) -> dict[str, Drafts]:
         """The drafts each decode request verifies this step (the scheduler's ``DraftPlanner``): the
-        plan's grant over the requests with a proposal, in the order given."""
-        proposed = [(r, d) for r in requests if (d := self.drafts_of(r)) is not None and d.tokens]
+        plan's grant over the requests with a proposal, in the order given. Every decode request of the
+        step is a row of the plan's confidences, those without a proposal all zeros: they verify
+        nothing, but their rows are in the step and in its time, which the plan weighs drafts against."""
+        proposed = [(i, r, d) for i, r in enumerate(requests) if (d := self.drafts_of(r)) is not None and d.tokens]
         if not proposed:
             return {}
-        confidence = torch.zeros(len(proposed), self.max_draft)
-        limits = []
-        for i, (req, drafts) in enumerate(proposed):
-            n = min(self.draft_limit(req, drafts), self.max_draft)
-            limits.append(n)
+        confidence = torch.zeros(len(requests), self.max_draft)
+        limits = [0] * len(requests)
+        for i, req, drafts in proposed:
+            n = limits[i] = min(self.draft_limit(req, drafts), self.max_draft)
             if n:
                 confidence[i, :n] = torch.tensor(drafts.confidence[:n])
         # Synchronous steps see the newest confidences on the host, so budget and split use the same.
         total = self.plan.budget(confidence, self.cost)
-        granted = [min(int(g), n) for g, n in zip(self.plan.split(confidence, total).tolist(), limits, strict=True)]
-        self._note_grants([(req.request_id, n, g) for (req, _), n, g in zip(proposed, limits, granted, strict=True)])
-        return {req.request_id: drafts.granted(g) for (req, drafts), g in zip(proposed, granted, strict=True)}
+        split = self.plan.split(confidence, total).tolist()
+        granted = {i: min(int(split[i]), limits[i]) for i, _, _ in proposed}
+        self._note_grants([(req.request_id, limits[i], granted[i]) for i, req, _ in proposed])
+        return {req.request_id: drafts.granted(granted[i]) for i, req, drafts in proposed}
 
     def _note_grants(self, grants: Sequence[tuple[str, int, int]]) -> None:
         """The drafting pause, per request, from ``(request id, drafts offered, drafts granted)``: after a
@@ -219,6 +221,8 @@ class Speculator:
                 continue
             pause = min(max(1, 2 * self._pause.get(request_id, 0)), PAUSE_LIMIT) if granted == 0 else 0
             self._pause[request_id] = self._pause_left[request_id] = pause
+            if pause:  # a paused request holds no proposal: planned again later (under overlap, while this
+                self.proposals.pop(request_id, None)  # step is in flight) it would verify stale drafts
 
     def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
                 hidden: torch.Tensor | None = None) -> tuple[float, int]:

@@ -299,3 +299,49 @@ def test_a_request_whose_drafting_is_paused_runs_in_consecutive_steps_under_over
         consecutive = sum(b - a == 1 for a, b in itertools.pairwise(steps))
         assert consecutive >= 0.75 * (len(steps) - 1)
     _assert_clean(llm)
+
+
+class _EveryOtherCall:
+    """A plan that verifies every draft on every other call and none on the others: requests keep
+    entering and leaving their drafting pause while their steps are in flight."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def budget(self, stale_confidence, cost) -> int:
+        self.calls += 1
+        return int(stale_confidence.shape[0] + (stale_confidence > 0).sum()) if self.calls % 2 else \
+            int(stale_confidence.shape[0])
+
+    def split(self, confidence, total):
+        extra = total - confidence.shape[0]
+        return (confidence > 0).sum(dim=1) if extra else confidence.new_zeros(confidence.shape[0], dtype=torch.int64)
+
+
+def test_pauses_that_start_and_end_under_overlap_never_draft_from_a_pending_token(tmp_path):
+    """A request scheduled while its step is in flight (its drafting paused) must not draft before that
+    step's tokens are known, nor verify a proposal made before it: the drafter never sees a pending
+    token, and the greedy tokens equal the synchronous executor's, with every block back."""
+    from deepinfer.engine.request import PENDING
+
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = repeating_prompts(4, 5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, _ = _run(folder, {}, prompts, params)
+    spec = spec_plugins("oracle", "varlen", oracle_file=write_oracle_file(tmp_path, prompts, [o for o, _ in plain]),
+                        oracle_corruption=0.3)
+    llm = _llm(folder, {**spec, **OVERLAP})
+    speculator = llm.engine.speculator
+    speculator.plan = _EveryOtherCall()
+    propose, seen = speculator.drafter.propose, []
+
+    def checked(inputs):
+        seen.append(bool((inputs.last_tokens == PENDING).any()))  # (the history's left padding is -1 too)
+        return propose(inputs)
+
+    speculator.drafter.propose = checked
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == plain
+    assert seen and not any(seen)
+    assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
+    _assert_clean(llm)

@@ -9,8 +9,9 @@ go to the smaller flat index (request · k + position): the result is determinis
   conditional confidences (the probability that it is accepted). ``budget`` walks the slots from
   most to least likely and keeps the total query tokens that maximize expected accepted tokens per
   second of step time (from the step-cost model: forward at the step's graph bucket, the sampler per
-  verified row, and the drafting of every request after the step), against decoding without any
-  draft (no drafting charged: when the plan verifies nothing the engine pauses drafting); ``split``
+  verified row, and the drafting of every request with drafts after the step), against decoding
+  without any draft (no drafting charged: when the plan verifies nothing the engine pauses drafting);
+  rows of zeros are decode requests without drafts, in the step's tokens but not drafting; ``split``
   gives that total to the best slots of the newest confidences.
 """
 
@@ -58,6 +59,7 @@ class VarlenPlan:
 
     def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
         batch = stale_confidence.shape[0]
+        drafting = int((stale_confidence > 0).any(dim=1).sum())  # rows of zeros: decode rows without drafts
         rates = acceptance_rates(stale_confidence).reshape(-1)
         ranked = torch.sort(-rates, stable=True).values.neg()
         expected, tokens = float(batch), batch
@@ -69,7 +71,7 @@ class VarlenPlan:
                 break
             expected += rate
             tokens += 1
-            throughput = expected / cost.step_time(tokens, requests=batch)
+            throughput = expected / cost.step_time(tokens, requests=drafting)
             if throughput > best:
                 best, best_tokens = throughput, tokens
         return best_tokens

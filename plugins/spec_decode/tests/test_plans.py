@@ -206,14 +206,27 @@ def test_step_cost_reports_its_prediction_error():
 
 def test_varlen_charges_drafting_only_to_budgets_that_verify_drafts():
     """The baseline is decoding without speculation, which drafts nothing (the engine pauses drafting
-    after a step that verifies no draft); every budget with drafts pays the drafting of every request."""
+    after a step that verifies no draft); every budget with drafts pays the drafting of every request
+    that has drafts."""
     conf = _random_confidence(5, 4, 2)
     expensive_tokens = CurveCost(lambda q: 0.1 + 1.0 * q)
-    assert VarlenPlan().budget(conf, expensive_tokens) == 5 and expensive_tokens.requests == {0, 5}
+    drafting = int((conf > 0).any(dim=1).sum())
+    assert VarlenPlan().budget(conf, expensive_tokens) == 5 and expensive_tokens.requests == {0, drafting}
     dear_drafting = CurveCost(lambda q: 1.0 + 0.001 * q, per_request=100.0)  # verified rows cheap, drafting dear
     assert VarlenPlan().budget(conf, dear_drafting) == 5
     cheap_drafting = CurveCost(lambda q: 1.0 + 0.001 * q, per_request=0.001)
     assert VarlenPlan().budget(conf, cheap_drafting) > 5
+
+
+def test_varlen_weighs_drafts_against_the_whole_step():
+    """Rows of zeros are decode requests without drafts: their tokens are in the step (a draft that pays
+    beside one request does not beside 31 more on a per-token cost), and they draft nothing."""
+    alone = torch.tensor([[0.6, 0.0]])
+    crowded = torch.cat([alone, torch.zeros(31, 2)])
+    cost = CurveCost(lambda q: 1.0 + 0.1 * q)
+    assert VarlenPlan().budget(alone, cost) == 2  # 1.6 tokens in 1.2 s beat 1 in 1.1 s
+    assert VarlenPlan().budget(crowded, cost) == 32  # 32.6 tokens in 4.3 s lose to 32 in 4.2 s
+    assert cost.requests == {0, 1}  # drafting is charged for the one request with drafts
 
 
 def test_unverified_positions_borrow_the_previous_positions_calibration():
