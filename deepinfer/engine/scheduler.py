@@ -155,6 +155,7 @@ class Scheduler:
         self.policy = policy
         self.draft_planner = draft_planner
         self.drafting_paused = drafting_paused
+        self._last_step_verifies = False  # whether the newest scheduled step verifies drafts (_awaits_drafts)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.chunked_prefill = chunked_prefill
@@ -211,6 +212,8 @@ class Scheduler:
         # Single-token decode rows first: the runner batches them together.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.rows = tuple(self.advance(s) for s in out.scheduled)
+        if not out.is_empty:
+            self._last_step_verifies = any(s.drafts for s in out.scheduled)
         return out
 
     def advance(self, s: ScheduledRequest) -> StepRow:
@@ -269,10 +272,12 @@ class Scheduler:
         then verifies exactly what the synchronous executor's would (plugins/scheduling/README.md). A
         request whose drafting is paused (``drafting_paused``) has nothing to wait for: the proposal
         after its step in flight is skipped, so its next step is a plain decode step, and it is
-        scheduled like a request without speculation."""
+        scheduled like a request without speculation, unless the step in flight verifies drafts (an
+        input token is filled on the device from a plain sampling step's results only)."""
         if self.draft_planner is None or req.num_pending == 0:
             return False
-        return self.drafting_paused is None or not self.drafting_paused(req.request_id)
+        paused = self.drafting_paused is not None and self.drafting_paused(req.request_id)
+        return not paused or self._last_step_verifies
 
     @staticmethod
     def _at_limit(req: Request) -> bool:

@@ -345,3 +345,33 @@ def test_pauses_that_start_and_end_under_overlap_never_draft_from_a_pending_toke
     assert seen and not any(seen)
     assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
     _assert_clean(llm)
+
+
+class _FirstRowOnly:
+    """A plan that verifies the first request's drafts and never another's: the others pause while the
+    first one's verification steps are in flight."""
+
+    def budget(self, stale_confidence, cost) -> int:
+        return int(stale_confidence.shape[0] + (stale_confidence[0] > 0).sum())
+
+    def split(self, confidence, total):
+        granted = confidence.new_zeros(confidence.shape[0], dtype=torch.int64)
+        granted[0] = total - confidence.shape[0]
+        return granted
+
+
+def test_paused_requests_beside_a_verifying_one_keep_greedy_tokens_under_overlap(tmp_path):
+    """Paused requests wait out a step in flight that verifies drafts (their pending input token could not
+    be filled from it); the greedy tokens equal the synchronous executor's, with every block back."""
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = repeating_prompts(4, 5)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, _ = _run(folder, {}, prompts, params)
+    spec = spec_plugins("oracle", "varlen", oracle_file=write_oracle_file(tmp_path, prompts, [o for o, _ in plain]),
+                        oracle_corruption=0.3)
+    llm = _llm(folder, {**spec, **OVERLAP})
+    llm.engine.speculator.plan = _FirstRowOnly()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == plain
+    assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
+    _assert_clean(llm)
