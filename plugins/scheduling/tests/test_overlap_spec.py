@@ -260,6 +260,19 @@ def test_smollm2_structured_output_with_speculation_overlap_equals_sync(smollm2_
     assert set(json.loads(texts[3], strict=False)) >= {"city", "population"}
 
 
+def _oracle_under_overlap(tmp_path, requests: int, max_tokens: int, corruption: float):
+    """A tiny Llama under the overlapped executor with the ``oracle`` drafter (``corruption`` of its drafts
+    wrong) and ``varlen``, ``requests`` repeating prompts, greedy params and the tokens without
+    speculation (with their finish reasons)."""
+    folder = save_tiny("llama", tmp_path / "m")[1]
+    prompts = repeating_prompts(requests, 5)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    plain, _ = _run(folder, {}, prompts, params)
+    spec = spec_plugins("oracle", "varlen", oracle_file=write_oracle_file(tmp_path, prompts, [o for o, _ in plain]),
+                        oracle_corruption=corruption)
+    return _llm(folder, {**spec, **OVERLAP}), prompts, params, plain
+
+
 class _VerifyNothing:
     """A plan that never verifies a draft: every request's drafting pauses (1, 2, 4 … steps)."""
 
@@ -274,13 +287,7 @@ def test_a_request_whose_drafting_is_paused_runs_in_consecutive_steps_under_over
     """While a request's drafting is paused there is no draft to wait for, so under overlap it is
     scheduled in consecutive steps, not every other one (step indices recorded), and the greedy tokens
     equal the synchronous executor's."""
-    folder = save_tiny("llama", tmp_path / "m")[1]
-    prompts = repeating_prompts(2, 5)
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    plain, _ = _run(folder, {}, prompts, params)
-    spec = spec_plugins("oracle", "varlen", oracle_file=write_oracle_file(tmp_path, prompts, [o for o, _ in plain]),
-                        oracle_corruption=0.0)
-    llm = _llm(folder, {**spec, **OVERLAP})
+    llm, prompts, params, plain = _oracle_under_overlap(tmp_path, 2, 64, 0.0)
     core = llm.engine.core
     llm.engine.speculator.plan = _VerifyNothing()
     schedule, steps_of, calls = core.schedule, {}, [0]
@@ -324,13 +331,7 @@ def test_pauses_that_start_and_end_under_overlap_never_draft_from_a_pending_toke
     token, and the greedy tokens equal the synchronous executor's, with every block back."""
     from deepinfer.engine.request import PENDING
 
-    folder = save_tiny("llama", tmp_path / "m")[1]
-    prompts = repeating_prompts(4, 5)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain, _ = _run(folder, {}, prompts, params)
-    spec = spec_plugins("oracle", "varlen", oracle_file=write_oracle_file(tmp_path, prompts, [o for o, _ in plain]),
-                        oracle_corruption=0.3)
-    llm = _llm(folder, {**spec, **OVERLAP})
+    llm, prompts, params, plain = _oracle_under_overlap(tmp_path, 4, 40, 0.3)
     speculator = llm.engine.speculator
     speculator.plan = _EveryOtherCall()
     propose, seen = speculator.drafter.propose, []
@@ -363,13 +364,7 @@ class _FirstRowOnly:
 def test_paused_requests_beside_a_verifying_one_keep_greedy_tokens_under_overlap(tmp_path):
     """Paused requests wait out a step in flight that verifies drafts (their pending input token could not
     be filled from it); the greedy tokens equal the synchronous executor's, with every block back."""
-    folder = save_tiny("llama", tmp_path / "m")[1]
-    prompts = repeating_prompts(4, 5)
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    plain, _ = _run(folder, {}, prompts, params)
-    spec = spec_plugins("oracle", "varlen", oracle_file=write_oracle_file(tmp_path, prompts, [o for o, _ in plain]),
-                        oracle_corruption=0.3)
-    llm = _llm(folder, {**spec, **OVERLAP})
+    llm, prompts, params, plain = _oracle_under_overlap(tmp_path, 4, 40, 0.3)
     llm.engine.speculator.plan = _FirstRowOnly()
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == plain
