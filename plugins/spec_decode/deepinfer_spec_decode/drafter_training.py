@@ -33,6 +33,7 @@ folder).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -195,6 +196,11 @@ class Labels:
         return dataclasses.replace(self, features=self.features.to(device), top_ids=self.top_ids.to(device),
                                    top_logits=self.top_logits.to(device), tokens=self.tokens.to(device))
 
+    @functools.cached_property
+    def bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each sequence's first row and length as host tensors (the batches' index arithmetic)."""
+        return torch.tensor(self.starts), torch.tensor(self.lengths)
+
     def anchors(self, k: int) -> torch.Tensor:
         """Rows ``a`` (global) that can anchor a block: inside a reply, with a row before them."""
         rows = [s + p for s, p, n in zip(self.starts, self.prompt_lens, self.lengths, strict=True)
@@ -249,13 +255,12 @@ class DrafterTrainer:
         params = [p for p in network.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=recipe.lr, weight_decay=0.0)
         self.step_count = 0
-        self._bounds_of: tuple[Labels, torch.Tensor, torch.Tensor] | None = None
 
     def _batch(self, labels: Labels, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
         """The inputs and targets of blocks anchored at ``anchors`` (global rows). The index arithmetic runs
         on the host; the gathers run where the labels live (``Labels.to``)."""
         k, window = self.k, self.window
-        starts, lengths = self._bounds(labels)
+        starts, lengths = labels.bounds
         rows = anchors.unsqueeze(1) + torch.arange(k)  # [B, k] rows a … a + k − 1
         seq = torch.bucketize(anchors, starts, right=True) - 1
         ends = starts[seq] + lengths[seq]  # one past each sequence
@@ -278,12 +283,6 @@ class DrafterTrainer:
                  "previous": labels.tokens[rows_at], "top_ids": labels.top_ids[rows_at],
                  "top_logits": labels.top_logits[rows_at], "valid": valid}
         return {name: t.to(self.device, non_blocking=True) for name, t in batch.items()}
-
-    def _bounds(self, labels: Labels) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each sequence's first row and length as host tensors (made once per ``Labels``)."""
-        if self._bounds_of is None or self._bounds_of[0] is not labels:
-            self._bounds_of = (labels, torch.tensor(labels.starts), torch.tensor(labels.lengths))
-        return self._bounds_of[1], self._bounds_of[2]
 
     def _forward(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Corrected logits ``[B, k, Vd]`` and confidence logits ``[B, k]`` (teacher-forced previous tokens)."""
