@@ -24,6 +24,7 @@ from deepinfer.interfaces import DraftInputs, DraftProposal
 from deepinfer.ops import Purpose, uniform
 
 SMOOTHING = 0.1
+KEY_LEN = 16  # sequences are indexed by their first KEY_LEN ids, so a lookup scans only those that share them
 
 
 def read_sequences(path: str | Path) -> list[list[int]]:
@@ -38,13 +39,17 @@ class OracleDrafter:
     def __init__(self, sequences: Sequence[Sequence[int]], vocab_size: int, corruption: float,
                  draft_probs: bool) -> None:
         self.sequences = [tuple(s) for s in sequences]
+        self._by_key: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for seq in self.sequences:
+            self._by_key.setdefault(seq[:KEY_LEN], []).append(seq)
         self.vocab_size = vocab_size
         self.corruption = corruption
         self.draft_probs = draft_probs
 
     def _continuation(self, history: list[int], k: int) -> list[int]:
         n = len(history)
-        for seq in self.sequences:
+        candidates = self._by_key.get(tuple(history[:KEY_LEN]), []) if n >= KEY_LEN else self.sequences
+        for seq in candidates:
             if len(seq) > n and list(seq[:n]) == history:
                 follow = list(seq[n:n + k])
                 return follow + [follow[-1]] * (k - len(follow))
