@@ -7,6 +7,7 @@ offer these objects are declared in ``deepinfer.hookspecs``; API.md §2 fixes th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -176,8 +177,10 @@ class RequestRouter(Protocol):
 class DraftInputs:
     """What a drafter gets after a step committed tokens (on the model's device).
 
-    ``last_tokens [B]`` the last committed token per request; ``history [B, H]`` the committed
-    tokens (prompt included), right-aligned, −1 padded; ``positions [B]`` the position of
+    ``last_tokens [B]`` the last committed token per request; ``token_ids`` the committed tokens of
+    each (prompt included, host lists); ``history [B, H]`` the same as a tensor on the device,
+    right-aligned, −1 padded, built on first use (drafters that read no history pay nothing for it);
+    ``positions [B]`` the position of
     ``last_tokens``; ``seeds [B]`` the requests' seeds and ``temperature [B]`` their temperatures
     (0 = greedy), for drafters that sample; ``k`` the most drafts wanted per request; ``rows`` the
     main model's committed rows of the step, with their hidden states (the final ones, or the layers
@@ -187,12 +190,19 @@ class DraftInputs:
     """
 
     last_tokens: torch.Tensor
-    history: torch.Tensor
+    token_ids: Sequence[Sequence[int]]
     positions: torch.Tensor
     seeds: torch.Tensor
     temperature: torch.Tensor
     k: int
     rows: CommittedRows | None = None
+
+    @functools.cached_property
+    def history(self) -> torch.Tensor:
+        """``[B, H]`` int64: ``token_ids`` right-aligned, −1 padded, on ``last_tokens``' device."""
+        width = max((len(ids) for ids in self.token_ids), default=1)
+        padded = [[-1] * (width - len(ids)) + list(ids) for ids in self.token_ids]
+        return torch.tensor(padded, dtype=torch.int64).reshape(len(padded), width).to(self.last_tokens.device)
 
 
 @dataclass(frozen=True)
@@ -248,12 +258,18 @@ class Drafter(Protocol):
 class StepCostModel(Protocol):
     """Step time (seconds) of a decode step as a function of its total query tokens (``engine/cost.py``).
 
-    The core builds it and hands it to the plan; a plan only calls ``step_time``, and a plan written
-    against ``step_time(query_tokens)`` alone keeps working (``requests`` defaults to 0)."""
+    The core builds it and hands it to the plan; a plan calls ``step_time`` or, for many sizes at
+    once, ``step_times``, and a plan written against ``step_time(query_tokens)`` alone keeps working
+    (``requests`` defaults to 0)."""
 
     def step_time(self, query_tokens: int, *, requests: int = 0) -> float:
         """Seconds of a decode step of ``query_tokens`` (every one a verified row: forward, sampler and
         verification) followed by drafting for ``requests`` requests (0: drafting not charged)."""
+        ...
+
+    def step_times(self, query_tokens: torch.Tensor, *, requests: int = 0) -> torch.Tensor:
+        """``step_time`` of every size in ``query_tokens`` (int64 ``[N]``, on the host) at once, float64
+        ``[N]``: a plan that weighs every candidate total of a step asks once, not per candidate."""
         ...
 
     def observe(self, query_tokens: int, seconds: float, *, sampler_seconds: float | None = None,

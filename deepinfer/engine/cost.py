@@ -20,7 +20,9 @@ drafted for ``r`` requests afterwards is charged
   adds its residual ``seconds − curve(b)`` (``b`` the charged tokens) to a window, a median is kept per
   profiled size (sizes with at least ``min_samples`` samples count), and the least-squares line through
   those medians (slope never negative; through the origin while one size is observed, the reference's
-  per-token correction) is added to the curve: an offset every step pays plus a slope per token.
+  per-token correction) is added to the curve: an offset every step pays plus a slope per token. The
+  line is refit after every ``n / REFIT_SHARE`` new residuals (``n`` in the window), so its host cost
+  per step stays constant: a full window's line lags by at most that share of it.
   The curve ignores context length, as the reference's does.
 - ``sampler_per_row``: the sampler's and verification's seconds per verified row, the windowed median
   of the observed ``sampler_seconds / q`` (0 until ``min_samples`` steps were seen). The reference keeps
@@ -52,6 +54,8 @@ import torch
 from deepinfer.isotonic import pool_adjacent_violators
 
 logger = logging.getLogger(__name__)
+
+REFIT_SHARE = 64  # the correction line is refit once 1/REFIT_SHARE of its window is new
 
 
 def profile_sizes(max_tokens: int) -> list[int]:
@@ -121,7 +125,8 @@ class StepCost:
         self._fit: list[float] | None = None  # _fitted's cache
         self.bucketed = bucketed
         self._residuals: deque[tuple[int, float]] = deque(maxlen=window)  # (charged tokens, seconds − curve)
-        self._line: tuple[float, float] | None = None  # _correction's, cached until the next observation
+        self._line: tuple[float, float] | None = None  # _correction's, cached until the next refit
+        self._since_fit = 0  # residuals added since the line was fit
         self.min_samples = min_samples
         self.sampler_per_row = WindowedMedian(term_window, min_samples)
         self.draft_per_request = WindowedMedian(term_window, min_samples)
@@ -193,6 +198,7 @@ class StepCost:
         An offset keeps a cost that every step pays alike (longer contexts than the profile's, host
         work) from being read as a cost per token, which would make verifying drafts look dear."""
         if self._line is None:
+            self._since_fit = 0
             groups: dict[int, list[tuple[int, float]]] = {}
             for charged, r in self._residuals:
                 groups.setdefault(self._bucket(charged), []).append((charged, r))
@@ -232,6 +238,29 @@ class StepCost:
         return (self.forward_time(query_tokens) + self.sampler_per_row.value() * query_tokens
                 + self.draft_per_request.value() * requests)
 
+    def step_times(self, query_tokens: torch.Tensor, *, requests: int = 0) -> torch.Tensor:
+        """``step_time`` of every size in ``query_tokens`` (int64 ``[N]``, host) at once, float64 ``[N]``."""
+        q = query_tokens.to(torch.float64)
+        if not len(q):
+            return q
+        self._profile_up_to(int(query_tokens.max()))
+        sizes = torch.tensor(self._sizes, dtype=torch.float64)
+        secs = torch.tensor(self._fitted(), dtype=torch.float64)
+        charged = q
+        if self.bucketed:
+            i = torch.searchsorted(sizes, q).clamp(max=len(sizes) - 1)
+            charged = torch.where(q > sizes[-1], q, sizes[i])
+        if len(sizes) == 1:
+            curve = torch.where(charged <= sizes[0], secs[0], secs[0] * charged / sizes[0])
+        else:
+            hi = torch.searchsorted(sizes, charged).clamp(1, len(sizes) - 1)
+            lo = hi - 1
+            frac = (charged - sizes[lo]) / (sizes[hi] - sizes[lo])
+            curve = torch.where(charged <= sizes[0], secs[0], secs[lo] + frac * (secs[hi] - secs[lo]))
+        offset, slope = self._correction()
+        forward = (curve + offset + slope * charged).clamp(min=0.0)
+        return forward + self.sampler_per_row.value() * q + self.draft_per_request.value() * requests
+
     def observe(self, query_tokens: int, seconds: float, *, sampler_seconds: float | None = None,
                 requests: int = 0, draft_seconds: float | None = None) -> None:
         """Learn from a decode step of ``query_tokens``: ``seconds`` of forward and LM head,
@@ -244,7 +273,9 @@ class StepCost:
         self._record_error(query_tokens, seconds, sampler_seconds, requests, draft_seconds)
         charged = self.charged_tokens(query_tokens)
         self._residuals.append((charged, seconds - self.curve(charged)))
-        self._line = None
+        self._since_fit += 1
+        if self._since_fit >= max(1, len(self._residuals) // REFIT_SHARE):
+            self._line = None
         if sampler_seconds is not None:
             self.sampler_per_row.add(sampler_seconds / query_tokens)
         if draft_seconds is not None:

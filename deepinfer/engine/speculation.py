@@ -196,12 +196,12 @@ class Speculator:
         proposed = [(i, r, d) for i, r in enumerate(requests) if (d := self.drafts_of(r)) is not None and d.tokens]
         if not proposed:
             return {}
-        confidence = torch.zeros(len(requests), self.max_draft)
+        rows = [[0.0] * self.max_draft for _ in requests]
         limits = [0] * len(requests)
         for i, req, drafts in proposed:
             n = limits[i] = min(self.draft_limit(req, drafts), self.max_draft)
-            if n:
-                confidence[i, :n] = torch.tensor(drafts.confidence[:n])
+            rows[i][:n] = drafts.confidence[:n]
+        confidence = torch.tensor(rows, dtype=torch.float32)
         # Synchronous steps see the newest confidences on the host, so budget and split use the same.
         total = self.plan.budget(confidence, self.cost)
         split = self.plan.split(confidence, total).tolist()
@@ -251,13 +251,9 @@ class Speculator:
         if not requests and rows is None:
             return 0.0, 0
         dev = self.device
-        width = max((r.num_tokens for r in requests), default=1)
-        history = torch.full((len(requests), width), -1, dtype=torch.int64)
-        for i, req in enumerate(requests):
-            history[i, width - req.num_tokens:] = torch.tensor(req.all_token_ids)
         inputs = DraftInputs(
             last_tokens=torch.tensor([r.all_token_ids[-1] for r in requests], dtype=torch.int64, device=dev),
-            history=history.to(dev),
+            token_ids=[r.all_token_ids for r in requests],
             positions=torch.tensor([r.num_tokens - 1 for r in requests], dtype=torch.int64, device=dev),
             seeds=torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev),
             temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in requests],
@@ -268,10 +264,12 @@ class Speculator:
         proposal = self.drafter.propose(inputs)
         if not requests:
             return time.perf_counter() - start, 0
-        tokens = proposal.tokens.tolist()
-        confidence = proposal.confidence.float().clamp(MIN_CONFIDENCE, 1.0).tolist()
         raw = proposal.raw_confidence if proposal.raw_confidence is not None else proposal.confidence
-        raw_confidence = raw.float().tolist()
+        # One device-to-host read for the three: ids below 2^24 are exact in float32.
+        host = torch.stack([proposal.tokens.float(), proposal.confidence.float().clamp(MIN_CONFIDENCE, 1.0),
+                            raw.float()]).cpu()
+        tokens = host[0].long().tolist()
+        confidence, raw_confidence = host[1].tolist(), host[2].tolist()
         for i, req in enumerate(requests):
             row = tokens[i][:self.max_draft if chain is None else chain.caps[i]]
             n = row.index(-1) if -1 in row else len(row)

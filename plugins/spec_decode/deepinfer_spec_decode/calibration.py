@@ -31,8 +31,8 @@ class IsotonicCalibrator:
 
     def __init__(self, max_draft: int, bins: int) -> None:
         self.bins = bins
-        self.seen = torch.zeros(max_draft, bins, dtype=torch.float64)
-        self.accepted = torch.zeros(max_draft, bins, dtype=torch.float64)
+        self.seen = [[0.0] * bins for _ in range(max_draft)]  # host lists: observed per verify row, per step
+        self.accepted = [[0.0] * bins for _ in range(max_draft)]
         self._table: torch.Tensor | None = None
 
     def _bin(self, raw: torch.Tensor) -> torch.Tensor:
@@ -43,7 +43,7 @@ class IsotonicCalibrator:
         if self._table is None:
             prior = ((torch.arange(self.bins, dtype=torch.float64) + 0.5) / self.bins).tolist()
             rows = []
-            for seen, accepted in zip(self.seen.tolist(), self.accepted.tolist(), strict=True):
+            for seen, accepted in zip(self.seen, self.accepted, strict=True):
                 rates = [(a + PRIOR * p) / (n + PRIOR) for a, n, p in zip(accepted, seen, prior, strict=True)]
                 prior = pool_adjacent_violators(rates, [n + PRIOR for n in seen])
                 rows.append(prior)
@@ -60,10 +60,10 @@ class IsotonicCalibrator:
     def observe(self, raw: Sequence[float], verified: int, accepted: int) -> None:
         """One request's verification: drafts ``0..verified-1`` with raw confidences ``raw``, the first
         ``accepted`` of them accepted; positions past the first rejection were not observed."""
-        for j in range(min(verified, accepted + 1, self.seen.shape[0])):
-            b = int(self._bin(torch.tensor(raw[j])))
-            self.seen[j, b] += 1
-            self.accepted[j, b] += float(j < accepted)
+        for j in range(min(verified, accepted + 1, len(self.seen))):
+            b = min(max(int(raw[j] * self.bins), 0), self.bins - 1)  # as _bin
+            self.seen[j][b] += 1
+            self.accepted[j][b] += float(j < accepted)
         self._table = None
 
 

@@ -62,19 +62,17 @@ class VarlenPlan:
         drafting = int((stale_confidence > 0).any(dim=1).sum())  # rows of zeros: decode rows without drafts
         rates = acceptance_rates(stale_confidence).reshape(-1)
         ranked = torch.sort(-rates, stable=True).values.neg()
-        expected, tokens = float(batch), batch
+        ranked = ranked[ranked > 0]
         # The baseline is decoding without speculation: no draft verified, and none drafted either (the
         # engine pauses drafting after a step that verifies nothing), so no drafting cost.
-        best_tokens, best = tokens, expected / cost.step_time(tokens)
-        for rate in ranked.tolist():
-            if rate <= 0:
-                break
-            expected += rate
-            tokens += 1
-            throughput = expected / cost.step_time(tokens, requests=drafting)
-            if throughput > best:
-                best, best_tokens = throughput, tokens
-        return best_tokens
+        baseline = batch / cost.step_time(batch)
+        if not len(ranked):
+            return batch
+        # Taking the best j slots: batch + j tokens, batch + Σ of their rates expected to be emitted.
+        tokens = batch + torch.arange(1, len(ranked) + 1, dtype=torch.int64)
+        throughput = (batch + torch.cumsum(ranked, dim=0)) / cost.step_times(tokens, requests=drafting)
+        best = int(torch.argmax(throughput))  # the first of equal maxima: the fewest tokens
+        return int(tokens[best]) if float(throughput[best]) > baseline else batch
 
     def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
         return take_best(acceptance_rates(confidence), confidence > 0, total - confidence.shape[0])

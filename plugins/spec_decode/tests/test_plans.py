@@ -25,6 +25,9 @@ class CurveCost:
         self.requests.add(requests)
         return self.fn(q) + self.per_request * requests
 
+    def step_times(self, q: torch.Tensor, *, requests: int = 0) -> torch.Tensor:
+        return torch.tensor([self.step_time(int(x), requests=requests) for x in q], dtype=torch.float64)
+
     def observe(self, q: int, seconds: float, **measured) -> None:
         pass
 
@@ -167,6 +170,23 @@ def test_step_cost_reads_a_cost_every_step_pays_as_an_offset_not_per_token():
             cost.observe(q, cost.curve(q) + 0.008)
     assert abs(cost.offset() - 0.008) < 1e-9 and cost.slope() < 1e-9
     assert abs((cost.step_time(6) - cost.step_time(1)) - (cost.curve(6) - cost.curve(1))) < 1e-9
+
+
+def test_step_times_equal_step_time_at_every_size():
+    """The vectorized ``step_times`` (one call per varlen budget) charges what ``step_time`` does, with
+    graphs and without, below, between and past the profiled sizes, after corrections and terms."""
+    measure, _ = _profiled(BUCKETS)
+    graphs = StepCost(measure, 24, sizes=sorted(BUCKETS), bucketed=True, min_samples=3)
+    eager = StepCost(measure, 24, sizes=sorted(BUCKETS), min_samples=3)
+    single = StepCost(lambda q: 0.5, 1, min_samples=3)
+    sizes = torch.arange(1, 41)
+    for cost in (graphs, eager, single):
+        for q in (1, 4, 9, 16, 24):
+            cost.observe(q, 0.3 + 0.02 * q, sampler_seconds=0.001 * q, requests=3, draft_seconds=0.012)
+        for requests in (0, 5):
+            expected = [cost.step_time(int(q), requests=requests) for q in sizes]
+            assert torch.allclose(cost.step_times(sizes, requests=requests),
+                                  torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 def test_step_cost_needs_the_buckets_when_bucketed():

@@ -145,6 +145,9 @@ def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
         def step_time(self, q: int, *, requests: int = 0) -> float:
             return float(q) ** 4
 
+        def step_times(self, q: torch.Tensor, *, requests: int = 0) -> torch.Tensor:
+            return q.to(torch.float64) ** 4
+
         def observe(self, q: int, seconds: float, **measured) -> None:
             observed.append(measured)
 
