@@ -12,6 +12,9 @@ overwrites their KV). When the plan verifies none of the drafts a request offere
 drafting pauses for 1, 2, 4 … (at most ``PAUSE_LIMIT``) steps while that repeats
 (``Speculator._note_grants``): the engine then decodes it without paying for drafts that would not be
 verified, and probes again after the pause, while requests whose drafts the plan takes keep drafting.
+A probe verifies its first draft even when the plan grants none (``EXPLORE_DRAFTS``): the plan judges
+drafts by calibrated confidences and measured step costs, which only verification teaches, so a plan
+that turned pessimistic on a few early rejections would otherwise never see a draft again.
 
 Drafters with a paged cache of their own on the main pool's block ids (MTP) also get the step's
 committed rows (``CommittedRows``): the main model's final hidden state of every token the step
@@ -37,6 +40,7 @@ from deepinfer.interfaces import CommittedRows, Drafter, DraftInputs, ForwardCon
 
 MIN_CONFIDENCE = 1e-6  # a real draft never has confidence 0, which marks "no draft" for plans
 PAUSE_LIMIT = 64  # the longest drafting pause, in steps (Speculator._note_grants)
+EXPLORE_DRAFTS = 1  # drafts a probe verifies when its plan grants fewer (Speculator.plan_drafts)
 SCRATCH_TABLE = (0,)  # block 0 is never handed out (kv/pools.py): rows that must not land anywhere write it
 SCRATCH_SLOT = 0  # nor is state slot 0 (kv/state.py): the per-request state of such rows
 
@@ -206,7 +210,10 @@ class Speculator:
         total = self.plan.budget(confidence, self.cost)
         split = self.plan.split(confidence, total).tolist()
         granted = {i: min(int(split[i]), limits[i]) for i, _, _ in proposed}
+        probes = [i for i, req, _ in proposed if self._pause.get(req.request_id, 0)]  # a pause just ended
         self._note_grants([(req.request_id, limits[i], granted[i]) for i, req, _ in proposed])
+        for i in probes:  # the pause follows the plan's grant; the probe still verifies (module docstring)
+            granted[i] = max(granted[i], min(EXPLORE_DRAFTS, limits[i]))
         return {req.request_id: drafts.granted(granted[i]) for i, req, drafts in proposed}
 
     def _note_grants(self, grants: Sequence[tuple[str, int, int]]) -> None:

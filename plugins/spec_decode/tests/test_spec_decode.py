@@ -169,6 +169,44 @@ def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
     llm.shutdown()
 
 
+@pytest.mark.parametrize("explore", [True, False])
+def test_a_probe_verifies_a_draft_so_a_pessimistic_plan_learns_again(tmp_path, monkeypatch, explore):
+    """A calibrator taught by a few early rejections makes varlen grant nothing; the drafts are in fact
+    always right. The probe after each drafting pause verifies its first draft anyway, the calibrator
+    learns from it, and varlen verifies again; without that exploration it never would (the deadlock
+    measured on the H200: 3 unlucky first verifications, then none in thousands of steps)."""
+    from deepinfer.engine import speculation
+
+    if not explore:
+        monkeypatch.setattr(speculation, "EXPLORE_DRAFTS", 0)
+    llm, prompts, params, reference = _two_oracle_requests(tmp_path)
+    speculator = llm.engine.speculator
+
+    class FixedPlusPerToken:  # a draft pays when its chance of acceptance is above B / (B + 3)
+        def step_time(self, q: int, *, requests: int = 0) -> float:
+            return q + 3.0
+
+        def step_times(self, q: torch.Tensor, *, requests: int = 0) -> torch.Tensor:
+            return q.to(torch.float64) + 3.0
+
+        def observe(self, q: int, seconds: float, **measured) -> None:
+            pass
+
+    speculator.cost = FixedPlusPerToken()
+    for _ in range(10):  # the oracle's raw confidence is 1.0 (corruption 0): calibrated to (0 + 2·0.95) / 12,
+        speculator.drafter.calibrator.observe([1.0], 1, 0)  # below B / (B + 3) at one request or two
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    spec = llm.get_stats()["spec_decode"]
+    if explore:
+        assert spec["verify_steps"] >= 8 and spec["mean_acceptance_length"] > 2.0
+    else:
+        assert spec["verify_steps"] == 0
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.shutdown()
+
+
 def test_a_request_whose_drafts_go_unverified_pauses_alone(tmp_path):
     """The drafting pause is per request: under a plan that verifies the first request's drafts and never
     the second's, the second stops drafting (back-off 1, 2, 4 …) while the first drafts after every step,
