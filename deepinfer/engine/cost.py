@@ -3,7 +3,7 @@
 A step of ``q`` query tokens (every one a verified row: a verification step samples each of them)
 drafted for ``r`` requests afterwards is charged
 
-    step_time(q, requests=r) = forward(q) + sampler_per_row · q + draft_per_request · r
+    step_time(q, requests=r) = forward(q) + sampler_per_row · q + drafting(r)
 
 - ``forward``: a curve of (query tokens, seconds) of forward and LM head, profiled on placeholder
   batches. Without CUDA graphs (CPU, eager GPU) sizes are powers of two (then the largest step), each
@@ -27,10 +27,13 @@ drafted for ``r`` requests afterwards is charged
 - ``sampler_per_row``: the sampler's and verification's seconds per verified row, the windowed median
   of the observed ``sampler_seconds / q`` (0 until ``min_samples`` steps were seen). The reference keeps
   a median of ``sampler_ms`` per batch size; per row it carries over to the sizes not seen yet.
-- ``draft_per_request``: the drafter's seconds per drafting request (a forward per step for ``mtp`` and
-  ``dspark``; host work only for ``ngram``), the windowed median of the observed
-  ``draft_seconds / requests`` (0 until ``min_samples`` steps were seen). It does not depend on ``q``,
-  but it is what more verified tokens per step amortize.
+- ``drafting``: the drafter's seconds after a step that drafted for ``r`` requests (0 when ``r`` is 0),
+  a line ``per_step + per_request · r`` (``DraftingCost``) through the medians of the observed seconds
+  of each request count (0 until ``min_samples`` steps were seen). A drafting step costs something
+  whatever its size (a forward for ``mtp`` and ``dspark``, a device-to-host read for every drafter), so
+  a median of seconds per request, learned from probes of one request, would charge a step of 16 the
+  cost of 16 single ones (measured on the H200: 1.6 ms per request against 0.76 in full steps). It does
+  not depend on ``q``, but it is what more verified tokens per step amortize.
 
 Each observation is first predicted: ``prediction_error`` is the median relative error
 ``|predicted − measured| / measured`` over the last ``term_window`` steps (``stats()``).
@@ -107,6 +110,57 @@ class WindowedMedian:
         return self._median
 
 
+class DraftingCost:
+    """Seconds of drafting for ``r`` requests: ``per_step + per_request · r``, the count-weighted least-
+    squares line through the median seconds of each observed request count over the last ``window``
+    drafting steps (both terms ≥ 0; through the origin while one count was seen; 0 until
+    ``min_samples`` steps). Refit after ``n / REFIT_SHARE`` new samples, as the forward's correction."""
+
+    def __init__(self, window: int, min_samples: int) -> None:
+        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.min_samples = min_samples
+        self._line: tuple[float, float] | None = None
+        self._since_fit = 0
+
+    def add(self, requests: int, seconds: float) -> None:
+        self._samples.append((requests, seconds))
+        self._since_fit += 1
+        if self._since_fit >= max(1, len(self._samples) // REFIT_SHARE):
+            self._line = None
+
+    def line(self) -> tuple[float, float]:
+        """``(per_step, per_request)`` seconds."""
+        if self._line is None:
+            self._since_fit = 0
+            self._line = self._fit()
+        return self._line
+
+    def _fit(self) -> tuple[float, float]:
+        if len(self._samples) < self.min_samples:
+            return 0.0, 0.0
+        groups: dict[int, list[float]] = {}
+        for requests, seconds in self._samples:
+            groups.setdefault(requests, []).append(seconds)
+        points = [(float(r), statistics.median(v), float(len(v))) for r, v in groups.items()]
+        through_origin = (0.0, max(0.0, sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)))
+        if len(points) == 1:
+            return through_origin
+        total = sum(w for _, _, w in points)
+        mx = sum(w * x for x, _, w in points) / total
+        my = sum(w * y for _, y, w in points) / total
+        var = sum(w * (x - mx) ** 2 for x, _, w in points)
+        slope = max(0.0, sum(w * (x - mx) * (y - my) for x, y, w in points) / var)
+        intercept = my - slope * mx
+        return (intercept, slope) if intercept >= 0 else through_origin
+
+    def seconds(self, requests: int) -> float:
+        """Drafting seconds after a step that drafts for ``requests`` requests (0: none drafts)."""
+        if requests <= 0:
+            return 0.0
+        per_step, per_request = self.line()
+        return per_step + per_request * requests
+
+
 class StepCost:
     """``StepCostModel`` over a curve that ``measure(query_tokens) -> seconds`` fills on demand, up
     to ``max_tokens``, at ``sizes`` (default ``profile_sizes(max_tokens)``). ``bucketed``: the sizes are
@@ -129,7 +183,7 @@ class StepCost:
         self._since_fit = 0  # residuals added since the line was fit
         self.min_samples = min_samples
         self.sampler_per_row = WindowedMedian(term_window, min_samples)
-        self.draft_per_request = WindowedMedian(term_window, min_samples)
+        self.drafting = DraftingCost(term_window, min_samples)
         self.errors = WindowedMedian(term_window, 1)
         self.predicted_steps = 0
 
@@ -236,7 +290,7 @@ class StepCost:
         """Seconds of a decode step of ``query_tokens`` (all verified rows) followed by drafting for
         ``requests`` requests: forward, sampler and verification, drafter."""
         return (self.forward_time(query_tokens) + self.sampler_per_row.value() * query_tokens
-                + self.draft_per_request.value() * requests)
+                + self.drafting.seconds(requests))
 
     def step_times(self, query_tokens: torch.Tensor, *, requests: int = 0) -> torch.Tensor:
         """``step_time`` of every size in ``query_tokens`` (int64 ``[N]``, host) at once, float64 ``[N]``."""
@@ -259,7 +313,7 @@ class StepCost:
             curve = torch.where(charged <= sizes[0], secs[0], secs[lo] + frac * (secs[hi] - secs[lo]))
         offset, slope = self._correction()
         forward = (curve + offset + slope * charged).clamp(min=0.0)
-        return forward + self.sampler_per_row.value() * q + self.draft_per_request.value() * requests
+        return forward + self.sampler_per_row.value() * q + self.drafting.seconds(requests)
 
     def observe(self, query_tokens: int, seconds: float, *, sampler_seconds: float | None = None,
                 requests: int = 0, draft_seconds: float | None = None) -> None:
@@ -279,7 +333,7 @@ class StepCost:
         if sampler_seconds is not None:
             self.sampler_per_row.add(sampler_seconds / query_tokens)
         if draft_seconds is not None:
-            self.draft_per_request.add(draft_seconds / requests)
+            self.drafting.add(requests, draft_seconds)
 
     def _record_error(self, query_tokens: int, seconds: float, sampler_seconds: float | None, requests: int,
                       draft_seconds: float | None) -> None:
@@ -289,7 +343,7 @@ class StepCost:
             predicted += self.sampler_per_row.value() * query_tokens
             measured += sampler_seconds
         if draft_seconds is not None:
-            predicted += self.draft_per_request.value() * requests
+            predicted += self.drafting.seconds(requests)
             measured += draft_seconds
         if measured > 0:
             self.errors.add(abs(predicted - measured) / measured)
@@ -305,7 +359,8 @@ class StepCost:
             "offset_seconds": self.offset(),
             "slope_seconds_per_token": self.slope(),
             "sampler_seconds_per_row": self.sampler_per_row.value(),
-            "draft_seconds_per_request": self.draft_per_request.value(),
+            "draft_seconds_per_step": self.drafting.line()[0],
+            "draft_seconds_per_request": self.drafting.line()[1],
         }
 
 

@@ -204,10 +204,30 @@ def test_step_cost_learns_the_sampler_per_verified_row_and_the_drafter_per_reque
         cost.observe(q, cost.curve(q), sampler_seconds=0.002 * q, requests=2 + i, draft_seconds=0.03 * (2 + i))
     cost.observe(8, cost.curve(8), sampler_seconds=5.0, requests=0, draft_seconds=9.0)  # no drafting: no sample
     assert abs(cost.sampler_per_row.value() - 0.002) < 1e-12
-    assert abs(cost.draft_per_request.value() - 0.03) < 1e-12
+    assert cost.drafting.line() == pytest.approx((0.0, 0.03), abs=1e-12)
     assert abs(cost.step_time(10, requests=4) - (cost.curve(10) + 0.02 + 0.12)) < 1e-9
     assert abs(cost.step_time(10) - (cost.curve(10) + 0.02)) < 1e-9  # a plan that names no requests
     assert cost.slope() == 0.0  # the forward was as profiled
+
+
+def test_drafting_cost_is_a_cost_per_step_plus_one_per_request():
+    """Probes of one request cost 1.6 ms, full steps of 16 requests 12.1 ms (0.76 ms each): the model
+    charges a step of 16 what it costs, not 16 probes; a negative intercept falls back to the origin."""
+    from deepinfer.engine.cost import DraftingCost
+
+    cost = DraftingCost(window=500, min_samples=5)
+    assert cost.seconds(4) == 0.0  # nothing learned yet
+    for i in range(30):
+        cost.add(1, 0.0016 + 1e-6 * (i % 3))
+        cost.add(16, 0.0121 + 1e-6 * (i % 5))
+    per_step, per_request = cost.line()
+    assert per_step == pytest.approx(0.0016 - 0.0105 / 15, abs=1e-6)
+    assert per_request == pytest.approx(0.0105 / 15, abs=1e-7)
+    assert cost.seconds(16) == pytest.approx(0.0121, abs=1e-5) and cost.seconds(0) == 0.0
+    steep = DraftingCost(window=500, min_samples=1)
+    for requests, seconds in ((1, 0.001), (2, 0.004)):  # intercept −0.002: through the origin instead
+        steep.add(requests, seconds)
+    assert steep.line()[0] == 0.0 and steep.line()[1] == pytest.approx(0.009 / 5)
 
 
 def test_step_cost_reports_its_prediction_error():
@@ -221,7 +241,8 @@ def test_step_cost_reports_its_prediction_error():
     assert stats["predicted_steps"] == 5
     assert abs(stats["prediction_error"] - 0.1 / 1.1) < 1e-9  # the median of four 1/11 and one 1/9
     assert set(stats) == {"prediction_error", "predicted_steps", "offset_seconds", "slope_seconds_per_token",
-                          "sampler_seconds_per_row", "draft_seconds_per_request"}
+                          "sampler_seconds_per_row", "draft_seconds_per_step",
+                          "draft_seconds_per_request"}
 
 
 def test_varlen_charges_drafting_only_to_budgets_that_verify_drafts():

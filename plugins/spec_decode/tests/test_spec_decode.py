@@ -106,7 +106,8 @@ def test_the_step_cost_model_learns_from_the_engines_decode_steps(tmp_path):
     assert out == reference
     cost = llm.get_stats()["step_cost"]
     assert cost["predicted_steps"] >= 10
-    assert cost["sampler_seconds_per_row"] > 0 and cost["draft_seconds_per_request"] > 0
+    assert cost["sampler_seconds_per_row"] > 0
+    assert cost["draft_seconds_per_step"] + cost["draft_seconds_per_request"] > 0  # either may be 0 alone
     assert cost["prediction_error"] > 0  # wall-clock steps on a shared CPU are never predicted exactly
 
 
