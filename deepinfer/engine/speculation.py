@@ -272,9 +272,9 @@ class Speculator:
         if not requests:
             return time.perf_counter() - start, 0
         raw = proposal.raw_confidence if proposal.raw_confidence is not None else proposal.confidence
-        # One device-to-host read for the three: ids below 2^24 are exact in float32.
-        host = torch.stack([proposal.tokens.float(), proposal.confidence.float().clamp(MIN_CONFIDENCE, 1.0),
-                            raw.float()]).cpu()
+        # One device-to-host read for the three (token ids are exact in float64).
+        host = torch.stack([proposal.tokens.double(), proposal.confidence.float().clamp(MIN_CONFIDENCE, 1.0).double(),
+                            raw.float().double()]).cpu()
         tokens = host[0].long().tolist()
         confidence, raw_confidence = host[1].tolist(), host[2].tolist()
         for i, req in enumerate(requests):
