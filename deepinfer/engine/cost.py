@@ -351,8 +351,8 @@ class StepCost:
 
     def stats(self) -> dict[str, float | int]:
         """``get_stats()["step_cost"]``: the median relative error of the step times predicted before
-        each observation (over the last ``term_window`` steps) and how many steps were predicted, and the
-        learned terms (seconds)."""
+        each observation (over the last ``term_window`` steps) and how many steps were predicted, the
+        learned terms and the profiled curve (seconds)."""
         return {
             "prediction_error": self.errors.value(),
             "predicted_steps": self.predicted_steps,
@@ -361,6 +361,7 @@ class StepCost:
             "sampler_seconds_per_row": self.sampler_per_row.value(),
             "draft_seconds_per_step": self.drafting.line()[0],
             "draft_seconds_per_request": self.drafting.line()[1],
+            "curve_seconds": {str(q): seconds for q, seconds in self.points},  # the profiled forward, by size
         }
 
 

@@ -242,7 +242,8 @@ def test_step_cost_reports_its_prediction_error():
     assert abs(stats["prediction_error"] - 0.1 / 1.1) < 1e-9  # the median of four 1/11 and one 1/9
     assert set(stats) == {"prediction_error", "predicted_steps", "offset_seconds", "slope_seconds_per_token",
                           "sampler_seconds_per_row", "draft_seconds_per_step",
-                          "draft_seconds_per_request"}
+                          "draft_seconds_per_request", "curve_seconds"}
+    assert stats["curve_seconds"] == {str(q): seconds for q, seconds in cost.points}
 
 
 def test_varlen_charges_drafting_only_to_budgets_that_verify_drafts():
