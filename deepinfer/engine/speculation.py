@@ -9,9 +9,10 @@ feeds each decode step's measured times (forward, sampler, drafting) to the step
 Verification itself is ``sampling/verify.py``; the rollback of rejected positions is the core's
 ``process`` (a request's computed length goes back to its last accepted token, so the next step
 overwrites their KV). When the plan verifies none of the drafts a request offered, that request's
-drafting pauses for 1, 2, 4 … (at most ``PAUSE_LIMIT``) steps while that repeats
-(``Speculator._note_grants``): the engine then decodes it without paying for drafts that would not be
-verified, and probes again after the pause, while requests whose drafts the plan takes keep drafting.
+drafting pauses for up to 1, 2, 4 … (at most ``PAUSE_LIMIT``) steps while that repeats, resuming on
+rounds shared with the other paused requests (``Speculator._note_grants``): the engine then decodes
+it without paying for drafts that would not be verified, and probes again after the pause, while
+requests whose drafts the plan takes keep drafting.
 A probe verifies its first draft even when the plan grants none (``EXPLORE_DRAFTS``): the plan judges
 drafts by calibrated confidences and measured step costs, which only verification teaches, so a plan
 that turned pessimistic on a few early rejections would otherwise never see a draft again.
@@ -167,7 +168,8 @@ class Speculator:
         self.cache = cache  # set when the drafter reads the committed rows (MTP): DraftInputs.rows
         self.proposals: dict[str, Drafts] = {}  # request id -> its newest proposal
         self._pause: dict[str, int] = {}  # request id -> its drafting pause length (steps), PAUSE_LIMIT at most
-        self._pause_left: dict[str, int] = {}  # request id -> steps of its pause still to skip
+        self._resume_at: dict[str, int] = {}  # request id -> the proposal round its paused drafting resumes at
+        self._round = 0  # proposal rounds so far (one per propose call)
 
     def drafts_of(self, req: Request) -> Drafts | None:
         """``req``'s live proposal (None when it has none, or only one from before it was preempted)."""
@@ -178,13 +180,13 @@ class Speculator:
         """Drop a finished request's proposal and drafting pause."""
         self.proposals.pop(request_id, None)
         self._pause.pop(request_id, None)
-        self._pause_left.pop(request_id, None)
+        self._resume_at.pop(request_id, None)
 
     def paused(self, request_id: str) -> bool:
         """Whether the request's next proposal is skipped (its drafting pause has steps left). The
         scheduler lets such a request run while its previous step is in flight: the proposal made
         after that step skips it, so there is no draft to wait for (``Scheduler._awaits_drafts``)."""
-        return self._pause_left.get(request_id, 0) > 0
+        return self._resume_at.get(request_id, 0) > self._round
 
     @staticmethod
     def draft_limit(req: Request, drafts: Drafts) -> int:
@@ -219,15 +221,19 @@ class Speculator:
     def _note_grants(self, grants: Sequence[tuple[str, int, int]]) -> None:
         """The drafting pause, per request, from ``(request id, drafts offered, drafts granted)``: after a
         step whose plan verified none of the drafts a request offered (they did not pay: ``varlen`` at a
-        batch where the verified rows cost more than they bring), that request's next 1, then 2, 4 … up
-        to ``PAUSE_LIMIT`` proposals are skipped while that repeats, so the engine decodes it without
-        paying for its drafting; a step that verifies one of its drafts ends its pause. Requests the plan
-        keeps granting draft on: at a large batch only they pay for drafting."""
+        batch where the verified rows cost more than they bring), that request's pause length doubles
+        (1, 2, 4 … up to ``PAUSE_LIMIT``) while that repeats, and its drafting resumes at the next
+        proposal round that is a multiple of that length, so the engine decodes it without paying for its
+        drafting; a step that verifies one of its drafts ends its pause. Paused requests resume on shared
+        rounds: a drafting step costs much whatever its size (the drafter's forward), and requests that
+        probed on rounds of their own would have it run nearly every step. Requests the plan keeps
+        granting draft on: at a large batch only they pay for drafting."""
         for request_id, offered, granted in grants:
             if not offered:
                 continue
             pause = min(max(1, 2 * self._pause.get(request_id, 0)), PAUSE_LIMIT) if granted == 0 else 0
-            self._pause[request_id] = self._pause_left[request_id] = pause
+            self._pause[request_id] = pause
+            self._resume_at[request_id] = (self._round // pause + 1) * pause if pause else 0
             if pause:  # a paused request holds no proposal: planned again later (under overlap, while this
                 self.proposals.pop(request_id, None)  # step is in flight) it would verify stale drafts
 
@@ -244,12 +250,11 @@ class Speculator:
         start = time.perf_counter()
         drafting = []
         for req in requests:  # a paused request does not draft (a drafter's cache rows are still written)
-            left = self._pause_left.get(req.request_id, 0)
-            if left > 0:
-                self._pause_left[req.request_id] = left - 1
+            if self.paused(req.request_id):
                 self.proposals.pop(req.request_id, None)
             else:
                 drafting.append(req)
+        self._round += 1
         requests = drafting
         rows, chain = None, None
         if self.cache is not None and hidden is not None:
