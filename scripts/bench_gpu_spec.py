@@ -116,11 +116,10 @@ def measure(llm, batches: list[int], repeats: int, new_tokens: int, replies: dic
         for rate in rates:
             if rate is not None:
                 drafter.inner.corruption = 1.0 - rate
-            before = llm.get_stats()
             t1s, fulls, off_path = [], [], 0
             for b, repeat, kind in _workloads([batch], repeats):
                 seconds, outs = _generate(llm, _prompts(b, repeat, kind), 1 if kind == "t1" else new_tokens + 1)
-                if kind == "warm":
+                if kind == "warm":  # every batch's first call: the counters start after it
                     before = llm.get_stats()
                     continue
                 (t1s if kind == "t1" else fulls).append(seconds)

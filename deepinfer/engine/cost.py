@@ -50,7 +50,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -58,7 +58,9 @@ from deepinfer.isotonic import pool_adjacent_violators
 
 logger = logging.getLogger(__name__)
 
-REFIT_SHARE = 64  # the correction line is refit once 1/REFIT_SHARE of its window is new
+REFIT_SHARE = 64  # a RefitWindow's fit is redone once 1/REFIT_SHARE of its window is new
+Sample = TypeVar("Sample")
+Fit = TypeVar("Fit")
 
 
 def profile_sizes(max_tokens: int) -> list[int]:
@@ -110,6 +112,41 @@ class WindowedMedian:
         return self._median
 
 
+class RefitWindow(Generic[Sample, Fit]):
+    """The last ``size`` samples and ``fit(samples)``, redone on demand once ``n / REFIT_SHARE`` new
+    samples arrived (``n`` in the window): a fit's cost per sample stays constant, and a full window's
+    fit lags by at most that share of it."""
+
+    def __init__(self, size: int, fit: Callable[[Sequence[Sample]], Fit]) -> None:
+        self.samples: deque[Sample] = deque(maxlen=size)
+        self._fit = fit
+        self._value: Fit | None = None
+        self._since_fit = 0
+
+    def add(self, sample: Sample) -> None:
+        self.samples.append(sample)
+        self._since_fit += 1
+        if self._since_fit >= max(1, len(self.samples) // REFIT_SHARE):
+            self._value = None
+
+    def value(self) -> Fit:
+        if self._value is None:
+            self._since_fit = 0
+            self._value = self._fit(self.samples)
+        return self._value
+
+
+def least_squares_line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(intercept, slope)`` of the weighted least-squares line through ``(x, y, weight)`` points, the
+    slope never negative (0 when the x do not vary)."""
+    total = sum(w for _, _, w in points)
+    mx = sum(w * x for x, _, w in points) / total
+    my = sum(w * y for _, y, w in points) / total
+    var = sum(w * (x - mx) ** 2 for x, _, w in points)
+    slope = max(0.0, sum(w * (x - mx) * (y - my) for x, y, w in points) / var) if var else 0.0
+    return my - slope * mx, slope
+
+
 class DraftingCost:
     """Seconds of drafting for ``r`` requests: ``per_step + per_request · r``, the count-weighted least-
     squares line through the median seconds of each observed request count over the last ``window``
@@ -117,40 +154,27 @@ class DraftingCost:
     ``min_samples`` steps). Refit after ``n / REFIT_SHARE`` new samples, as the forward's correction."""
 
     def __init__(self, window: int, min_samples: int) -> None:
-        self._samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.min_samples = min_samples
-        self._line: tuple[float, float] | None = None
-        self._since_fit = 0
+        self._window: RefitWindow[tuple[int, float], tuple[float, float]] = RefitWindow(window, self._fit)
 
     def add(self, requests: int, seconds: float) -> None:
-        self._samples.append((requests, seconds))
-        self._since_fit += 1
-        if self._since_fit >= max(1, len(self._samples) // REFIT_SHARE):
-            self._line = None
+        self._window.add((requests, seconds))
 
     def line(self) -> tuple[float, float]:
         """``(per_step, per_request)`` seconds."""
-        if self._line is None:
-            self._since_fit = 0
-            self._line = self._fit()
-        return self._line
+        return self._window.value()
 
-    def _fit(self) -> tuple[float, float]:
-        if len(self._samples) < self.min_samples:
+    def _fit(self, samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+        if len(samples) < self.min_samples:
             return 0.0, 0.0
         groups: dict[int, list[float]] = {}
-        for requests, seconds in self._samples:
+        for requests, seconds in samples:
             groups.setdefault(requests, []).append(seconds)
         points = [(float(r), statistics.median(v), float(len(v))) for r, v in groups.items()]
         through_origin = (0.0, max(0.0, sum(w * x * y for x, y, w in points) / sum(w * x * x for x, _, w in points)))
         if len(points) == 1:
             return through_origin
-        total = sum(w for _, _, w in points)
-        mx = sum(w * x for x, _, w in points) / total
-        my = sum(w * y for _, y, w in points) / total
-        var = sum(w * (x - mx) ** 2 for x, _, w in points)
-        slope = max(0.0, sum(w * (x - mx) * (y - my) for x, y, w in points) / var)
-        intercept = my - slope * mx
+        intercept, slope = least_squares_line(points)
         return (intercept, slope) if intercept >= 0 else through_origin
 
     def seconds(self, requests: int) -> float:
@@ -178,9 +202,8 @@ class StepCost:
         self._seconds: list[float] = []
         self._fit: list[float] | None = None  # _fitted's cache
         self.bucketed = bucketed
-        self._residuals: deque[tuple[int, float]] = deque(maxlen=window)  # (charged tokens, seconds − curve)
-        self._line: tuple[float, float] | None = None  # _correction's, cached until the next refit
-        self._since_fit = 0  # residuals added since the line was fit
+        # (charged tokens, seconds − curve) of the observed steps, and the correction line fit to them
+        self._residuals: RefitWindow[tuple[int, float], tuple[float, float]] = RefitWindow(window, self._fit_correction)
         self.min_samples = min_samples
         self.sampler_per_row = WindowedMedian(term_window, min_samples)
         self.drafting = DraftingCost(term_window, min_samples)
@@ -251,25 +274,20 @@ class StepCost:
         With one size observed it is a slope through the origin (the reference's per-token correction).
         An offset keeps a cost that every step pays alike (longer contexts than the profile's, host
         work) from being read as a cost per token, which would make verifying drafts look dear."""
-        if self._line is None:
-            self._since_fit = 0
-            groups: dict[int, list[tuple[int, float]]] = {}
-            for charged, r in self._residuals:
-                groups.setdefault(self._bucket(charged), []).append((charged, r))
-            points = [(statistics.fmean(q for q, _ in v), statistics.median(r for _, r in v))
-                      for v in groups.values() if len(v) >= self.min_samples]
-            if not points:
-                self._line = (0.0, 0.0)
-            elif len(points) == 1:
-                q, m = points[0]
-                self._line = (0.0, max(0.0, m / q))
-            else:
-                mq = statistics.fmean(q for q, _ in points)
-                mr = statistics.fmean(r for _, r in points)
-                var = sum((q - mq) ** 2 for q, _ in points)
-                slope = max(0.0, sum((q - mq) * (r - mr) for q, r in points) / var) if var else 0.0
-                self._line = (mr - slope * mq, slope)
-        return self._line
+        return self._residuals.value()
+
+    def _fit_correction(self, residuals: Sequence[tuple[int, float]]) -> tuple[float, float]:
+        groups: dict[int, list[tuple[int, float]]] = {}
+        for charged, r in residuals:
+            groups.setdefault(self._bucket(charged), []).append((charged, r))
+        points = [(statistics.fmean(q for q, _ in v), statistics.median(r for _, r in v), 1.0)
+                  for v in groups.values() if len(v) >= self.min_samples]
+        if not points:
+            return 0.0, 0.0
+        if len(points) == 1:
+            q, m, _ = points[0]
+            return 0.0, max(0.0, m / q)
+        return least_squares_line(points)
 
     def slope(self) -> float:
         """The online per-token correction of the forward curve (seconds per charged token, ≥ 0)."""
@@ -326,10 +344,7 @@ class StepCost:
             draft_seconds = None
         self._record_error(query_tokens, seconds, sampler_seconds, requests, draft_seconds)
         charged = self.charged_tokens(query_tokens)
-        self._residuals.append((charged, seconds - self.curve(charged)))
-        self._since_fit += 1
-        if self._since_fit >= max(1, len(self._residuals) // REFIT_SHARE):
-            self._line = None
+        self._residuals.add((charged, seconds - self.curve(charged)))
         if sampler_seconds is not None:
             self.sampler_per_row.add(sampler_seconds / query_tokens)
         if draft_seconds is not None:

@@ -60,8 +60,8 @@ class IsotonicCalibrator:
     def observe(self, raw: Sequence[float], verified: int, accepted: int) -> None:
         """One request's verification: drafts ``0..verified-1`` with raw confidences ``raw``, the first
         ``accepted`` of them accepted; positions past the first rejection were not observed."""
-        for j in range(min(verified, accepted + 1, len(self.seen))):
-            b = min(max(int(raw[j] * self.bins), 0), self.bins - 1)  # as _bin
+        observed = min(verified, accepted + 1, len(self.seen))
+        for j, b in enumerate(self._bin(torch.tensor(raw[:observed], dtype=torch.float32)).tolist()):
             self.seen[j][b] += 1
             self.accepted[j][b] += float(j < accepted)
         self._table = None
