@@ -82,6 +82,46 @@ def test_router_stats_skip_the_padding_rows_of_a_replayed_bucket(tmp_path):
     assert torch.equal(replayed_stats, eager_stats)
 
 
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_profiling_replay_routes_its_rows_to_many_experts(tmp_path):
+    """The step-cost profile replays each bucket on ``load_placeholder``'s inputs (random ids, distinct
+    positions): on the capture's own inputs (id 0 at position 0 in every row) a learned router sends all
+    rows to the same top-k experts, and the profile would time a step that reads only those."""
+    block = 16
+    _build("v3-noqlora", tmp_path)
+    llm = LLM(tmp_path, kv_cache_bytes=1 << 22, block_size=block)
+    model, backends = llm.engine.model, llm.engine.runner.backends
+    graphs = DecodeGraphs(model, backends, block, torch.device("cpu"), max_tokens=8, max_query_lens=(1,),
+                          max_blocks=2, emulate=True)
+    graphs.capture()
+    chosen: list[torch.Tensor] = []
+    for layer in (m for m in model.modules() if hasattr(m, "route")):
+        route = layer.route
+
+        def recording(*args, route=route, **kwargs):
+            ids, weights = route(*args, **kwargs)
+            chosen.append(ids)
+            return ids, weights
+
+        layer.route = recording
+
+    def experts_per_layer() -> list[int]:
+        counts = [len(ids.unique()) for ids in chosen]
+        chosen.clear()
+        return counts
+
+    top_k = json.loads((tmp_path / "config.json").read_text())["num_experts_per_tok"]
+    with torch.inference_mode():
+        graphs.replay((8, 1))
+        assert set(experts_per_layer()) == {top_k}  # the capture's inputs: one hidden state per layer
+        graphs.load_placeholder((8, 1), torch.Generator().manual_seed(0))
+        assert len(graphs.graphs[(8, 1)].input_ids.unique()) > 1
+        assert graphs.graphs[(8, 1)].ctx.positions.tolist() == list(range(8))
+        graphs.replay((8, 1))
+        spread = experts_per_layer()
+        assert sum(spread) > top_k * len(spread)  # (a tiny random router may still pick one set in a layer)
+
+
 def test_enforce_eager_and_the_bucket_interval_map_onto_kernels():
     cfg = build_config(environ={"DEEPINFER_ENFORCE_EAGER": "1", "DEEPINFER_CUDAGRAPH_BATCH_SIZE_INTERVAL": "16"}).config
     assert cfg.kernels.cuda_graphs is False and cfg.kernels.cuda_graph_interval == 16

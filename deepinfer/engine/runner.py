@@ -123,6 +123,7 @@ class ModelRunner:
         self.keep_hidden = keep_hidden
         # Decode-shaped steps replay these CUDA graphs (engine/graphs.py) when given.
         self.graphs = graphs
+        self._placeholder_ids = torch.Generator().manual_seed(0)  # placeholder_step's token ids
         self._last_ready: torch.cuda.Event | None = None  # the previous step's end, for device_span
         # With ``keep_hidden``, when the drafter reads chosen layers' features (dspark, the model's
         # ``capture_hidden``): the kept ``hidden`` is then those layers' inputs, concatenated in this order.
@@ -352,8 +353,8 @@ class ModelRunner:
     @torch.inference_mode()
     def placeholder_step(self, num_tokens: int, tokens_per_request: int = 1) -> None:
         """Forward and LM head over ``num_tokens`` query tokens split into requests of
-        ``tokens_per_request`` tokens (the last one shorter) at positions 0…, all writing the reserved
-        scratch block 0: the step-cost profile times this (contents are garbage). With
+        ``tokens_per_request`` tokens (the last one shorter) at positions 0…, random token ids, all writing
+        the reserved scratch block 0: the step-cost profile times this (contents are garbage). With
         ``tokens_per_request = 1 + max_draft`` the rows are shaped like a verification step."""
         lengths = [tokens_per_request] * (num_tokens // tokens_per_request)
         if num_tokens % tokens_per_request:
@@ -364,7 +365,8 @@ class ModelRunner:
         ctx = forward_context(SpanLayout.of([(scratch, 0, n) for n in lengths], self.block_size),
                               block_size=self.block_size, backends=self.backends, device=self.device,
                               state_slots=idle, write_floors=idle)
-        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        # Random ids: one id repeated would route every row of an MoE layer to the same experts.
+        ids = torch.randint(0, self.model.vocab_size, (num_tokens,), generator=self._placeholder_ids).to(self.device)
         hidden = self.model.forward(ids, ctx)
         self.model.compute_logits(hidden, ctx)
 

@@ -337,7 +337,10 @@ class StartUp:
         if graphs is None or query_len not in graphs.max_query_lens:  # verification steps run eagerly
             return StepCost(measure, largest)
 
+        generator = torch.Generator().manual_seed(0)
+
         def replay(query_tokens: int) -> float:
+            graphs.load_placeholder((query_tokens, query_len), generator)
             return time_call(lambda: graphs.replay((query_tokens, query_len)), self.device)
 
         cost = StepCost(replay, largest, sizes=graphs.buckets, bucketed=True)  # a step replays its bucket's graph
@@ -348,7 +351,7 @@ class StartUp:
                "device": torch.cuda.get_device_name(self.device),
                "backends": sorted(f"{op}={getattr(b, 'name', '')}" for op, b in self.backends.items()),
                "buckets": graphs.buckets, "query_len": query_len, "block_size": self.config.cache.block_size,
-               "kv_dtype": str(self.kv_dtype)}
+               "kv_dtype": str(self.kv_dtype), "placeholder": "random ids, distinct positions"}
         cached = cache.load(key) if cache else None
         if cached:
             cost.load(cached)
