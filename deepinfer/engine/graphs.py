@@ -201,6 +201,7 @@ class DecodeGraphs:
         if b * w:
             self.block_tables[:b, :w].copy_(step.staged[6 * t + 2:].view(b, w))
 
+    @torch.inference_mode()
     def load_placeholder(self, bucket: tuple[int, int], generator: torch.Generator) -> None:
         """Fill ``bucket``'s static inputs with a profiling step: random token ids and distinct positions
         (0 … Tb − 1) on the capture's scratch slots and lengths. The capture's own inputs (token 0 at
