@@ -7,7 +7,9 @@ acceptance rates, under the synchronous and the overlapped executor.
 
 Model and routing as ``scripts/bench_gpu_deepseek.py`` (``load_format="dummy"``, bf16 or fp32, forced
 balanced routing, the ``attention`` and ``moe`` plugins). Workload per batch ``B`` and repeat: ``B``
-fresh random 128-token prompts (prefix caching off), greedy, EOS ignored, ``--new-tokens`` each.
+fresh random prompts of 65–128 tokens (prefix caching off; distinct lengths so that the
+position-hashed balanced routing does not send every row of a decode step to the same experts), greedy,
+EOS ignored, ``--new-tokens`` each.
 
 The oracle drafter needs the answer: a first engine without speculation (synchronous) generates every
 prompt's greedy reply, which becomes the oracle's file. Each draft is then the known next token,
@@ -49,7 +51,10 @@ def _prompts(batch: int, repeat: int, kind: str) -> list[list[int]]:
     from deepinfer.bench.anchor import anchor_prompts
 
     offset = {"warm": 0, "t1": 1, "full": 2}[kind]
-    return anchor_prompts(batch, 100_000 * batch + 10 * (repeat + 1) + offset, CONFIG["vocab_size"], PROMPT_LEN)
+    prompts = anchor_prompts(batch, 100_000 * batch + 10 * (repeat + 1) + offset, CONFIG["vocab_size"], PROMPT_LEN)
+    # Lengths 65…128: balanced routing hashes the position, so prompts of one length would decode in lockstep
+    # with every row of a step routed to the same experts (a no-spec step 1.9× cheaper than a real one at B=16).
+    return [p[:PROMPT_LEN - (37 * i) % (PROMPT_LEN // 2)] for i, p in enumerate(prompts)]
 
 
 def _workloads(batches: list[int], repeats: int) -> list[tuple[int, int, str]]:
