@@ -6,15 +6,17 @@ drafted for ``r`` requests afterwards is charged
     step_time(q, requests=r) = forward(q) + sampler_per_row · q + drafting(r)
 
 - ``forward``: a curve of (query tokens, seconds) of forward and LM head, profiled on placeholder
-  batches. Without CUDA graphs (CPU, eager GPU) sizes are powers of two (then the largest step), each
+  batches of random token ids (one id repeated would route every row of an MoE layer to the same
+  experts). Without CUDA graphs (CPU, eager GPU) sizes are powers of two (then the largest step), each
   measured the first time a query reaches it (one warm-up and five timed forwards; the extremes are
   dropped and the middle three averaged), so a small batch never pays for profiling a large one, and
   the curve is linear between them. The profiled points are fitted non-decreasing first
   (pool-adjacent-violators): on CPU the first sizes, measured while the process is cold, came out
   slower than larger ones, which made verifying drafts look cheaper than decoding. With CUDA graphs
   (``bucketed``) the whole curve is profiled at start-up, one point per graph bucket (the time of a
-  replay), and a step is charged as the smallest bucket ≥ ``q``, padding included: that is the graph
-  it replays (a step past the largest bucket runs eagerly and is extended linearly). The curve may
+  replay on ``DecodeGraphs.load_placeholder``'s inputs: random ids at distinct positions), and a step
+  is charged as the smallest bucket ≥ ``q``, padding included: that is the graph it replays (a step
+  past the largest bucket runs eagerly and is extended linearly). The curve may
   be cached on disk (``CurveCache``: one JSON file per run shape, reused while younger than its
   TTL), as the reference's decode-perf cache does. It is corrected online: each observed decode step
   adds its residual ``seconds − curve(b)`` (``b`` the charged tokens) to a window, a median is kept per
