@@ -204,15 +204,16 @@ class DecodeGraphs:
     @torch.inference_mode()
     def load_placeholder(self, bucket: tuple[int, int], generator: torch.Generator) -> None:
         """Fill ``bucket``'s static inputs with a profiling step: random token ids and distinct positions
-        (0 … Tb − 1) on the capture's scratch slots and lengths. The capture's own inputs (token 0 at
-        position 0 for every row) route every row of an MoE layer to the same experts (a learned router
-        sees one hidden state; balanced routing hashes the position), so a replay of them times a step that
-        reads 1/Tb of the expert weights a real step of Tb distinct tokens reads."""
+        (0 … Tb − 1, wrapped at the longest sequence a block table holds) on the capture's scratch slots
+        and lengths. The capture's own inputs (token 0 at position 0 for every row) route every row of an
+        MoE layer to the same experts (a learned router sees one hidden state; balanced routing hashes
+        the position), so a replay of them times a step that reads 1/Tb of the expert weights a real step
+        of Tb distinct tokens reads."""
         graph = self.graphs[bucket]
         t = graph.tokens
         ids = torch.randint(0, self.model.vocab_size, (t,), generator=generator, device="cpu")
         graph.flat[:t].copy_(ids)
-        graph.flat[t:2 * t].copy_(torch.arange(t))
+        graph.flat[t:2 * t].copy_(torch.arange(t) % (self.block_tables.shape[1] * self.block_size))
 
     def replay(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the captured graph; returns its static ``hidden [Tb, H]`` and ``logits [Tb, V]``."""
