@@ -137,6 +137,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(max_tokens, max_blocks, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.replays = 0
+        self._placeholder_ids = torch.Generator().manual_seed(0)  # load_placeholder's token ids
 
     @property
     def max_tokens(self) -> int:
@@ -202,7 +203,7 @@ class DecodeGraphs:
             self.block_tables[:b, :w].copy_(step.staged[6 * t + 2:].view(b, w))
 
     @torch.inference_mode()
-    def load_placeholder(self, bucket: tuple[int, int], generator: torch.Generator) -> None:
+    def load_placeholder(self, bucket: tuple[int, int]) -> None:
         """Fill ``bucket``'s static inputs with a profiling step: random token ids and distinct positions
         (0 … Tb − 1, wrapped at the longest sequence a block table holds) on the capture's scratch slots
         and lengths. The capture's own inputs (token 0 at position 0 for every row) route every row of an
@@ -211,7 +212,7 @@ class DecodeGraphs:
         of Tb distinct tokens reads."""
         graph = self.graphs[bucket]
         t = graph.tokens
-        ids = torch.randint(0, self.model.vocab_size, (t,), generator=generator, device="cpu")
+        ids = torch.randint(0, self.model.vocab_size, (t,), generator=self._placeholder_ids)
         graph.flat[:t].copy_(ids)
         graph.flat[t:2 * t].copy_(torch.arange(t) % (self.block_tables.shape[1] * self.block_size))
 
