@@ -15,6 +15,7 @@ from test_deepseek_v3 import _assert_transformers_greedy
 from tiny_models import assert_cached_logits_match, randomize
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.context import SpanLayout, forward_context
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.blocks import hash_block
 from deepinfer.kv.pools import bytes_per_block, state_bytes
@@ -250,8 +251,10 @@ def test_greedy_ids_survive_aborts_among_prefix_hits(tiny):
 # ------------------------------------------------------------------------------ rollback
 
 
-def request_ctx(backends: dict, start: int, end: int, table: list[int], slot: int = 1) -> ForwardContext:
-    """One request computing positions ``[start, end)`` over block ``table`` and state slot ``slot``."""
+def request_ctx(backends: dict, start: int, end: int, table: list[int], slot: int = 1,
+                stated: bool = False) -> ForwardContext:
+    """One request computing positions ``[start, end)`` over block ``table`` and state slot ``slot``;
+    ``stated``: the context states its query length (``max_query_len``), as the engine's do."""
     n = end - start
     return ForwardContext(
         positions=torch.arange(start, end), slot_mapping=torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK
@@ -259,11 +262,12 @@ def request_ctx(backends: dict, start: int, end: int, table: list[int], slot: in
         query_start_loc=torch.tensor([0, n], dtype=torch.int32), seq_lens=torch.tensor([end]),
         block_tables=torch.tensor([table]), num_decodes=int(n == 1), query_start_loc_host=[0, n],
         seq_lens_host=[end], block_size=BLOCK, backends=backends,
-        state_slots=torch.tensor([slot]), state_slots_host=[slot], write_floor_host=[0])
+        state_slots=torch.tensor([slot]), state_slots_host=[slot], write_floor_host=[0],
+        max_query_len=n if stated else 0)
 
 
 def test_batched_decode_compressors_equal_the_per_request_path(tiny, monkeypatch):
-    """One-token-per-request steps update the compressors on device tensors (``_update_decode``, what a
+    """One-token-per-request steps update the compressors on device tensors (``_update_rows``, what a
     CUDA graph captures); the per-request path gives bitwise the same logprobs, windows closing and not."""
     _, folder = tiny
     params = SamplingParams(temperature=0, max_tokens=20, logprobs=3)
@@ -273,19 +277,84 @@ def test_batched_decode_compressors_equal_the_per_request_path(tiny, monkeypatch
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
     calls = []
-    update = deepseek_v4.Compressor._update_decode
-    monkeypatch.setattr(deepseek_v4.Compressor, "_update_decode",
+    update = deepseek_v4.Compressor._update_rows
+    monkeypatch.setattr(deepseek_v4.Compressor, "_update_rows",
                         lambda self, *a: calls.append(1) or update(self, *a))
     batched = run()
     assert calls
-    monkeypatch.setattr(deepseek_v4, "decode_only", lambda ctx: False)
+    monkeypatch.setattr(deepseek_v4, "device_rows", lambda ctx, max_query_len: False)
     assert run() == batched
 
 
-def test_rolling_back_drafts_gives_bitwise_the_same_logits(tmp_path):
+def _state(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Copies of every ring (sliding keys, compressor inputs) and every paged compressed entry but the
+    reserved scratch block 0's (which device-side updates use as a sink) of the model's layers."""
+    out = []
+    for layer in model.layers:
+        attn = layer.self_attn
+        out.append(attn.ring.clone())
+        for comp in (attn.compressor, attn.indexer.compressor if attn.indexer else None):
+            if comp is not None:
+                out += [comp.ring.clone(), comp.paged[1:].clone()]
+    return out
+
+
+def test_verification_steps_update_compressors_as_the_per_request_path(tiny, monkeypatch):
+    """Verification-shaped steps — each request 1 to 1 + K query tokens, decode rows among them — update the
+    compressors on device tensors (``_update_rows``, what a CUDA graph captures), then each request keeps a
+    random number of its tokens (the rest are rejected drafts, recomputed with other ids by the next step):
+    after every step the logits, every ring and every paged compressed entry equal bit for bit those of the
+    per-request path, windows closing (several per request at CSA ratio 4) and not."""
+    _, folder = tiny
+    k, steps = 4, 14
+    llm = make_llm(folder, cache={"max_backtrack": k + 1})
+    model, backends = llm.engine.model, llm.engine.runner.backends
+    batch = prompts([23, 9, 40, 14], seed=30)
+    gen = torch.Generator().manual_seed(31)
+    plan = []  # per step and request: (query tokens, tokens kept, ids)
+    for _ in range(steps):
+        sizes = torch.randint(1, k + 2, (len(batch),), generator=gen).tolist()
+        plan.append([(n, int(torch.randint(1, n + 1, (), generator=gen)), torch.randint(2, VOCAB, (n,), generator=gen))
+                     for n in sizes])
+    per = -(-(max(map(len, batch)) + steps * (k + 1)) // BLOCK)
+    tables = [list(range(1 + i * per, 1 + (i + 1) * per)) for i in range(len(batch))]
+    assert tables[-1][-1] < llm.engine.pool.num_blocks
+    slots = list(range(1, len(batch) + 1))
+    stated: list[int] = []
+    of = deepseek_v4._DeviceRows.of
+    monkeypatch.setattr(deepseek_v4._DeviceRows, "of", classmethod(lambda cls, ctx: stated.append(ctx.max_query_len)
+                                                                    or of(ctx)))
+
+    @torch.inference_mode()
+    def run() -> list[list[torch.Tensor]]:
+        for cache in llm.engine.pool.layers:
+            for t in cache:
+                t.zero_()
+        lengths, seen = [0] * len(batch), []
+        feeds = [[(len(p), len(p), torch.tensor(p)) for p in batch], *plan]  # the prefill, then the steps
+        for feed in feeds:
+            spans = [(table, n0, n) for table, n0, (n, _, _) in zip(tables, lengths, feed, strict=True)]
+            ctx = forward_context(SpanLayout.of(spans, BLOCK), block_size=BLOCK, backends=backends,
+                                  device=torch.device("cpu"), state_slots=slots, write_floors=[0] * len(batch))
+            logits = model.compute_logits(model.forward(torch.cat([ids for _, _, ids in feed]), ctx), ctx)
+            seen.append([logits, *_state(model)])
+            lengths = [n0 + kept for n0, (_, kept, _) in zip(lengths, feed, strict=True)]
+        return seen
+
+    on_device = run()
+    assert max(stated) > 1  # multi-row steps went through the device path
+    monkeypatch.setattr(deepseek_v4, "device_rows", lambda ctx, max_query_len: False)
+    per_request = run()
+    for step, (a, b) in enumerate(zip(on_device, per_request, strict=True)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), f"step {step}"
+
+
+@pytest.mark.parametrize("stated", [False, True], ids=["per-request", "on-device"])
+def test_rolling_back_drafts_gives_bitwise_the_same_logits(tmp_path, stated):
     """Feed 5 draft tokens past a 30-token prefix (completing a CSA and an HCA entry), roll back
     (recompute from the prefix's end), then feed the true 4 tokens: their logits equal, bit for bit,
-    those of a run that never saw the drafts — in the same blocks and state slot or fresh ones."""
+    those of a run that never saw the drafts — in the same blocks and state slot or fresh ones. With
+    ``stated`` query lengths the 4-token steps update the compressors on the device (``_update_rows``)."""
     build("v4-yarn", tmp_path)
     llm = make_llm(tmp_path, cache={"max_backtrack": 6})
     model = llm.engine.model
@@ -294,11 +363,13 @@ def test_rolling_back_drafts_gives_bitwise_the_same_logits(tmp_path):
     true = torch.tensor(prompts([4], seed=11)[0])
     with torch.inference_mode():
         def run(table, slot, feed_drafts):
-            model.forward(prompt, request_ctx(llm.engine.runner.backends, 0, 30, table, slot))
+            backends = llm.engine.runner.backends
+            model.forward(prompt, request_ctx(backends, 0, 30, table, slot, stated))
             if feed_drafts:  # positions 30..34: a decode step, then a 4-token chunk
-                model.forward(drafts[:1], request_ctx(llm.engine.runner.backends, 30, 31, table, slot))
-                model.forward(drafts[1:], request_ctx(llm.engine.runner.backends, 31, 35, table, slot))
-            ctx = request_ctx(llm.engine.runner.backends, 30, 34, table, slot)
+                model.forward(drafts[:1], request_ctx(backends, 30, 31, table, slot, stated))
+                model.forward(drafts[1:], request_ctx(backends, 31, 35, table, slot, stated))
+            ctx = request_ctx(backends, 30, 34, table, slot, stated)
+            assert deepseek_v4.device_rows(ctx, model.max_backtrack + 1) == stated
             return model.compute_logits(model.forward(true, ctx), ctx)
 
         clean = run([1, 2, 3], 1, feed_drafts=False)

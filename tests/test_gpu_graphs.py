@@ -3,7 +3,8 @@
 - Graph replay gives the same tokens and logprobs as eager execution for every bucket, on a tiny
   Llama (Triton paged attention) and a tiny DeepSeek-V3 (Triton MLA and MoE), in fp32 so the
   comparison is tight; also under speculative decoding and the overlapped executor.
-- DeepSeek-V4 (per-request state slots) decode steps replay graphs too, equal to eager.
+- DeepSeek-V4 (per-request state slots) decode steps replay graphs too, equal to eager, and so do its
+  verification steps under speculative decoding (``oracle`` and ``mtp`` drafters).
 - The router statistics of replayed steps count the step's tokens, not the bucket's padding rows.
 - Sampling and verification on the device draw from the target distribution (chi-square against the
   exact distribution computed on CPU).
@@ -120,6 +121,40 @@ def test_deepseek_v4_decode_steps_replay_graphs_equal_eager(tmp_path: Path) -> N
     eager_llm.shutdown()
     for plugins in ({}, {"scheduling": {"enabled": True}}):
         assert_every_bucket_replays(_llm(tmp_path, graphs=True, load_format="dummy", plugins=plugins), eager)
+
+
+@pytest.mark.parametrize(("drafter", "plan"), [("oracle", "fixed"), ("oracle", "varlen"), ("mtp", "fixed")])
+def test_deepseek_v4_verification_steps_replay_graphs_equal_eager(tmp_path: Path, drafter: str, plan: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek-V4 verification steps (up to 1 + 3 query tokens per request) replay graphs — the
+    compressors updated on the device (``Compressor._update_rows``), windows closing inside the graph,
+    padding on state slot 0, the ``mtp`` drafter reading the replayed graph's final streams — with the
+    eager run's greedy tokens and logprobs, drafts accepted and rolled back; every block comes back."""
+    from spec_setup import known_mtp_drafts, write_oracle_file
+    from test_deepseek_v4 import V4_BASE
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**V4_BASE, "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4"}))
+    prompts = _prompts(9)
+    eager_llm = _llm(tmp_path, graphs=False, load_format="dummy")
+    eager = _run(eager_llm, prompts)
+    eager_llm.shutdown()
+    spec = {"enabled": True, "drafter": drafter, "max_draft": 3, "plan": plan}
+    known = [ids for ids, _ in eager]
+    if drafter == "oracle":
+        spec.update(oracle_file=write_oracle_file(tmp_path, prompts, known), oracle_corruption=0.3)
+    else:  # the MTP layer runs on each step's final streams; its proposals are replaced by known ones
+        known_mtp_drafts(monkeypatch, [p + ids for p, ids in zip(prompts, known, strict=True)], V4_BASE["vocab_size"])
+    llm = _llm(tmp_path, graphs=True, load_format="dummy", plugins={"spec_decode": spec})
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.keeps(runner.hidden_layers)
+    used = _graph_buckets_used(llm)
+    _compare(eager, _run(llm, prompts))
+    assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
+    stats = llm.get_stats()
+    assert stats["spec_decode"]["verify_steps"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.shutdown()
 
 
 def test_router_stats_of_replayed_steps_count_only_real_tokens(tmp_path: Path) -> None:

@@ -16,6 +16,15 @@ without a host sync; it is 0 until the first step is loaded, so the capture's wa
 start-up replays that profile the step cost count nothing. Backends used under graphs must be
 ``graph_safe``: with ``ctx.max_query_len`` at most their bound they must not read the context's host
 lists, whose values are the capture's, not the step's (``interfaces.ForwardContext``).
+
+Models with per-request state (``stateful``: DeepSeek-V4's rings and compressors, ``kv/state.py``): the
+static context also carries each request's state slot (padding on the reserved slot 0), and the model
+updates its state on device tensors only in decode and verification steps (V4:
+``Compressor._update_rows``, for up to ``cache.max_backtrack + 1`` query tokens per request, which the
+spec_decode plugin's ``max_backtrack ≥ max_draft + 1`` covers), so both replay graphs. Layer features
+the model keeps in ``captured_hidden`` when the graphs are built (``captured_layers``: V4's final streams
+for its MTP drafter) are kept per graph and handed back after each replay (``keeps``); features asked
+for later (dspark's ``capture_hidden``) are not, and such steps run eagerly.
 """
 
 from __future__ import annotations
@@ -115,6 +124,8 @@ class _Graph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.hidden: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
+        # The model's captured layer features of the capture (static, like ``hidden``): layer id → tensor.
+        self.captured: dict[int, torch.Tensor] = {}
 
 
 class DecodeGraphs:
@@ -129,6 +140,8 @@ class DecodeGraphs:
         self.emulate = emulate
         self.stateful = stateful
         self.model = model
+        # Layer features the model keeps now (``captured_hidden``): each graph keeps its own (``keeps``).
+        self.captured_layers = tuple(getattr(model, "captured_layers", ()))
         self.backends = backends
         self.block_size = block_size
         self.device = device
@@ -163,10 +176,16 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph.graph, pool=pool):
                     graph.hidden = self.model.forward(graph.input_ids, ctx)
                     graph.logits = self.model.compute_logits(graph.hidden, ctx)
+                graph.captured = {i: self.model.captured_hidden[i] for i in self.captured_layers}
         if not self.emulate:
             torch.cuda.synchronize(self.device)
         logger.info("captured %d CUDA graphs (buckets %s, query-length bounds %s)", len(self.graphs),
                     self.buckets, self.max_query_lens)
+
+    def keeps(self, layers: tuple[int, ...]) -> bool:
+        """Whether a replay leaves the features of ``layers`` in the model's ``captured_hidden``, as an
+        eager forward does (the layers it captured when the graphs were built)."""
+        return set(layers) <= set(self.captured_layers)
 
     def bucket_for(self, num_tokens: int, max_query_len: int) -> tuple[int, int] | None:
         """The graph that serves a step, or None when it is too large or its queries too long."""
@@ -217,7 +236,8 @@ class DecodeGraphs:
         graph.flat[t:2 * t].copy_(torch.arange(t) % (self.block_tables.shape[1] * self.block_size))
 
     def replay(self, bucket: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the captured graph; returns its static ``hidden [Tb, H]`` and ``logits [Tb, V]``."""
+        """Run the captured graph; returns its static ``hidden [Tb, H]`` and ``logits [Tb, V]``, and
+        points the model's ``captured_hidden`` at its static features (``keeps``)."""
         graph = self.graphs[bucket]
         self.replays += 1
         if self.emulate:
@@ -225,4 +245,6 @@ class DecodeGraphs:
             return hidden, self.model.compute_logits(hidden, graph.ctx)
         assert graph.graph is not None and graph.hidden is not None and graph.logits is not None
         graph.graph.replay()
+        if graph.captured:
+            self.model.captured_hidden.update(graph.captured)
         return graph.hidden, graph.logits

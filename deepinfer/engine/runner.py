@@ -171,9 +171,9 @@ class ModelRunner:
         replaying = write_floors is not None and any(f > s.start for f, s in zip(write_floors, rows, strict=True))
         bucket = None
         # Graphs carry neither replay floors, state rebuilt below a write floor, nor captured layer
-        # features (dspark's hidden_layers): eager then.
+        # features they do not keep (dspark's hidden_layers; V4's MTP input they keep): eager then.
         if (self.graphs is not None and not spans and not (has_floor or has_truncation or replaying)
-                and not self.hidden_layers):
+                and self.graphs.keeps(self.hidden_layers)):
             bucket = self.graphs.bucket_for(len(ids), layout.max_query_len)
         graph = None
         if bucket is not None:

@@ -325,8 +325,9 @@ class StartUp:
             # Verification-shaped rows (1 + max_draft tokens per request): what the plan's budget buys.
             return time_call(lambda: runner.placeholder_step(query_tokens, 1 + settings.max_draft), self.device)
 
-        # A runner that keeps captured layer features (dspark) runs every step eagerly: no graph serves it.
-        cost = self._step_cost(measure, largest, 1 + settings.max_draft, None if hidden_layers else graphs)
+        # A runner that keeps layer features the graphs do not (dspark's) runs every step eagerly.
+        served = graphs if graphs is not None and graphs.keeps(hidden_layers) else None
+        cost = self._step_cost(measure, largest, 1 + settings.max_draft, served)
         return runner, Speculator(drafter, plan, cost, settings.max_draft, self.device, cache)
 
     def _step_cost(self, measure: Callable[[int], float], largest: int, query_len: int,
@@ -380,15 +381,12 @@ class StartUp:
             return None
         sched = self.config.scheduler
         max_draft = self.spec_settings.max_draft if self.spec_settings else 0
-        # A model with per-request state updates it on the device only in steps of one query token per
-        # request (DeepSeek-V4's compressors); verification steps of such a model run eagerly.
-        stateful = bool(self.num_state_slots)
+        # A model with per-request state (DeepSeek-V4) updates it on the device in steps of at most
+        # cache.max_backtrack + 1 query tokens per request, which covers verification (max_draft + 1).
         graphs = DecodeGraphs(self.model, backends, self.config.cache.block_size, self.device,
-                              max_tokens=min(sched.max_num_seqs * (1 if stateful else 1 + max_draft),
-                                             sched.max_num_batched_tokens),
-                              max_query_lens=(1,) if stateful else (1, 1 + max_draft),
-                              max_blocks=self.kv.blocks_needed(self.max_model_len),
-                              interval=k.cuda_graph_interval, stateful=stateful)
+                              max_tokens=min(sched.max_num_seqs * (1 + max_draft), sched.max_num_batched_tokens),
+                              max_query_lens=(1, 1 + max_draft), max_blocks=self.kv.blocks_needed(self.max_model_len),
+                              interval=k.cuda_graph_interval, stateful=bool(self.num_state_slots))
         graphs.capture()
         return graphs
 

@@ -36,6 +36,10 @@ rollback of at most ``max_backtrack`` tokens is just the request's length going 
 undone, the entries and ring rows of recomputed positions are rewritten. An entry is computed in the
 step that computes its window's last token, from the ring (older positions) and the step's rows.
 Rows below ``ctx.write_floor_host`` (exact replay after a prefix hit) do not write paged entries.
+Steps of at most ``max_backtrack + 1`` query tokens per request (decode and speculative verification
+steps, ``device_rows``) update the compressors on device tensors only (``Compressor._update_rows``,
+bitwise equal to the per-request path), so CUDA graphs capture them; other steps (prefill chunks,
+exact replay, YoCo truncation) go request by request on the host lists.
 
 MoE (every layer): routed experts through the backend op ``experts`` with ``swiglu_limit`` (gate
 clamped above, up on both sides) plus the shared experts (same clamp; one MLP of width
@@ -353,13 +357,45 @@ def _segments(ctx: ForwardContext) -> list[_Segment]:
                      ctx.state_slots_host[i], floors[i], i) for i in range(len(lens))]
 
 
-def decode_only(ctx: ForwardContext) -> bool:
-    """Whether every request of the step brings one query token and none of them rebuilds state below
-    its write floor (host ints only; true for a CUDA graph bucket of one-token requests)."""
-    if ctx.max_query_len != 1 and ctx.num_decodes != ctx.block_tables.shape[0]:
+def device_rows(ctx: ForwardContext, max_query_len: int) -> bool:
+    """Whether the compressors update on device tensors only (``Compressor._update_rows``): every request
+    of the step brings at most ``max_query_len`` query tokens — as ``ctx.max_query_len`` states (a CUDA
+    graph replay states its bucket's bound) or as decode rows do — and none rebuilds state below its
+    write floor or is YoCo-truncated. Host values only; a graph replay's host lists are the capture's
+    one-token requests, which pass (the runner replays no step that rebuilds state or truncates)."""
+    if not (0 < ctx.max_query_len <= max_query_len or ctx.num_decodes == ctx.block_tables.shape[0]):
         return False
-    floors = ctx.write_floor_host
-    return floors is None or all(f < n for f, n in zip(floors, ctx.seq_lens_host, strict=True))
+    if ctx.truncation_floor_host is not None:
+        return False
+    floors, starts = ctx.write_floor_host, ctx.query_start_loc_host
+    return floors is None or all(f <= n - (starts[i + 1] - starts[i])
+                                 for i, (f, n) in enumerate(zip(floors, ctx.seq_lens_host, strict=True)))
+
+
+@dataclass(frozen=True)
+class _DeviceRows:
+    """A step's query tokens addressed on the device, for compressors that update without host lists
+    (``device_rows``): ``requests [T]`` each token's request (its row of ``ctx.block_tables``) and
+    ``slots [T]`` that request's state slot."""
+
+    requests: torch.Tensor
+    slots: torch.Tensor
+
+    @classmethod
+    def of(cls, ctx: ForwardContext) -> _DeviceRows:
+        """From ``query_start_loc`` on the device (requests without query tokens, such as those after a
+        graph's padding, get none); in a step of decode rows token t is request t."""
+        assert ctx.state_slots is not None, "a stateful step needs ctx.state_slots"
+        dev, tokens = ctx.positions.device, ctx.positions.shape[0]
+        if ctx.max_query_len == 1 or ctx.num_decodes == ctx.block_tables.shape[0]:
+            return cls(torch.arange(tokens, device=dev), ctx.state_slots)
+        starts = ctx.query_start_loc
+        requests = torch.searchsorted(starts, torch.arange(tokens, dtype=starts.dtype, device=dev), right=True) - 1
+        return cls(requests, ctx.state_slots.index_select(0, requests))
+
+
+StepRows = Sequence[_Segment] | _DeviceRows
+"""How a step's rows reach the compressors: per-request segments (host ints), or ``_DeviceRows``."""
 
 
 @dataclass(frozen=True)
@@ -421,18 +457,19 @@ class Compressor(nn.Module):
         """Positions an entry reads back: its window, and the previous one with overlap."""
         return (2 if self.overlap else 1) * self.ratio
 
-    def update(self, x: torch.Tensor, ctx: ForwardContext, segments: Sequence[_Segment], rotary: V4Rotary) -> None:
+    def update(self, x: torch.Tensor, ctx: ForwardContext, step_rows: StepRows, rotary: V4Rotary) -> None:
         """Project this step's rows of ``x [T, H]``, write every entry whose window closes in this step
-        (unless below the request's write floor) and keep the projections in the ring."""
+        (unless below the request's write floor) and keep the projections in the ring: on device tensors
+        only when ``step_rows`` are ``_DeviceRows`` (``_update_rows``), else request by request."""
         assert self.paged is not None and self.ring is not None, "compressor cache not bound"
         proj = ctx.backends["linear"].linear(x, self.kv_gate_weight)  # [T, 2 · series]: kv, then gate
-        if decode_only(ctx):
-            self._update_decode(proj, ctx, rotary)
+        if isinstance(step_rows, _DeviceRows):
+            self._update_rows(proj, ctx, step_rows, rotary)
             return
         size, r, dev = self.ring.shape[1], self.ratio, x.device
         per_block = self.paged.shape[1]
         flat = self.paged.view(-1, self.width)
-        for s in segments:
+        for s in step_rows:
             w0, w1 = s.start // r, s.end // r
             if w1 > w0:
                 first_window = w0 - 1 if self.overlap and w0 > 0 else w0
@@ -447,16 +484,20 @@ class Compressor(nn.Module):
             keep = min(s.hi - s.lo, size)
             self.ring[s.slot].index_copy_(0, ring_rows(s.end - keep, s.end, size, dev), proj[s.hi - keep:s.hi])
 
-    def _update_decode(self, proj: torch.Tensor, ctx: ForwardContext, rotary: V4Rotary) -> None:
-        """``update`` for a step of one query token per request, on device tensors only (no host list,
-        so a CUDA graph can capture it): every row goes into its request's ring, every request pools
-        the window its token falls in from the ring, and the entry is written where that token closes
-        the window (elsewhere the entry's row gets its own value back)."""
+    def _update_rows(self, proj: torch.Tensor, ctx: ForwardContext, rows: _DeviceRows, rotary: V4Rotary) -> None:
+        """``update`` on device tensors only (no host list, so a CUDA graph can capture it), for steps of
+        at most ``max_backtrack + 1`` query tokens per request (``device_rows``: decode and verification
+        steps). Every row goes into its request's ring first: a step of n tokens at ``[s, s + n)``
+        overwrites the ring rows of positions below ``s + n − size`` ≤ ``s + 1 − span``, older than any
+        its windows read. Then every row pools the window its token falls in from the ring, as the
+        per-request path pools it from the ring and the step's rows (same values, same ops: bitwise
+        equal), and the rows that close their window write its entry; the others write theirs to the
+        first entry of the reserved scratch block 0, which no request reads (a request's rows in one
+        window share its entry's row, and ``index_copy_`` picks no winner among duplicates)."""
         assert self.paged is not None and self.ring is not None
         r, width, size = self.ratio, self.width, self.ring.shape[1]
         ring = self.ring.view(-1, self.ring.shape[-1])
-        pos, slots = ctx.positions, ctx.state_slots
-        assert slots is not None, "a stateful decode step needs ctx.state_slots"
+        pos, slots = ctx.positions, rows.slots
         ring.index_copy_(0, slots * size + pos % size, proj)
         window = pos // r
         span = self.ring_span()
@@ -474,11 +515,11 @@ class Compressor(nn.Module):
             kv, gate = kv[:, 0], gate[:, 0]
         entries = self._finish(kv, gate, window * r, rotary)
         per_block = self.paged.shape[1]
-        blocks = ctx.block_tables.gather(1, (window // per_block).unsqueeze(1)).squeeze(1)
-        targets = blocks * per_block + window % per_block
+        blocks = ctx.block_tables[rows.requests, window // per_block]
+        closes = (pos + 1) % r == 0
+        targets = torch.where(closes, blocks * per_block + window % per_block, 0)
         flat = self.paged.view(-1, width)
-        closes = ((pos + 1) % r == 0).unsqueeze(1)
-        flat.index_copy_(0, targets, torch.where(closes, entries.to(flat.dtype), flat.index_select(0, targets)))
+        flat.index_copy_(0, targets, entries.to(flat.dtype))
 
     def _finish(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
         """Entries from their windows' ``kv`` and biased ``gate`` ``[entries, slots, width]``: softmax over
@@ -569,12 +610,11 @@ class V4Attention(nn.Module):
             comp.paged, comp.ring = p, ring
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, source: torch.Tensor, ctx: ForwardContext,
-                segments: Sequence[_Segment],
-                source_rows: tuple[ForwardContext, Sequence[_Segment]] | None = None) -> torch.Tensor:
+                step_rows: StepRows, source_rows: tuple[ForwardContext, StepRows] | None = None) -> torch.Tensor:
         """``x [T, H]`` the attention input; ``source`` the compressors' input (``x``, or the YoCo shared
-        hidden in consumer layers); ``source_rows`` the context and segments of ``source``'s rows when
-        they are not ``x``'s (truncated consumers: the compressors still see the whole step)."""
-        source_ctx, source_segments = source_rows or (ctx, segments)
+        hidden in consumer layers); ``source_rows`` the context and rows of ``source`` when they are not
+        ``x``'s (truncated consumers: the compressors still see the whole step)."""
+        source_ctx, source_step_rows = source_rows or (ctx, step_rows)
         d, gemm = self.d, ctx.backends["linear"]
         q_latent, kv = gemm.linear(x, self.qkv_a_weight).split([d.q_lora, d.head_dim], dim=-1)
         q_latent = self.q_a_norm(q_latent)
@@ -583,10 +623,10 @@ class V4Attention(nn.Module):
         kv = self.rotary.rotate(self.kv_norm(kv), positions)
         compressed = selected = None
         if self.compressor is not None:
-            self.compressor.update(source, source_ctx, source_segments, self.rotary)
+            self.compressor.update(source, source_ctx, source_step_rows, self.rotary)
             compressed = self.compressor.paged
         if self.indexer is not None:
-            self.indexer.compressor.update(source, source_ctx, source_segments, self.rotary)
+            self.indexer.compressor.update(source, source_ctx, source_step_rows, self.rotary)
             selected = self.indexer.select(q_latent, x, positions, ctx, self.rotary)
         assert self.ring is not None, "attention cache not bound"
         out = ctx.backends["sink_attention"].sink_attention(
@@ -684,7 +724,7 @@ class V4DecoderLayer(nn.Module):
         self.mlp = V4MoE(d, layer, mlp_type or d.mlp_types[layer], dtype, device)
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor,
-                ctx: ForwardContext, segments: Sequence[_Segment], shared: torch.Tensor | None,
+                ctx: ForwardContext, step_rows: StepRows, shared: torch.Tensor | None,
                 shares: bool, view: _ConsumerView | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One block on ``streams [T, m, H]``. ``shares``: this layer's attention input becomes the
         YoCo shared hidden; ``shared``: the shared hidden the compressors read (None: own input).
@@ -699,9 +739,9 @@ class V4DecoderLayer(nn.Module):
         if view is not None:
             if shares and view.rows is not None:
                 post, comb, h, streams = (t.index_select(0, view.rows) for t in (post, comb, h, streams))
-            source_rows = (ctx, segments)
-            ctx, segments, positions, input_ids = view.ctx, view.segments, view.positions, view.input_ids
-        y = self.self_attn(positions, h, h if shared is None else shared, ctx, segments, source_rows)
+            source_rows = (ctx, step_rows)
+            ctx, step_rows, positions, input_ids = view.ctx, view.segments, view.positions, view.input_ids
+        y = self.self_attn(positions, h, h if shared is None else shared, ctx, step_rows, source_rows)
         streams = HyperConnection.write_back(post, comb, y, streams)
         post, comb, collapsed = self.ffn_hc(streams)
         y = self.mlp(self.post_attention_layernorm(collapsed), input_ids, positions, ctx)
@@ -794,6 +834,7 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
         self.norm = V4RMSNorm(d.hidden, d.eps, device)
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, dtype=dtype, device=device))
         self.mtp_layers = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
+        self.max_backtrack = 0  # the rings' rows past their span (cache.max_backtrack), known at bind_cache
         # The loader's cue (``model/loader.py``): on an expert-parallel rank, read only these experts.
         self.expert_ids = d.expert_ids if d.sharded else None
         self.moe_layer_ids = list(range(d.layers))
@@ -820,6 +861,10 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
     def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.bind(cache)
+        ring = self.layers[0].self_attn.ring
+        assert ring is not None
+        # Every ring holds its span + cache.max_backtrack rows (kv/state.py); the sliding one's span is the window.
+        self.max_backtrack = ring.shape[1] - self.d.window
 
     def shards_weight(self, name: str) -> bool:
         """Whether the expert shard covers checkpoint tensor ``name``'s routed experts (``model/loader.py``)."""
@@ -839,15 +884,16 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
     # ---------------------------------------------------------------------------------------- forward
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        segments = _segments(ctx)
+        step_rows = _DeviceRows.of(ctx) if device_rows(ctx, self.max_backtrack + 1) else _segments(ctx)
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.d.hc_mult, -1).contiguous()
         shared = view = None
         for i, layer in enumerate(self.layers):
             shares = bool(self.d.yoco) and i == self.d.yoco
             if shares and ctx.truncation_floor_host is not None:
-                view = _consumer_view(ctx, segments, input_ids)
-            streams, shared = layer(streams, ctx.positions, input_ids, ctx, segments, shared, shares, view)
+                assert not isinstance(step_rows, _DeviceRows)  # device_rows refuses truncated steps
+                view = _consumer_view(ctx, step_rows, input_ids)
+            streams, shared = layer(streams, ctx.positions, input_ids, ctx, step_rows, shared, shares, view)
         hidden = self.norm(self.hc_head(streams))
         if self.captured_layers:  # the MTP layers' input (bind_mtp_cache)
             self.captured_hidden[self.d.layers] = _all_rows(streams.flatten(1), input_ids.shape[0], view)

@@ -325,7 +325,7 @@ def test_tiny_v4_model_gives_reference_tokens_and_logits(tmp_path: Path, no_refe
 def test_tiny_v4_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path) -> None:
     """DeepSeek-V4 decode steps replayed from (emulated) CUDA graph buckets — static context with the
     capture's host lists, padding rows on the reserved block and state slot 0 — give the eager run's
-    tokens and logits: the compressors (``Compressor._update_decode``) and ``triton_v4`` read only device
+    tokens and logits: the compressors (``Compressor._update_rows``) and ``triton_v4`` read only device
     tensors."""
     from test_deepseek_v4 import build, make_llm, prompts
     from tiny_models import record_logits
