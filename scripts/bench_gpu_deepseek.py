@@ -4,20 +4,27 @@ Llama-3-8B-shaped dense dummy model of ``scripts/llama3_8b_shaped.json`` (``--sh
 
     python scripts/bench_gpu_deepseek.py [--shape v2lite|v4|llama8b] [--batch 1 16 64 256] [--plugins attention moe]
         [--eager] [--kv-dtype auto|fp8] [--output bench.json] [--profile-out prof.txt] [--no-transformers]
+        [--length-spread 63]
 
 Model: ``DeepseekV3ForCausalLM``, hidden 2048, 16 heads, no q_lora, kv_lora 512, rope 64, nope 128,
 v 128, 64 routed experts top-6 + 2 shared, moe width 1408, dense width 10944, first layer dense,
 vocab 102400, 8 layers, bf16 (n_group 1, routed_scaling_factor 1.0, norm_topk_prob true). deepinfer
 builds it with ``load_format="dummy"`` and ``kernels.force_balanced_routing`` (each token's 6 experts
-uniformly at random). Workload per batch B in {1, 16}: B fresh random 128-token prompts (fresh per run,
-so the prefix cache never hits), greedy, EOS ignored. Each repeat times ``max_tokens=1`` (prefill +
-first token) and ``max_tokens=65``; decode tok/s = B * 64 / (t65 - t1). Median of ``--repeats``: the
-decode anchor of ``deepinfer/bench/anchor.py`` (``deepinfer bench --decode-anchor`` runs it on any model
-and puts a peer's result file beside it).
+uniformly at random). Workload per batch B: B fresh random prompts (fresh per run, so the prefix cache
+never hits) of lengths spread evenly over 128 ± ``--length-spread`` (default 63: 65 … 191 tokens, mean
+exactly 128, so the mean KV length matches vLLM's one-length 128-token prompts; B = 1 gets 128), greedy,
+EOS ignored. Balanced routing hashes (position, layer, expert), so prompts of one length
+(``--length-spread 0``, the method before 2026-12-03) decode in lockstep and every row of a step draws the
+same experts: at B >= 16 that reads ~6 experts per layer instead of the ~64 * (1 - (1 - 6/64)^B) counted
+below, and flatters the MoE shapes. Each repeat times ``max_tokens=1`` (prefill + first token) and
+``max_tokens=65`` on prompts of the same lengths; decode tok/s = B * 64 / (t65 - t1). Median of
+``--repeats``: the decode anchor of ``deepinfer/bench/anchor.py`` (``deepinfer bench --decode-anchor``
+runs it on any model and puts a peer's result file beside it).
 
 transformers: ``DeepseekV3ForCausalLM`` from the same config, random init on the GPU in bf16 (a
 different random model; its router is not forced balanced: transformers has no such switch),
-``generate`` with ``max_new_tokens`` 1 and 65 (``min_new_tokens`` equal), timed the same way.
+``generate`` with ``max_new_tokens`` 1 and 65 (``min_new_tokens`` equal), timed the same way on
+128-token prompts (one length: ``generate`` takes a rectangular batch, and its router is not hashed).
 
 Memory-bandwidth limit: bytes read per decode step (all attention and dense weights, the LM head, the
 shared experts, the router, and the expected number of distinct routed experts that B tokens touch
@@ -30,8 +37,8 @@ llama8b`` likewise from the built model's parameters, with the K and V of every 
 the mean context. The same method as vLLM's anchor (``../shared/tools/vllm/run_vllm.py``), so the two
 results compare directly.
 
-Profile: ``torch.profiler`` over 8 decode steps at B = 16 (after prefill and 2 warm-up decode steps),
-top ops by device time, plus device-busy time over wall time.
+Profile: ``torch.profiler`` over 8 decode steps at B = 16 (after prefill and 2 warm-up decode steps; the
+prompts' lengths spread as above), top ops by device time, plus device-busy time over wall time.
 """
 
 from __future__ import annotations
@@ -146,16 +153,16 @@ def copy_bandwidth() -> float:
     return 2 * n * 2 / statistics.median(times)
 
 
-def prompts(batch: int, seed: int, vocab: int) -> list[list[int]]:
+def prompts(batch: int, seed: int, vocab: int, length_spread: int = 0) -> list[list[int]]:
     from deepinfer.bench.anchor import anchor_prompts
 
-    return anchor_prompts(batch, seed, vocab, PROMPT_LEN)
+    return anchor_prompts(batch, seed, vocab, PROMPT_LEN, length_spread)
 
 
 def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int, profile_out: Path | None,
                     plugins: list[str], cuda_graphs: bool, profile_batch: int | None = None,
                     kv_dtype: str = "auto", max_prefill_tokens: int = 32768, compile_mode: str = "off",
-                    gemm: str = "auto") -> dict:
+                    gemm: str = "auto", length_spread: int = 0) -> dict:
     from deepinfer import LLM, SamplingParams
     from deepinfer.bench.anchor import run_anchor
 
@@ -181,7 +188,8 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
             result["step_bytes"][batch] = model_step_bytes(llm.engine.model, config, batch, PROMPT_LEN + NEW / 2)
     for batch in batches:
         before = llm.get_stats()
-        run = run_anchor(llm, [batch], repeats=repeats, prompt_len=PROMPT_LEN, decode_tokens=NEW)[batch]
+        run = run_anchor(llm, [batch], repeats=repeats, prompt_len=PROMPT_LEN, decode_tokens=NEW,
+                         length_spread=length_spread)[batch]
         after = llm.get_stats()
         busy = after["device_busy_s"] - before["device_busy_s"]
         idle = after["device_idle_s"] - before["device_idle_s"]
@@ -192,7 +200,8 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
               f"ms, device idle {100 * result['runs'][batch]['device_idle_fraction']:.1f}% between steps", flush=True)
     if profile_out is not None:
         try:
-            result["profile"] = profile_decode(llm, profile_batch or max(batches), profile_out, vocab)
+            result["profile"] = profile_decode(llm, profile_batch or max(batches), profile_out, vocab,
+                                               length_spread)
         except Exception as exc:
             result["profile"] = {"error": repr(exc)}
             print(f"profile failed: {exc!r}", flush=True)
@@ -200,14 +209,14 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
     return result
 
 
-def profile_decode(llm, batch: int, out: Path, vocab: int) -> dict:
+def profile_decode(llm, batch: int, out: Path, vocab: int, length_spread: int = 0) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for p in prompts(batch, 77, vocab):
+    for p in prompts(batch, 77, vocab, length_spread):
         engine.add(engine.make_request(p, params))
     for _ in range(3):  # prefill (one step: 16 x 128 tokens <= 4096) + 2 decode warm-up steps
         engine.step()
@@ -340,11 +349,15 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="kernels.compile=inductor (the fused decode step; build_s then includes compiling)")
     parser.add_argument("--gemm", default="auto", help="kernels.gemm (e.g. triton_gemv: the split-K GEMV for M <= 16)")
+    parser.add_argument("--length-spread", type=int, default=63,
+                        help="prompt lengths spread evenly over 128 +- this, mean 128 (0: every prompt 128 tokens, "
+                             "which decodes balanced routing in lockstep)")
     args = parser.parse_args()
     config = SHAPES[args.shape]
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": config,
               "date": time.strftime("%Y-%m-%d"), "plugins": args.plugins, "cuda_graphs": not args.eager,
-              "kv_dtype": args.kv_dtype, "compile": "inductor" if args.compile else "off", "gemm": args.gemm}
+              "kv_dtype": args.kv_dtype, "compile": "inductor" if args.compile else "off", "gemm": args.gemm,
+              "prompt_len_mean": PROMPT_LEN, "length_spread": args.length_spread}
     bw = copy_bandwidth()
     result["copy_bandwidth_bytes_s"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -354,7 +367,7 @@ def main() -> None:
         result["deepinfer"] = bench_deepinfer(folder, config, args.batch, args.repeats, args.profile_out,
                                               args.plugins, not args.eager, args.profile_batch, args.kv_dtype,
                                               args.max_prefill_tokens, "inductor" if args.compile else "off",
-                                              args.gemm)
+                                              args.gemm, args.length_spread)
     torch.cuda.empty_cache()
     if not args.no_transformers and config is not LLAMA_CONFIG:
         try:

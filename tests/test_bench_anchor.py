@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from deepinfer.bench.anchor import anchor_prompts, anchor_table, read_peer_anchor, run_anchor
+from deepinfer.bench.anchor import anchor_lengths, anchor_prompts, anchor_table, read_peer_anchor, run_anchor
 from deepinfer.entrypoints.cli import main
 
 
@@ -42,6 +42,34 @@ def test_the_anchor_times_fresh_prompts_and_reports_medians(make_llm: Any) -> No
     flat = [tuple(p) for call in prompts_seen for p in call]
     assert len(set(flat)) == len(flat) and all(len(p) == 6 for p in flat)
     assert anchor_prompts(2, 7, 100, 5) == anchor_prompts(2, 7, 100, 5)
+
+
+def test_a_length_spread_varies_the_prompts_about_the_same_mean(make_llm: Any) -> None:
+    # Balanced routing hashes the position: one length decodes in lockstep. The spread keeps the mean length
+    # (a peer's one-length prompts read the same KV bytes) and gives every row of a batch its own length.
+    for batch in (2, 16, 64):
+        lengths = anchor_lengths(batch, 128, 63)
+        assert sum(lengths) == 128 * batch and min(lengths) == 65 and max(lengths) == 191
+        assert len(set(lengths)) == batch
+    assert anchor_lengths(1, 128, 63) == [128] and anchor_lengths(3, 10, 0) == [10] * 3
+    prompts = anchor_prompts(5, 3, 100, 8, length_spread=4)
+    assert [len(p) for p in prompts] == [4, 6, 8, 10, 12] and all(2 <= t < 100 for p in prompts for t in p)
+    with pytest.raises(ValueError, match="length_spread"):
+        anchor_lengths(4, 8, 8)
+
+    llm = make_llm(max_num_seqs=4)
+    seen: list[list[int]] = []
+    generate = llm.generate
+
+    def recording(prompts, params, **kw):
+        seen.append([len(p) for p in prompts])
+        return generate(prompts, params, **kw)
+
+    llm.generate = recording
+    result = run_anchor(llm, [4], repeats=1, prompt_len=6, decode_tokens=2, length_spread=3)
+    assert seen == [[3, 5, 7, 9]] * 3 and result[4]["prompt_lens"] == [3, 5, 7, 9]
+    with pytest.raises(ValueError, match="length_spread"):
+        run_anchor(llm, [4], prompt_len=6, length_spread=6)
 
 
 def test_a_peer_file_is_read_and_tabled(tmp_path: Path) -> None:
