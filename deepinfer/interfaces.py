@@ -175,57 +175,62 @@ class RequestRouter(Protocol):
 
 @dataclass(frozen=True)
 class DraftInputs:
-    """What a drafter gets after a step committed tokens (on the model's device).
+    """What a drafter gets right after a step, on the model's device (drafting runs on the device
+    between the step's sampling and the next forward: reference/deepinfer.md §2, API.md §2).
 
-    ``last_tokens [B]`` the last committed token per request; ``token_ids`` the committed tokens of
-    each (prompt included, host lists); ``history [B, H]`` the same as a tensor on the device,
-    right-aligned, −1 padded, built on first use (drafters that read no history pay nothing for it);
-    ``positions [B]`` the position of
-    ``last_tokens``; ``seeds [B]`` the requests' seeds and ``temperature [B]`` their temperatures
-    (0 = greedy), for drafters that sample; ``k`` the most drafts wanted per request; ``rows`` the
-    main model's committed rows of the step, with their hidden states (the final ones, or the layers
-    the drafter had the model ``capture_hidden``), for drafters that run layers of their own over
-    them (``mtp``, ``dspark``; None for the others). ``B`` may be 0 when only ``rows`` has work (a prefill
-    chunk that sampled nothing still fills an MTP cache).
+    Everything here may depend on the step's results, which the host has not read: how many drafts each
+    request accepted moves its last token and position, so they are device tensors, never host values.
+    ``last_tokens [B]`` the last committed token per request (the step's final emitted token);
+    ``positions [B]`` its position; ``history [B, H]`` each request's committed tokens, right-aligned and
+    −1 padded (``last_tokens`` in the last column), built on first use (drafters that read no history pay
+    nothing for it); ``seeds [B]`` the requests' seeds and ``temperature [B]`` their temperatures
+    (0 = greedy), for drafters that sample; ``sampling``: whether any request samples (known on the host,
+    so a drafter decides whether to report distributions without reading the device); ``k`` the most
+    drafts wanted per request; ``rows`` the main model's rows of the step, with their hidden states (the
+    final ones, or the layers the drafter had the model ``capture_hidden``), for drafters that run layers
+    of their own over them (``mtp``, ``dspark``; None for the others). ``B`` may be 0 when only ``rows``
+    has work (a prefill chunk that sampled nothing still fills an MTP cache). The core drops every draft
+    a request may not use (past what it may still emit) from the proposal.
     """
 
     last_tokens: torch.Tensor
-    token_ids: Sequence[Sequence[int]]
     positions: torch.Tensor
     seeds: torch.Tensor
     temperature: torch.Tensor
     k: int
     rows: CommittedRows | None = None
+    sampling: bool = False
+    history_of: Callable[[], torch.Tensor] | None = None
 
     @functools.cached_property
     def history(self) -> torch.Tensor:
-        """``[B, H]`` int64: ``token_ids`` right-aligned, −1 padded, on ``last_tokens``' device."""
-        width = max((len(ids) for ids in self.token_ids), default=1)
-        padded = [[-1] * (width - len(ids)) + list(ids) for ids in self.token_ids]
-        return torch.tensor(padded, dtype=torch.int64).reshape(len(padded), width).to(self.last_tokens.device)
+        """``[B, H]`` int64 on ``last_tokens``' device: each request's tokens, right-aligned, −1 padded."""
+        if self.history_of is None:
+            return self.last_tokens.unsqueeze(1)
+        return self.history_of()
 
 
 @dataclass(frozen=True)
 class CommittedRows:
-    """The rows a step computed and committed, for a drafter with its own paged cache (MTP).
+    """Every row the step computed, for a drafter with its own cache on the main paging (MTP, dspark).
 
     ``hidden [R, H]``: the main model's final hidden state (after its final norm: what ``forward``
     returns) — or, when the drafter had the model ``capture_hidden(layer_ids)`` (``dspark``), those
-    layers' inputs concatenated in that order, ``[R, H · len(layer_ids)]`` — of every committed token
-    the step computed, for every request of the step (prefill chunks and requests that just finished
-    included; a verifying request's rows are its last token and its accepted drafts). ``next_tokens
-    [R]``: the id of the token after each row (the next prompt token, or a token the step emitted).
-    ``ctx``: a ``ForwardContext`` over exactly these rows on the main model's paging (``ctx.positions``
-    are their positions; ``seq_lens`` the committed lengths), so a cache sharing the main pool's block
-    ids gets the row of position p in the slot of p.
-    ``last_rows [B]``: for each drafting request (``DraftInputs`` order), its last committed row,
-    whose next token is the request's last token. ``chain(offset)``: a ``ForwardContext`` of one
-    decode row per drafting request at ``DraftInputs.positions + offset`` (offset 0 is the last
-    token, offset j the j-th draft), KV length ``position + 1``, for chained drafts that write their
-    own cache rows past the committed tokens; the core allocates blocks for those positions on the
-    first call, and a request's rows past what it may still emit, or past the blocks it could get,
-    run on the reserved scratch block (the core drops the drafts that depend on them). Rows past the
-    committed length are overwritten when those positions are computed for real.
+    layers' inputs concatenated in that order, ``[R, H · len(layer_ids)]`` — of every row of the step
+    (prefill chunks, every request's last token and its verified drafts; a CUDA graph's padding rows
+    too, which sit on the reserved scratch block). ``next_tokens [R]``: the id of the token after each
+    row (the next prompt token, or a token the step emitted; for a draft the step rejected, and the rows
+    after it, any id). ``ctx``: a ``ForwardContext`` over exactly these rows on the main model's paging
+    (``ctx.positions`` their positions), so a cache sharing the main pool's block ids gets the row of
+    position p in the slot of p. Rows of rejected drafts land past the request's committed length:
+    nothing reads them before those positions are computed (and written again) for real.
+    ``last_rows [B]``: for each drafting request (``DraftInputs`` order), its last committed row, whose
+    next token is the request's last token. ``chain(offset)``: a ``ForwardContext`` of one decode row per
+    drafting request at ``DraftInputs.positions + offset`` (offset 0 is the last token, offset j the j-th
+    draft), KV length ``position + 1``, for chained drafts that write their own cache rows past the
+    committed tokens; the scheduler reserved blocks for those positions where it could, and a request's
+    rows past what it may still emit, or past its blocks, run on the reserved scratch block (the core
+    drops the drafts that depend on them).
     """
 
     hidden: torch.Tensor

@@ -38,6 +38,11 @@ class StepRow:
 
     ``drafts``: tokens verified after the request's last token (speculative decoding), and
     ``draft_probs`` the drafter's distributions ``[k, V]`` of the request's proposal (None: one-hot).
+    ``follows``: a follow-up row (``engine/followup.py``): the request's previous step is in flight, the
+    row is laid out as if that step accepted no draft, and the device moves it by the accepted count
+    and fills its input token and its ``device_drafts`` draft rows (drafted on the device after that
+    step; ``drafts`` is then empty); ``room``: the drafts the request may still use if that step
+    accepted none of its drafts.
     ``visibility_floor``: keys below it are invisible to sliding-window attention (bounded restore;
     0: none); ``truncation``: the YoCo prefill plan of this chunk (None: none). ``state_slot`` /
     ``write_floor``: the request's state slot and its shared-prefix length, for models with
@@ -66,6 +71,9 @@ class StepRow:
     prompt_targets: tuple[int, ...] = ()
     drafts: tuple[int, ...] = ()
     draft_probs: torch.Tensor | None = None
+    follows: bool = False
+    device_drafts: int = 0
+    room: int = 0
     visibility_floor: int = 0
     truncation: ReplayPlan | None = None
     state_slot: int | None = None
@@ -74,6 +82,11 @@ class StepRow:
     prompt_token_ids: tuple[int, ...] = ()
     output_token_ids: tuple[int, ...] = ()
     banned_eos: frozenset[int] = frozenset()
+
+    @property
+    def draft_rows(self) -> int:
+        """The rows after the request's last token that verify drafts (its host drafts, or a follow-up's)."""
+        return len(self.drafts) + self.device_drafts
 
     @property
     def end(self) -> int:

@@ -190,6 +190,38 @@ def test_graphs_under_speculative_decoding_equal_eager(folder: Path, plan: str, 
     llm.shutdown()
 
 
+@pytest.mark.parametrize("plan", ["fixed", "varlen"])
+def test_follow_up_rows_under_overlap_replay_graphs_equal_eager_without_a_sync(folder: Path, plan: str,
+                                                                              tmp_path: Path) -> None:
+    """Speculative decoding under the overlapped executor with CUDA graphs and the sync guard on: requests
+    whose step is in flight run as follow-up rows (engine/followup.py), drafted and fixed up on the device
+    without a host read; greedy tokens and logprobs equal eager decoding without speculation."""
+    prompts = _prompts(9)
+    eager_llm = _llm(folder, graphs=False)
+    eager = _run(eager_llm, prompts)
+    eager_llm.shutdown()
+    oracle = tmp_path / "oracle.jsonl"
+    oracle.write_text("\n".join(json.dumps({"token_ids": p + ids}) for p, (ids, _) in zip(prompts, eager, strict=True)))
+    plugins = {"spec_decode": {"enabled": True, "drafter": "oracle", "oracle_file": str(oracle), "max_draft": 3,
+                               "oracle_corruption": 0.3, "plan": plan},
+               "scheduling": {"enabled": True, "sync_guard": True}}
+    llm = _llm(folder, graphs=True, plugins=plugins)
+    core, follow_ups = llm.engine.core, []
+    schedule = core.schedule
+
+    def spy() -> Any:
+        scheduled = schedule()
+        follow_ups.extend(row.follows for row in scheduled.batch.scheduled)
+        return scheduled
+
+    core.schedule = spy
+    used = _graph_buckets_used(llm)
+    _compare(eager, _run(llm, prompts))
+    assert sum(follow_ups) > len(follow_ups) / 2, "requests did not follow their steps in flight"
+    assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
+    llm.shutdown()
+
+
 def test_graphs_under_the_overlapped_executor_equal_eager(folder: Path) -> None:
     prompts = _prompts(17)
     eager_llm = _llm(folder, graphs=False)

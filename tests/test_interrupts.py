@@ -44,7 +44,8 @@ PHASES = [
     ("core", "_stop_reason", "after"),  # tokens of the step committed, stop checks half done
     ("core", "output_of", "after"),
 ]
-SPEC_PHASES = [("speculator", "propose", "before"), ("speculator", "propose", "after")]
+SPEC_PHASES = [("speculator", "draft", "before"), ("speculator", "draft", "after"),
+               ("speculator", "keep", "before"), ("speculator", "keep", "after")]
 
 
 class PlantedInterrupt(KeyboardInterrupt):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.speculation import PAUSE_LIMIT, Speculator
 
 
@@ -11,7 +12,8 @@ def test_paused_requests_resume_drafting_on_shared_rounds():
     """Two requests whose drafts the plan never grants, the second starting 37 rounds later: each backs
     off 1, 2, 4 … rounds, and once both pause ``PAUSE_LIMIT`` rounds they probe on the same rounds, so a
     drafting step (whose cost is mostly per step) runs once for both instead of once for each."""
-    speculator = Speculator(drafter=None, plan=None, cost=None, max_draft=4, device=torch.device("cpu"))
+    speculator = Speculator(drafter=None, plan=None, cost=None, max_draft=4, device=torch.device("cpu"),
+                            block_size=16)
     starts = {"a": 0, "b": 37}
     drafted: dict[str, list[int]] = {rid: [] for rid in starts}
     rounds = 600
@@ -20,7 +22,7 @@ def test_paused_requests_resume_drafting_on_shared_rounds():
             if round_index >= start and not speculator.paused(rid):
                 drafted[rid].append(round_index)
                 speculator._note_grants([(rid, 4, 0)])  # offered 4 drafts, the plan granted none
-        speculator.propose([])  # a proposal round with nothing to draft
+        speculator.plan_drafting(SchedulerOutput(), [])  # a proposal round with nothing to draft
     late = {rid: [r for r in rounds_ if r >= 300] for rid, rounds_ in drafted.items()}
     assert late["a"] == late["b"] and late["a"] and all(r % PAUSE_LIMIT == 0 for r in late["a"])
     for rid, start in starts.items():

@@ -24,10 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.engine.drafting import DraftPlan
+from deepinfer.engine.followup import FollowUps
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, StepInputs, StepResults, prompt_logprobs_of
 from deepinfer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from deepinfer.engine.speculation import CommittedSpan, Speculator
+from deepinfer.engine.speculation import Speculator
 from deepinfer.engine.stats import EngineStats, StepTimer
 from deepinfer.engine.structured import StructuredRuntime
 from deepinfer.interfaces import StepStats
@@ -44,6 +46,7 @@ class Scheduled:
     batch: SchedulerOutput
     timer: StepTimer
     sampler_rows: dict[str, int] = field(default_factory=dict)
+    drafting: DraftPlan | None = None  # the drafting after the step (speculative decoding), once prepared
 
     @property
     def is_empty(self) -> bool:
@@ -80,6 +83,7 @@ class EngineCore:
         self.pending: list[RequestOutput] = []  # outputs of requests finished outside a step (aborts)
         self.inflight: Counter[str] = Counter()  # request id -> scheduled steps not processed yet
         self.awaiting_release: dict[str, Request] = {}  # finished while in flight
+        self.followups: dict[str, ScheduledRequest] = {}  # request id -> its follow-up row in flight
         self.structured = StructuredRuntime()  # grammar compilations to poll, step masks to fill
 
     def has_work(self) -> bool:
@@ -95,6 +99,8 @@ class EngineCore:
             batch = self.scheduler.schedule()  # advances the requests and emits the step's rows
             for s in batch.scheduled:
                 self.inflight[s.request.request_id] += 1
+                if s.follows:  # moved when the step it follows is processed
+                    self.followups[s.request.request_id] = s
         return Scheduled(batch, timer)
 
     def prepare(self, scheduled: Scheduled, previous: Scheduled | None = None) -> Prepared:
@@ -102,6 +108,9 @@ class EngineCore:
         with scheduled.timer.phase("prepare"):
             inputs = self.runner.prepare(scheduled.batch.rows)
             scheduled.sampler_rows = {row.request_id: i for i, row in enumerate(inputs.samplers)}
+            if self.speculator is not None:
+                inputs.drafting = scheduled.drafting = self.speculator.plan_drafting(scheduled.batch, inputs.samplers)
+                inputs.followups = self._followups(scheduled, inputs, previous)
             requests = {s.request.request_id: s.request for s in scheduled.batch.scheduled}
             # Grammar bitmasks of structured rows, filled when their tokens are known; a row whose request
             # was preempted or finished since (a newer epoch) is left unfilled.
@@ -115,13 +124,27 @@ class EngineCore:
                             to_device(source, torch.int64, device))
 
     def run(self, prepared: Prepared, previous_results: StepResults | None = None) -> StepResults:
-        """Device work of a step: fill pending inputs from ``previous_results``, forward, sample."""
+        """Device work of a step: fill pending inputs from ``previous_results``, forward, sample, and draft
+        (speculative decoding: ``Speculator.draft``)."""
         with prepared.timer.phase("forward"):
             fill = None
+            inputs = prepared.inputs
             if prepared.fill_rows is not None:
                 assert previous_results is not None and previous_results.sampled is not None
                 fill = (prepared.fill_rows, previous_results.sampled.tokens.index_select(0, prepared.fill_from))
-            return self.runner.execute(prepared.inputs, fill)
+            results = self.runner.execute(inputs, fill, previous_results)
+            if self.speculator is not None:
+                self.speculator.record_tokens(inputs.input_ids, inputs.ctx)
+            if inputs.drafting is not None:
+                assert self.speculator is not None
+                start = time.perf_counter()
+                results.proposal = self.speculator.draft(inputs.drafting, inputs.input_ids, inputs.ctx, results.hidden,
+                                                         results.tokens(inputs.input_ids.device))
+                forward, sampler, _ = results.host_split
+                results.host_split = (forward, sampler, time.perf_counter() - start)
+            results.hidden = None  # read by the drafting alone
+            self.runner.seal(results)
+            return results
 
     def execute(self, scheduled: Scheduled) -> StepResults | None:
         """prepare + run for the synchronous path (nothing is in flight)."""
@@ -143,6 +166,7 @@ class EngineCore:
         self.stats.device_busy_s += busy
         self.stats.device_idle_s += idle
         verifies = []
+        moved: list[tuple[Request, ScheduledRequest, int]] = []  # follow-up rows moved by this step's results
         with scheduled.timer.phase("process"):
             live = [s for s in batch.scheduled if s.request.epoch == s.epoch]
             of_row = {s.request.request_id: s for s in batch.scheduled}
@@ -156,17 +180,26 @@ class EngineCore:
                 s = of_row[row.request_id]
                 req = s.request
                 if req.epoch != s.epoch:
+                    self.followups.pop(req.request_id, None)  # dropped with it (the same epoch change)
                     continue  # preempted or finished since this step was scheduled
                 req.all_token_ids[s.token_slot:s.token_slot + 1] = tokens
                 req.num_pending -= 1
-                if s.drafts:
+                later = self.followups.pop(req.request_id, None)
+                if later is not None:
+                    # Its follow-up row in flight was laid out as if no draft were accepted: it moves by the
+                    # accepted count, as the device moved it (engine/followup.py).
+                    later.start += len(tokens) - 1
+                    later.token_slot += len(tokens) - 1
+                    req.num_computed_tokens += len(tokens) - 1
+                    moved.append((req, later, len(tokens) - 1))
+                elif s.draft_rows:
                     # KV is kept for the last token and the accepted drafts; the rest is rolled back.
                     req.num_computed_tokens = s.start + len(tokens)
+                if s.drafts:
                     verifies.append((s, len(tokens) - 1))
                 if req.logprobs is not None:
                     req.logprobs.extend(logprob_rows[i])
                 sampled.append((s, tokens))
-            spans = self._committed_spans(batch) if results.hidden is not None else []
             for s in live:
                 req = s.request
                 resolved = req.num_tokens - req.num_pending
@@ -201,16 +234,22 @@ class EngineCore:
             self.stats.steps += 1
             self.stats.generated_tokens += sum(len(tokens) for _, tokens in sampled)
             step_verifies = tuple(verifies)
-            draft_seconds, drafted = 0.0, 0
-            if self.speculator is not None:
-                draft_seconds, drafted = self.speculator.propose(drafting, spans, results.hidden)
+            if results.proposal is not None:
+                assert self.speculator is not None
+                self.speculator.keep(results.proposal, {r.request_id: r for r in drafting})
+                for req, later, accepted in moved:  # the drafts each follow-up row verifies, for statistics
+                    drafts = self.speculator.drafts_of(req) if not req.finished else None
+                    if drafts is not None:
+                        n = min(later.device_drafts, max(0, later.room - accepted), len(drafts.tokens))
+                        later.drafts = list(drafts.tokens[:n])
+                        later.confidence = list(drafts.confidence[:n])
+                        later.raw_confidence = list(drafts.raw_confidence[:n])
         for name, secs in scheduled.timer.seconds.items():
             self.stats.phase_seconds[name] += secs
         if self.speculator is not None:
-            # With a step in flight (an overlapped executor) the drafter ran beside it, and its read waited
-            # for it: its time is not the drafter's.
-            self.speculator.observe_step(batch, *results.time_split(), drafted,
-                                         None if self.inflight else draft_seconds)
+            forward, sampler, draft_seconds = results.time_split()
+            drafted = len(results.proposal.plan.samplers) if results.proposal is not None else 0
+            self.speculator.observe_step(batch, forward, sampler, drafted, draft_seconds)
         self.structured.fill_pending()  # phase 4: masks of the step in flight, from the advanced matchers
         if self.on_step_end is not None:
             self.on_step_end(self._step_stats(batch, scheduled.timer, step_verifies))
@@ -218,19 +257,34 @@ class EngineCore:
 
     # ---------------------------------------------------------------------------------------- helpers
 
-    def _committed_spans(self, batch: SchedulerOutput) -> list[CommittedSpan]:
-        """Every live row's committed positions and where its rows sit in the step's hidden states, for a
-        drafter that writes its own cache rows (MTP). Called after the tokens are committed (a verifying
-        row's computed length is back at its last accepted draft) and before stops release any block."""
-        spans, first_row = [], 0
-        for s in batch.scheduled:
-            req = s.request
-            if req.epoch == s.epoch and not req.finished:  # not preempted, nor aborted since scheduled
-                # A prefill chunk's request may already be scheduled further by an overlapped executor.
-                count = min(s.num_new_tokens, req.num_computed_tokens - s.start)
-                spans.append(CommittedSpan(req, self.scheduler.kv.table(req.request_id), s.start, count, first_row))
-            first_row += s.num_new_tokens
-        return spans
+    @staticmethod
+    def _followups(scheduled: Scheduled, inputs: StepInputs, previous: Scheduled | None) -> FollowUps | None:
+        """The step's follow-up rows (``engine/followup.py``), matched to the previous step's sampling rows
+        and proposal rows; None without any."""
+        rows = scheduled.batch.rows
+        if not any(row.follows for row in rows):
+            return None
+        assert previous is not None, "a follow-up row needs the step before it"
+        proposal_row = {rid: i for i, rid in enumerate(previous.drafting.request_ids)} if previous.drafting else {}
+        random_row: dict[int, int] = {}
+        for i, row in enumerate(inputs.samplers):
+            if not row.params.greedy:
+                random_row[i] = len(random_row)
+        f = FollowUps([], [], [], [], [], [], [], [])
+        first = 0
+        for index, row in enumerate(rows):
+            if row.follows:
+                sampler = scheduled.sampler_rows[row.request_id]
+                f.token_rows.append(first)
+                f.requests.append(index)
+                f.samplers.append(sampler)
+                f.random.append(random_row.get(sampler, -1))
+                f.sources.append(previous.sampler_rows[row.request_id])
+                f.proposal_rows.append(proposal_row.get(row.request_id, -1))
+                f.drafts.append(row.device_drafts)
+                f.rooms.append(row.room)
+            first += row.num_new_tokens
+        return f
 
     def _poll_grammars(self) -> None:
         """Finish the waiting requests whose grammar failed to compile or timed out (only them); when
@@ -268,7 +322,7 @@ class EngineCore:
             row_of = [i for i, row in enumerate(emitted) for _ in row]
             starts = [0]
             for s in results.samplers:
-                starts.append(starts[-1] + 1 + len(s.drafts))
+                starts.append(starts[-1] + 1 + s.draft_rows)
             rows = [starts[i] + m for i, row in enumerate(emitted) for m in range(len(row))]
         elif sampled is not None:
             emitted = [[t] for t in sampled.tokens.tolist()]
@@ -343,6 +397,7 @@ class EngineCore:
         cache forgets its hashes (a block registered for a step that never ran would be a wrong hit).
         Their outputs are returned by the next step. Returns the aborted request ids."""
         self.inflight.clear()
+        self.followups.clear()
         for req in self.awaiting_release.values():
             self.scheduler.release_blocks(req)
         self.awaiting_release.clear()
@@ -362,7 +417,7 @@ class EngineCore:
 
     def _step_stats(self, batch: SchedulerOutput, timer: StepTimer,
                     verifies: tuple[tuple[ScheduledRequest, int], ...]) -> StepStats:
-        decode = sum(s.num_new_tokens for s in batch.scheduled if s.samples and s.num_new_tokens == 1 + len(s.drafts))
+        decode = sum(s.num_new_tokens for s in batch.scheduled if s.samples and s.num_new_tokens == 1 + s.draft_rows)
         return StepStats(
             step=self.stats.steps,
             num_requests=len(batch.scheduled),

@@ -110,6 +110,10 @@ class LLMEngine:
         propagates, so the next call starts clean."""
         try:
             outputs = self.executor.step()
+            if self.core.inflight and not self.scheduler.has_work():
+                # Only a step of finished requests is in flight (a follow-up row, engine/followup.py, of a
+                # request its previous step ended): read it now, so its blocks come back with the outputs.
+                outputs += self.executor.step()
         except BaseException as exc:
             aborted = self.core.abort_after_failed_step(f"aborted: an engine step raised {type(exc).__name__}")
             logger.warning("an engine step raised %s; aborted %d live requests", type(exc).__name__, len(aborted))

@@ -14,10 +14,13 @@ import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from deepinfer.engine.context import Span, SpanLayout, forward_context
+from deepinfer.engine.drafting import DraftPlan, StepTokens
+from deepinfer.engine.followup import FollowUps
 from deepinfer.engine.graphs import DecodeGraphs, GraphStep
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
@@ -62,6 +65,10 @@ class StepInputs:
     graph: GraphStep | None = None
     # Logits processing (penalties, logit bias, allowed tokens, early-EOS ban) of the step's sampled rows.
     penalties: PenaltyStep | None = None
+    # Speculative decoding: the drafting that runs on the device right after the step's sampling, and the
+    # follow-up rows fixed up on the device from the previous step's results before the forward.
+    drafting: DraftPlan | None = None
+    followups: FollowUps | None = None
 
 
 @dataclass
@@ -73,21 +80,28 @@ class StepResults:
     prompt_spans: list[PromptLogprobSpan]
     prompt_logits: torch.Tensor | None
     verified: VerifyResult | None = None
-    # The step's final hidden states ``[T, H]`` (row order of the step's tokens), kept only when the
-    # runner's ``keep_hidden`` is set: a drafter runs its own layers over the committed rows (MTP); with
-    # ``hidden_layers`` set, those layers' inputs instead, ``[T, H · len(hidden_layers)]`` (dspark).
+    # The step's hidden states (row order of the step's tokens; a replayed graph's whole bucket), kept only
+    # when the runner's ``keep_hidden`` is set, for the drafting right after the step (``engine/drafting.py``):
+    # the final ones (MTP), or with ``hidden_layers`` set those layers' inputs, ``[T, H · layers]`` (dspark).
     hidden: torch.Tensor | None = None
-    # On CUDA: ``sampled``/``verified`` copied to pinned host memory, complete once ``ready`` has fired
-    # (``host_results``); the host waits on that one event, not on the stream.
+    # Speculative decoding: the proposal drafted on the device right after the step (``Speculator.draft``),
+    # with a host copy the host reads with the step's tokens; per sampling row, how far its positions moved
+    # (a follow-up row, ``engine/followup.py``; None: no row moved).
+    proposal: Any = None
+    moved: torch.Tensor | None = None
+    # On CUDA: ``sampled``/``verified`` (and the proposal) copied to pinned host memory, complete once
+    # ``ready`` has fired (``host_results``); the host waits on that one event, not on the stream.
     host_sampled: SampleResult | None = None
     host_verified: VerifyResult | None = None
     ready: torch.cuda.Event | None = None
     # On CUDA: recorded on the stream before the step's first kernel (with ``ready``, the step's device span).
     started: torch.cuda.Event | None = None
-    # On CUDA: recorded between the LM head and the sampler, splitting the device span (``time_split``).
+    # On CUDA: recorded between the LM head and the sampler, and after the sampler (before any drafting),
+    # splitting the device span (``time_split``).
     forwarded: torch.cuda.Event | None = None
-    # Host seconds of the forward (LM head included) and of the sampler: the step's split off CUDA.
-    host_split: tuple[float, float] = (0.0, 0.0)
+    sampled_at: torch.cuda.Event | None = None
+    # Host seconds of the forward (LM head included), of the sampler and of the drafting: the split off CUDA.
+    host_split: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     def host_results(self) -> tuple[SampleResult | None, VerifyResult | None]:
         """``sampled`` and ``verified`` readable on the host: the pinned copies once the step's event has
@@ -97,13 +111,21 @@ class StepResults:
         self.ready.synchronize()
         return self.host_sampled, self.host_verified
 
-    def time_split(self) -> tuple[float, float]:
-        """``(forward, sampler)`` seconds of the step: forward with the LM head, then sampling or
-        verification (with the copy of its results to the host). On CUDA from the step's events, read
-        after ``host_results`` (they have fired then: no wait); elsewhere the host's clock."""
-        if self.started is None or self.forwarded is None or self.ready is None:
+    def tokens(self, device: torch.device) -> StepTokens:
+        """The emitted tokens, accepted counts and fix-up moves of every sampling row, on the device."""
+        if self.verified is not None:
+            return StepTokens(self.verified.tokens, self.verified.num_accepted, self.moved)
+        sampled = self.sampled.tokens if self.sampled is not None else torch.zeros(0, dtype=torch.int64, device=device)
+        return StepTokens(sampled.unsqueeze(1), torch.zeros_like(sampled), self.moved)
+
+    def time_split(self) -> tuple[float, float, float]:
+        """``(forward, sampler, drafting)`` seconds of the step: forward with the LM head, then sampling or
+        verification, then drafting (with the copy of the results to the host). On CUDA from the step's
+        events, read after ``host_results`` (they have fired then: no wait); elsewhere the host's clock."""
+        if self.started is None or self.forwarded is None or self.sampled_at is None or self.ready is None:
             return self.host_split
-        return self.started.elapsed_time(self.forwarded) / 1000, self.forwarded.elapsed_time(self.ready) / 1000
+        return (self.started.elapsed_time(self.forwarded) / 1000, self.forwarded.elapsed_time(self.sampled_at) / 1000,
+                self.sampled_at.elapsed_time(self.ready) / 1000)
 
 
 class ModelRunner:
@@ -130,6 +152,21 @@ class ModelRunner:
         self.hidden_layers = hidden_layers
         # Device-side token counts and biases of requests that process logits, built by the first such one.
         self.penalties: PenaltyState | None = None
+        # Whether some backend reads a context's host lists (off CUDA they cost nothing to make exact; on CUDA
+        # only backends that are not graph_safe read them): see ``exact_host_lists``.
+        self.reads_host_lists = device.type != "cuda" or not all(
+            getattr(getattr(b, "capabilities", None), "graph_safe", False) for b in backends.values())
+
+    def exact_host_lists(self, ctx: ForwardContext) -> None:
+        """Make the host lists of a context whose device tensors were computed on the device (drafting
+        rows, rows fixed up from the previous step's results) match them, when some backend reads them: a
+        read of the device, free off CUDA; graph-safe CUDA backends read only the tensors."""
+        if not self.reads_host_lists:
+            return
+        ctx.seq_lens_host = ctx.seq_lens.tolist()
+        ctx.query_start_loc_host = ctx.query_start_loc.tolist()
+        if ctx.state_slots is not None:
+            ctx.state_slots_host = ctx.state_slots.tolist()
 
     def prepare(self, rows: Sequence[StepRow]) -> StepInputs:
         """Flatten the step's rows (decode rows first): token ids, positions, cache slots, block tables,
@@ -154,8 +191,8 @@ class ModelRunner:
                 logits_rows.extend(range(first_row, first_row + count))
             if s.samples:
                 samplers.append(s)
-                sample_rows.extend(range(len(logits_rows), len(logits_rows) + 1 + len(s.drafts)))
-                logits_rows.extend(range(first_row + n - 1 - len(s.drafts), first_row + n))
+                sample_rows.extend(range(len(logits_rows), len(logits_rows) + 1 + s.draft_rows))
+                logits_rows.extend(range(first_row + n - 1 - s.draft_rows, first_row + n))
         dev = self.device
 
         def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -198,7 +235,7 @@ class ModelRunner:
                                            [s.counter for s in samplers], dev,
                                            forced=[_forced(s, 0) for s in samplers] if forcing else None)
         verify_batch = None
-        if any(s.drafts for s in samplers):
+        if any(s.draft_rows for s in samplers):
             assert sampling is not None
             verify_batch = self._verify_batch(samplers, sampling, forcing)
         penalties = self._penalty_step(samplers)
@@ -225,12 +262,12 @@ class ModelRunner:
 
     def _verify_batch(self, samplers: list[StepRow], sampling: SamplingBatch, forcing: bool) -> VerifyBatch:
         dev = self.device
-        k = max(len(s.drafts) for s in samplers)
+        k = max(s.draft_rows for s in samplers)
         row_start, row_request, row_offset = [], [], []
         for i, s in enumerate(samplers):
             row_start.append(len(row_request))
-            row_request.extend([i] * (1 + len(s.drafts)))
-            row_offset.extend(range(1 + len(s.drafts)))
+            row_request.extend([i] * (1 + s.draft_rows))
+            row_offset.extend(range(1 + s.draft_rows))
         drafts = to_device([[*s.drafts] + [-1] * (k - len(s.drafts)) for s in samplers], torch.int64, dev)
         probs = None
         if any(s.draft_probs is not None for s in samplers):
@@ -249,7 +286,7 @@ class ModelRunner:
         return VerifyBatch(
             row_start=tensor(row_start, torch.int64),
             drafts=drafts,
-            num_drafts=tensor([len(s.drafts) for s in samplers], torch.int64),
+            num_drafts=tensor([s.draft_rows for s in samplers], torch.int64),  # a follow-up's: fixed up on the device
             draft_probs=probs,
             random_requests=tensor([i for i, p in enumerate(params) if not p.greedy], torch.int64),
             temperature=tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
@@ -265,9 +302,11 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResults:
+    def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
+                previous: StepResults | None = None) -> StepResults:
         """Forward, LM head on the selected rows, and sampling (all on the device). ``fill`` =
-        ``(rows, tokens)`` writes tokens still on the device into ``input_ids`` first."""
+        ``(rows, tokens)`` writes tokens still on the device into ``input_ids`` first; ``previous`` (the
+        step before, still unread by the host) fixes up the step's follow-up rows (``engine/followup.py``)."""
         started = forwarded = None
         if self.device.type == "cuda":
             started = torch.cuda.Event(enable_timing=True)
@@ -278,12 +317,18 @@ class ModelRunner:
             self.graphs.load(inputs.graph)
         if fill is not None:
             inputs.input_ids[fill[0]] = fill[1]
+        moved = None
+        if inputs.followups is not None:
+            assert previous is not None, "a follow-up row needs the step before it"
+            inputs.verify, moved = inputs.followups.apply(previous.tokens(self.device), previous.proposal,
+                                                          inputs.input_ids, inputs.ctx, inputs.sampling, inputs.verify,
+                                                          len(inputs.samplers), self.model.vocab_size)
+            if inputs.graph is None:  # a graph's host lists stay the capture's (graph-safe backends ignore them)
+                self.exact_host_lists(inputs.ctx)
         if inputs.graph is not None:
             assert self.graphs is not None
             hidden, all_logits = self.graphs.replay(inputs.graph.bucket)
             logits = all_logits.index_select(0, inputs.logits_indices)
-            # The graph's outputs are overwritten by the next replay: results keep their own copy.
-            hidden = hidden[:inputs.graph.num_tokens].clone() if self.keep_hidden else hidden
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.ctx)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
@@ -309,22 +354,33 @@ class ModelRunner:
                 assert self.penalties is not None
                 emitted = verified.tokens if verified is not None else sampled.tokens  # type: ignore[union-attr]
                 self.penalties.record(inputs.penalties, emitted)
-        host_split = (t1 - t0, time.perf_counter() - t1)
+        host_split = (t1 - t0, time.perf_counter() - t1, 0.0)
         kept = None
         if self.keep_hidden and self.hidden_layers:
             kept = torch.cat([self.model.captured_hidden[i] for i in self.hidden_layers], dim=-1)
         elif self.keep_hidden:
             kept = hidden
         results = StepResults(inputs.samplers, sampled, inputs.prompt_spans,
-                              logits if inputs.prompt_spans else None, verified, kept, host_split=host_split)
+                              logits if inputs.prompt_spans else None, verified, kept, moved=moved,
+                              host_split=host_split)
         if self.device.type == "cuda":
-            results.host_sampled = to_host(sampled) if sampled is not None else None
-            results.host_verified = to_host(verified) if verified is not None else None
-            results.ready = torch.cuda.Event(enable_timing=True)
-            results.ready.record()
             results.started = started
             results.forwarded = forwarded
+            results.sampled_at = torch.cuda.Event(enable_timing=True)
+            results.sampled_at.record()
         return results
+
+    def seal(self, results: StepResults) -> None:
+        """The step's device work is launched (drafting included): start the copies of its results to the
+        host and record the one event the host waits on (CUDA; elsewhere nothing to do)."""
+        if self.device.type != "cuda":
+            return
+        results.host_sampled = to_host(results.sampled) if results.sampled is not None else None
+        results.host_verified = to_host(results.verified) if results.verified is not None else None
+        if results.proposal is not None:
+            results.proposal.copy_to_host()
+        results.ready = torch.cuda.Event(enable_timing=True)
+        results.ready.record()
 
     def work_drained(self) -> None:
         """No request is left: the wait until the next one arrives is not the device's idle time."""

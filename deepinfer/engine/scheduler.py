@@ -10,12 +10,12 @@ waiting, to be recomputed from its tokens (its cached full blocks usually make t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 from deepinfer.engine.request import PENDING, Request, RequestStatus
-from deepinfer.engine.speculation import Drafts
+from deepinfer.engine.speculation import Drafts, room
 from deepinfer.interfaces import CacheLayout, ReplayPlan, ReplayPlanner, SchedulePolicy
 from deepinfer.kv.blocks import KVCacheManager, PrefixHit
 from deepinfer.rows import StepRow
@@ -31,6 +31,12 @@ class ScheduledRequest:
     row then computes ``1 + len(drafts)`` tokens and may commit up to that many. ``confidence`` /
     ``raw_confidence``: the drafter's (calibrated / raw) confidences of those drafts, for statistics;
     ``draft_probs``: the distributions of the request's proposal (``Drafts.probs``).
+
+    ``follows``: a follow-up row (``engine/followup.py``): its request's previous step is in flight, so
+    the row is laid out as if that step accepted no draft (``start`` and ``token_slot`` move when it is
+    processed) and brings ``device_drafts`` draft rows the device fills from the drafts made after that
+    step (``drafts`` is then set, for statistics, once the host has read them); ``room`` the drafts the
+    request may still use if that step accepted none; ``reach`` the most tokens the row may cover.
     """
 
     request: Request
@@ -43,6 +49,15 @@ class ScheduledRequest:
     confidence: list[float] = field(default_factory=list)
     raw_confidence: list[float] = field(default_factory=list)
     draft_probs: Any = None
+    follows: bool = False
+    device_drafts: int = 0
+    room: int = 0
+    reach: int = 0
+
+    @property
+    def draft_rows(self) -> int:
+        """The rows after the request's last token that verify drafts."""
+        return self.device_drafts if self.follows else len(self.drafts)
 
     @classmethod
     def of(cls, request: Request, start: int, num_new_tokens: int) -> ScheduledRequest:
@@ -133,9 +148,11 @@ class PlannedRequest:
     num_computed_tokens: int
 
 
-DraftPlanner = Callable[[Sequence[Request]], dict[str, Drafts]]
+DraftPlanner = Callable[[Sequence[Request], Collection[str]], dict[str, Drafts]]
 """The drafts each decode request verifies this step (speculative decoding), by request id: the
-granted prefix of its live proposal (possibly no token; requests without a proposal are absent)."""
+granted prefix of its live proposal (possibly no token; requests without a proposal are absent). The
+second argument names the requests that follow a step in flight: their drafts are on the device
+(``Drafts.on_device``), and only their number is granted."""
 
 DraftingPaused = Callable[[str], bool]
 """Whether a request's next proposal is skipped (its drafting is paused, ``Speculator.paused``): such a
@@ -145,16 +162,24 @@ request has no drafts to wait for."""
 class Scheduler:
     """Owns the waiting and running queues and the KV block tables. With a ``draft_planner``
     (speculative decoding), a decode row also verifies the drafts the planner grants it; blocks are
-    allocated for all of them (the worst case: every draft accepted)."""
+    allocated for all of them (the worst case: every draft accepted). ``draft_reserve``: positions past
+    a sampling row's end that the drafting after the step writes (chained MTP rows,
+    ``CommittedRows.chain``); blocks for them are taken where free ones remain, never by preempting."""
 
     def __init__(self, kv: KVCacheManager, policy: SchedulePolicy, *, max_num_seqs: int,
                  max_num_batched_tokens: int, chunked_prefill: bool,
                  draft_planner: DraftPlanner | None = None, drafting_paused: DraftingPaused | None = None,
+                 draft_reserve: int = 0, max_model_len: int = 1 << 62, follow_ups: bool = True,
                  replay: ReplayStart | None = None) -> None:
         self.kv = kv
         self.policy = policy
         self.draft_planner = draft_planner
         self.drafting_paused = drafting_paused
+        self.draft_reserve = draft_reserve
+        self.max_model_len = max_model_len  # a follow-up row's positions stay below it in the worst case
+        # Whether requests follow a step in flight (``_follows``); off where fixing their rows up would read the
+        # device (CUDA backends that read a context's host lists: ModelRunner.reads_host_lists).
+        self.follow_ups = follow_ups
         self._last_step_verifies = False  # whether the newest scheduled step verifies drafts (_awaits_drafts)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -182,13 +207,22 @@ class Scheduler:
         drafts = self._plan_drafts(queue)
         while queue and budget > 0:
             req = queue.pop(0)
-            num_new = self._chunk(req, budget)
-            if num_new == 0:
-                break
+            follows = self._follows(req)
             granted = drafts.get(req.request_id)
-            verified = list(granted.tokens[:budget - num_new]) if granted is not None else []
-            num_new += len(verified)
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + num_new):
+            if follows:
+                # Laid out as if the step in flight accepted none of its drafts (engine/followup.py); the
+                # blocks cover the worst case, every one accepted.
+                start, num_new = req.num_tokens - 1, 1
+                in_flight = req.num_computed_tokens - start  # that step's draft rows
+                bound = self.max_model_len - 1 - start - in_flight
+                verified = [PENDING] * min(len(granted.tokens) if granted else 0, budget - 1, max(0, bound))
+            else:
+                start, num_new, in_flight = req.num_computed_tokens, self._chunk(req, budget), 0
+                if num_new == 0:
+                    break
+                verified = list(granted.tokens[:budget - num_new]) if granted is not None else []
+            reach = start + num_new + len(verified) + in_flight
+            while not self.kv.allocate(req.request_id, reach):
                 candidates = [r for r in self.running if r.request_id not in scheduled_ids]
                 victim = self.policy.preemption_victim(candidates)
                 self._preempt(victim)
@@ -198,22 +232,31 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                row = ScheduledRequest.of(req, req.num_computed_tokens, num_new - len(verified))
-                row.num_new_tokens, row.drafts = num_new, verified
-                if granted is not None:
-                    row.confidence = list(granted.confidence[:len(verified)])
-                    row.raw_confidence = list(granted.raw_confidence[:len(verified)])
-                    row.draft_probs = granted.probs
+                row = ScheduledRequest(req, start, num_new + len(verified), True, req.epoch, reach=reach)
+                if follows:
+                    row.follows, row.device_drafts, row.room = True, len(verified), room(req)
+                else:
+                    row = ScheduledRequest.of(req, start, num_new)
+                    row.num_new_tokens, row.drafts, row.reach = num_new + len(verified), verified, reach
+                    if granted is not None:
+                        row.confidence = list(granted.confidence[:len(verified)])
+                        row.raw_confidence = list(granted.raw_confidence[:len(verified)])
+                        row.draft_probs = granted.probs
                 out.scheduled.append(row)
                 scheduled_ids.add(req.request_id)
-                budget -= num_new
+                budget -= row.num_new_tokens
         if not out.preempted:
             budget = self._admit(out, budget)
+        if self.draft_reserve:
+            for s in out.scheduled:  # after every row got its blocks: the reserve never takes theirs
+                if s.samples:
+                    reach = max(s.reach, s.start + s.num_new_tokens)
+                    self.kv.allocate(s.request.request_id, reach + self.draft_reserve)
         # Single-token decode rows first: the runner batches them together.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         out.rows = tuple(self.advance(s) for s in out.scheduled)
         if not out.is_empty:
-            self._last_step_verifies = any(s.drafts for s in out.scheduled)
+            self._last_step_verifies = any(s.draft_rows for s in out.scheduled)
         return out
 
     def advance(self, s: ScheduledRequest) -> StepRow:
@@ -231,9 +274,9 @@ class Scheduler:
     def _row(self, s: ScheduledRequest) -> StepRow:
         """The plain-data copy of an advanced row (``StepRow``)."""
         req, start, end = s.request, s.start, s.start + s.num_new_tokens
-        known = end - len(s.drafts)  # the request's own tokens; the drafts follow
+        known = end - s.draft_rows  # the request's own tokens; the drafts follow
         first_pending = req.num_tokens - req.num_pending
-        pending = first_pending - start if req.num_pending and known > first_pending else -1
+        pending = first_pending - start if req.num_pending and known > first_pending and not s.follows else -1
         prompt = req.num_prompt_tokens
         targets: tuple[int, ...] = ()
         if req.params.prompt_logprobs is not None and start < prompt - 1:
@@ -241,13 +284,16 @@ class Scheduler:
         stateful = self.kv.num_state_slots > 0
         # Logits processing rebuilds a request's device counts from these (copied for such rows only).
         processing = s.samples and req.params.processes_logits
+        # A follow-up row's tokens are all on the device (engine/followup.py).
+        token_ids = (PENDING,) * s.num_new_tokens if s.follows else (*req.all_token_ids[start:known], *s.drafts)
         return StepRow(
             request_id=req.request_id, start=start, num_new_tokens=s.num_new_tokens,
-            token_ids=(*req.all_token_ids[start:known], *s.drafts),
+            token_ids=token_ids,
             block_table=tuple(self.kv.table(req.request_id)),
             params=req.params, seed=req.seed, counter=req.num_tokens, num_prompt_tokens=prompt,
             samples=s.samples, token_slot=s.token_slot, epoch=s.epoch, pending_offset=pending,
-            prompt_targets=targets, drafts=tuple(s.drafts), draft_probs=s.draft_probs,
+            prompt_targets=targets, drafts=() if s.follows else tuple(s.drafts), draft_probs=s.draft_probs,
+            follows=s.follows, device_drafts=s.device_drafts, room=s.room,
             visibility_floor=req.visibility_floor,
             truncation=req.truncation if start < req.truncation_end else None,
             state_slot=self.kv.state_slot(req.request_id) if stateful else None,
@@ -262,19 +308,29 @@ class Scheduler:
         """The drafts each decode request verifies this step, from the draft planner."""
         if self.draft_planner is None:
             return {}
-        decoding = [r for r in queue if r.num_computed_tokens == r.num_tokens - 1]
-        return self.draft_planner(decoding) if decoding else {}
+        following = {r.request_id for r in queue if self._follows(r)}
+        decoding = [r for r in queue if r.num_computed_tokens == r.num_tokens - 1 or r.request_id in following]
+        return self.draft_planner(decoding, following) if decoding else {}
+
+    def _follows(self, req: Request) -> bool:
+        """Whether ``req`` gets a follow-up row (``engine/followup.py``): under speculative decoding, a request
+        whose previous step is still in flight (an overlapped executor) and whose row needs no host-side
+        knowledge of its drafts (grammar masks, logits processing and golden tokens are built on the host
+        per draft), when the engine can fix rows up without reading the device (``follow_ups``)."""
+        return (self.follow_ups and self.draft_planner is not None and req.num_pending > 0 and req.grammar is None
+                and not req.params.processes_logits and not req.params.golden_token_ids)
 
     def _awaits_drafts(self, req: Request) -> bool:
         """Under speculative decoding a request whose sampled tokens are still unread (an overlapped
-        executor's step in flight) sits this step out: how many tokens it commits, and so its positions
+        executor's step in flight) and that cannot follow up (``_follows``: structured output, logits
+        processing, golden tokens) sits this step out: how many tokens it commits, and so its positions
         and the drafts proposed after them, are known only once that step is processed. Its next step
         then verifies exactly what the synchronous executor's would (plugins/scheduling/README.md). A
         request whose drafting is paused (``drafting_paused``) has nothing to wait for: the proposal
         after its step in flight is skipped, so its next step is a plain decode step, and it is
         scheduled like a request without speculation, unless the step in flight verifies drafts (an
         input token is filled on the device from a plain sampling step's results only)."""
-        if self.draft_planner is None or req.num_pending == 0:
+        if self.draft_planner is None or req.num_pending == 0 or self._follows(req):
             return False
         paused = self.drafting_paused is not None and self.drafting_paused(req.request_id)
         return not paused or self._last_step_verifies

@@ -17,33 +17,39 @@ A probe verifies its first draft even when the plan grants none (``EXPLORE_DRAFT
 drafts by calibrated confidences and measured step costs, which only verification teaches, so a plan
 that turned pessimistic on a few early rejections would otherwise never see a draft again.
 
-Drafters with a paged cache of their own on the main pool's block ids (MTP) also get the step's
-committed rows (``CommittedRows``): the main model's final hidden state of every token the step
-computed and kept, the token after each, and a ``ForwardContext`` over them, so the drafter writes
-its cache row for every main-model token (prefill chunks included). Its chained drafts write rows
-past the committed length; the blocks for those positions are allocated here, without preempting
-anyone: a request whose table cannot grow gets fewer drafts. A drafter that reads chosen layers'
+Drafting runs on the device, in the step itself, right after its sampling or verification
+(``draft``; ``engine/drafting.py``): the host plans it when it prepares the step (``plan_drafting``:
+which sampling rows draft, and their rows and positions if the step accepts none of their drafts), the
+device adds each request's accepted count, and the proposal comes back to the host with the step's
+tokens (``keep``). So under an overlapped executor the drafts exist on the device before the next
+forward. Drafters with a paged cache of their own on the main pool's block ids (MTP) also get the
+step's rows (``CommittedRows``): the main model's final hidden state of every row the step computed,
+the token after each, and the step's ``ForwardContext``, so the drafter writes its cache row for every
+main-model token (prefill chunks included; a rejected draft's row lands past the committed length and
+is written again once that position is computed for real). Its chained drafts write rows past the
+committed length, on blocks the scheduler reserved without preempting anyone (``Scheduler``'s draft
+reserve): a request whose table could not grow gets fewer drafts. A drafter that reads chosen layers'
 features (``dspark``, through the model's ``capture_hidden``) gets the same rows with those features
 in place of the final hidden state.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.engine.drafting import DraftPlan, StepTokens, TokenCache, draft_inputs
 from deepinfer.engine.request import Request
-from deepinfer.interfaces import CommittedRows, Drafter, DraftInputs, ForwardContext, StepCostModel, VerificationPlan
+from deepinfer.interfaces import Drafter, ForwardContext, StepCostModel, VerificationPlan
+from deepinfer.model.transfer import pinned_copy
+from deepinfer.rows import StepRow
 
 MIN_CONFIDENCE = 1e-6  # a real draft never has confidence 0, which marks "no draft" for plans
 PAUSE_LIMIT = 64  # the longest drafting pause, in steps (Speculator._note_grants)
 EXPLORE_DRAFTS = 1  # drafts a probe verifies when its plan grants fewer (Speculator.plan_drafts)
-SCRATCH_TABLE = (0,)  # block 0 is never handed out (kv/pools.py): rows that must not land anywhere write it
-SCRATCH_SLOT = 0  # nor is state slot 0 (kv/state.py): the per-request state of such rows
 
 if TYPE_CHECKING:
     from deepinfer.engine.scheduler import SchedulerOutput
@@ -60,13 +66,16 @@ class Drafts:
     """A request's proposal after its last committed token (speculative decoding): draft ``tokens``,
     the ``confidence`` the plan ranks them by (calibrated), the drafter's ``raw_confidence``, and
     ``probs``, the drafter's distributions ``[k, V]`` on the device (None: one-hot). ``epoch``: the
-    request's epoch when proposed; a preempted or finished request's proposal is stale."""
+    request's epoch when proposed; a preempted or finished request's proposal is stale. ``on_device``:
+    a stand-in for a proposal drafted on the device and not read yet (a follow-up row's): only the
+    number of ``tokens`` (placeholders) counts."""
 
     epoch: int
     tokens: tuple[int, ...] = ()
     confidence: tuple[float, ...] = ()
     raw_confidence: tuple[float, ...] = ()
     probs: torch.Tensor | None = None
+    on_device: bool = False
 
     def granted(self, n: int) -> Drafts:
         """The first ``n`` drafts (the plan's grant); ``probs`` stay whole (rows read their first ``n``)."""
@@ -74,102 +83,111 @@ class Drafts:
                        raw_confidence=self.raw_confidence[:n])
 
 
-@dataclass(frozen=True)
-class DraftCache:
-    """What the speculator needs to give a drafter rows on the main paging (``CommittedRows``):
-    ``context`` builds a ``ForwardContext`` over spans ``(block table, first position, count)``
-    (``ModelRunner.span_context``), ``allocate(request_id, num_tokens)`` grows a request's block table
-    without preempting (False: not enough free blocks, nothing changed), ``table`` reads it. For models
-    with per-request state (``kv/state.py``, DeepSeek-V4), ``state_slot`` gives a request's state slot
-    (None once it gave it back)."""
+@dataclass
+class DeviceProposal:
+    """The drafting after a step, on the device (``Speculator.draft``): per drafting request of the step's
+    ``DraftPlan`` the draft ``tokens [B, k]`` (−1 past its drafts: past what it may use, or where the
+    drafter had none), their calibrated ``confidence`` and ``raw_confidence`` ``[B, k]`` (0 past them), and
+    ``probs [B, k, V]`` (None: one-hot drafts). ``host``: ``[3, B, k]`` float64 (tokens, confidence, raw)
+    readable on the host once the step's results are (a pinned copy on CUDA)."""
 
-    context: Callable[[Sequence[tuple[Sequence[int], int, int]]], ForwardContext]
-    allocate: Callable[[str, int], bool]
-    table: Callable[[str], list[int]]
-    block_size: int
-    state_slot: Callable[[str], int | None] | None = None
+    plan: DraftPlan
+    tokens: torch.Tensor
+    confidence: torch.Tensor
+    raw_confidence: torch.Tensor
+    probs: torch.Tensor | None
+    host: torch.Tensor | None = None
 
-    def rows(self, spans: Sequence[tuple[Sequence[int], int, int]],
-             owners: Sequence[str | None]) -> ForwardContext:
-        """``context(spans)``; with per-request state also each span's state slot: that of its owner
-        (a request id), or the scratch slot for rows nobody reads (no owner, or a finished one)."""
-        ctx = self.context(spans)
-        if self.state_slot is not None:
-            slots = [SCRATCH_SLOT if rid is None else self.state_slot(rid) for rid in owners]
-            ctx.state_slots_host = [SCRATCH_SLOT if slot is None else slot for slot in slots]
-            ctx.state_slots = torch.tensor(ctx.state_slots_host, dtype=torch.int64, device=ctx.positions.device)
-        return ctx
+    def stacked(self) -> torch.Tensor:
+        return torch.stack([self.tokens.double(), self.confidence.double(), self.raw_confidence.double()])
+
+    def copy_to_host(self) -> None:
+        """Start the copy of the proposal to pinned host memory (CUDA: valid once the step's event fired)."""
+        self.host = pinned_copy(self.stacked())
 
 
-@dataclass(frozen=True)
-class CommittedSpan:
-    """One request's rows in a processed step: positions ``[start, start + count)`` were computed and
-    kept; their hidden rows start at ``first_row`` of the step's hidden states. ``table`` is the
-    request's block table when the step was processed (kept because a request that finishes in the
-    step gives its blocks back before drafting, and its rows still belong in the cache)."""
-
-    request: Request
-    table: Sequence[int]
-    start: int
-    count: int
-    first_row: int
+def _room_after(req: Request, token_slot: int) -> int:
+    """``room`` of ``req`` once the step that samples its token ``token_slot`` committed it and no draft."""
+    length = token_slot + 1
+    return min(req.params.max_tokens - (length - req.num_prompt_tokens), req.max_total_tokens - length) - 1
 
 
-class DraftChain:
-    """``CommittedRows.chain``: one decode row per drafting request past its committed tokens.
+class _PlanBuilder:
+    """Collects a ``DraftPlan`` row by row, in the step's order."""
 
-    Draft j (j ≥ 2) of a request with ``n`` tokens comes from a row at position ``n + j − 3`` (offset
-    ``j − 2`` from its last token). ``caps[i]`` is how many drafts request i may keep: what it may
-    still emit, lowered on the first call when its table cannot grow to hold the chain's rows."""
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.samplers: list[int] = []
+        self.request_ids: list[str] = []
+        self.last_rows: list[int] = []
+        self.positions: list[int] = []
+        self.rooms: list[int] = []
+        self.coverage: list[int] = []
+        self.tables: list[list[int]] = []
+        self.seeds: list[int] = []
+        self.temperatures: list[float] = []
+        self.state_slots: list[int] = []
+        self.next_tokens: list[int] = []
+        self.emitted_rows: list[int] = []
+        self.emitted_from: list[tuple[int, int]] = []
 
-    def __init__(self, requests: Sequence[Request], cache: DraftCache, k: int) -> None:
-        self.requests = list(requests)
-        self.cache = cache
-        self.caps = [max(0, min(k, room(r))) for r in self.requests]
-        self._allocated = False
+    def chunk(self, row: StepRow, next_token: int) -> None:
+        """A row that samples nothing (a prefill chunk): every next token is an input token of the step or,
+        after its last row, ``next_token``."""
+        self.next_tokens.extend(max(t, 0) for t in row.token_ids[1:])
+        self.next_tokens.append(next_token)
 
-    def __call__(self, offset: int) -> ForwardContext:
-        if not self._allocated:
-            self._allocate()
-        spans: list[tuple[Sequence[int], int, int]] = []
-        owners: list[str | None] = []
-        for req, cap in zip(self.requests, self.caps, strict=True):
-            if offset + 2 <= cap:
-                spans.append((self.cache.table(req.request_id), req.num_tokens - 1 + offset, 1))
-                owners.append(req.request_id)
-            else:  # a draft the request drops anyway: run a harmless row on the scratch block (and slot)
-                spans.append((SCRATCH_TABLE, 0, 1))
-                owners.append(None)
-        return self.cache.rows(spans, owners)
+    def emitting(self, first_row: int, row: StepRow, sampler: int) -> None:
+        """A row that samples: the step emits the next token of its last token's row and of each draft's."""
+        self.next_tokens.extend(max(t, 0) for t in row.token_ids[1:])
+        self.next_tokens.append(0)
+        base = first_row + row.num_new_tokens - 1 - row.draft_rows
+        for j in range(row.draft_rows + 1):
+            self.emitted_rows.append(base + j)
+            self.emitted_from.append((sampler, j))
 
-    def _allocate(self) -> None:
-        """Blocks for every chained row a request may use; called after the committed rows were
-        written (the drafter asks for the chain only then), so a block just given back by a request
-        that finished this step is written by its new owner's chain alone."""
-        self._allocated = True
-        for i, req in enumerate(self.requests):
-            if self.caps[i] < 2:
-                continue
-            if not self.cache.allocate(req.request_id, req.num_tokens + self.caps[i] - 2):
-                covered = len(self.cache.table(req.request_id)) * self.cache.block_size
-                self.caps[i] = max(1, min(self.caps[i], covered - req.num_tokens + 2))
+    def drafting(self, sampler: int, row: StepRow, last_row: int, position: int, room: int) -> None:
+        """The sampling row ``sampler`` drafts after the step (``DraftPlan``'s per-request fields)."""
+        self.samplers.append(sampler)
+        self.request_ids.append(row.request_id)
+        self.last_rows.append(last_row)
+        self.positions.append(position)
+        self.rooms.append(room)
+        self.coverage.append(len(row.block_table) * self.block_size)
+        self.tables.append(list(row.block_table))
+        self.seeds.append(row.seed)
+        self.temperatures.append(0.0 if row.params.greedy else row.params.temperature)
+        self.state_slots.append(row.state_slot if row.state_slot is not None else -1)
+
+    def build(self) -> DraftPlan:
+        stateful = any(slot >= 0 for slot in self.state_slots)
+        return DraftPlan(self.samplers, self.request_ids, self.last_rows, self.positions, self.rooms, self.coverage,
+                         self.tables, self.seeds, self.temperatures, self.state_slots if stateful else None,
+                         self.next_tokens, self.emitted_rows, self.emitted_from)
 
 
 class Speculator:
     """Drafts, verification plans and the step-cost model of one engine."""
 
     def __init__(self, drafter: Drafter, plan: VerificationPlan, cost: StepCostModel, max_draft: int,
-                 device: torch.device, cache: DraftCache | None = None) -> None:
+                 device: torch.device, *, block_size: int, reads_rows: bool = False,
+                 token_cache: TokenCache | None = None,
+                 exact_host_lists: Callable[[ForwardContext], None] = lambda ctx: None) -> None:
         self.drafter = drafter
         self.plan = plan
         self.cost = cost
         self.max_draft = max_draft
         self.device = device
-        self.cache = cache  # set when the drafter reads the committed rows (MTP): DraftInputs.rows
+        self.block_size = block_size
+        self.reads_rows = reads_rows  # the drafter reads the step's rows (MTP, dspark): DraftInputs.rows
+        self.token_cache = token_cache  # tokens per KV slot, for DraftInputs.history
+        # Makes a context's host lists match its device tensors when the backends read them (ModelRunner).
+        self.exact_host_lists = exact_host_lists
         self.proposals: dict[str, Drafts] = {}  # request id -> its newest proposal
         self._pause: dict[str, int] = {}  # request id -> its drafting pause length (steps), PAUSE_LIMIT at most
         self._resume_at: dict[str, int] = {}  # request id -> the proposal round its paused drafting resumes at
-        self._round = 0  # proposal rounds so far (one per propose call)
+        self._round = 0  # proposal rounds so far (one per drafting step)
+        self._drafted: set[str] = set()  # the requests the newest planned drafting drafts for
 
     def drafts_of(self, req: Request) -> Drafts | None:
         """``req``'s live proposal (None when it has none, or only one from before it was preempted)."""
@@ -194,12 +212,17 @@ class Speculator:
         within ``max_tokens`` and the model length."""
         return max(0, min(len(drafts.tokens), room(req)))
 
-    def plan_drafts(self, requests: Sequence[Request]) -> dict[str, Drafts]:
+    def plan_drafts(self, requests: Sequence[Request], following: Collection[str] = ()) -> dict[str, Drafts]:
         """The drafts each decode request verifies this step (the scheduler's ``DraftPlanner``): the
         plan's grant over the requests with a proposal, in the order given. Every decode request of the
         step is a row of the plan's confidences, those without a proposal all zeros: they verify
-        nothing, but their rows are in the step and in its time, which the plan weighs drafts against."""
-        proposed = [(i, r, d) for i, r in enumerate(requests) if (d := self.drafts_of(r)) is not None and d.tokens]
+        nothing, but their rows are in the step and in its time, which the plan weighs drafts against.
+        ``following``: requests whose previous step is in flight (follow-up rows): their proposal is the
+        one drafted on the device after that step, unknown here, so the plan weighs ``max_draft`` drafts
+        by the confidences of the drafts that step verifies (the stale ones the plan's ``budget``
+        expects), ``MIN_CONFIDENCE`` past them, and grants a number of drafts (``Drafts.on_device``)."""
+        offers = [(i, r, self._offer(r, following)) for i, r in enumerate(requests)]
+        proposed = [(i, r, d) for i, r, d in offers if d is not None and d.tokens]
         if not proposed:
             return {}
         rows = [[0.0] * self.max_draft for _ in requests]
@@ -217,6 +240,20 @@ class Speculator:
         for i in probes:  # the pause follows the plan's grant; the probe still verifies (module docstring)
             granted[i] = max(granted[i], min(EXPLORE_DRAFTS, limits[i]))
         return {req.request_id: drafts.granted(granted[i]) for i, req, drafts in proposed}
+
+    def _offer(self, req: Request, following: Collection[str]) -> Drafts | None:
+        """The proposal ``req`` offers the plan: its live one, or for a follow-up row (``following``) a
+        stand-in for the one drafted on the device after its step in flight (None: it did not draft)."""
+        if req.request_id not in following:
+            return self.drafts_of(req)
+        if req.request_id not in self._drafted:
+            return None
+        # Positions the verified proposal did not reach rank last (a plan that weighs them verifies them
+        # last), yet count: ``fixed`` grants every one, as it does the synchronous executor's proposal.
+        stale = self.drafts_of(req)
+        known = stale.confidence[:self.max_draft] if stale is not None else ()
+        confidence = (*known, *(MIN_CONFIDENCE,) * (self.max_draft - len(known)))
+        return Drafts(req.epoch, (-1,) * len(confidence), confidence, confidence, on_device=True)
 
     def _note_grants(self, grants: Sequence[tuple[str, int, int]]) -> None:
         """The drafting pause, per request, from ``(request id, drafts offered, drafts granted)``: after a
@@ -237,94 +274,84 @@ class Speculator:
             if pause:  # a paused request holds no proposal: planned again later (under overlap, while this
                 self.proposals.pop(request_id, None)  # step is in flight) it would verify stale drafts
 
-    def propose(self, requests: Sequence[Request], spans: Sequence[CommittedSpan] = (),
-                hidden: torch.Tensor | None = None) -> tuple[float, int]:
-        """Ask the drafter for the next drafts of ``requests`` (each just committed tokens) and keep
-        them (``drafts_of``). With a ``cache``, ``spans`` (every live row of the step) and ``hidden``
-        (the step's final hidden states) become ``DraftInputs.rows``, and the drafter runs even with
-        no request to draft for (its cache rows must still be written). Reads the proposal on the host
-        (deliberate: the scheduler needs it), so the seconds returned (0.0: the drafter did not run)
-        cover the drafter's device work too. Returns those seconds and the number of requests drafted
-        for (paused requests not counted: with every request paused the seconds are the cache rows'
-        alone, which the step-cost model must not read as a cost per drafting request)."""
-        start = time.perf_counter()
-        drafting = []
-        for req in requests:  # a paused request does not draft (a drafter's cache rows are still written)
-            if self.paused(req.request_id):
-                self.proposals.pop(req.request_id, None)
+    def plan_drafting(self, batch: SchedulerOutput, samplers: Sequence[StepRow]) -> DraftPlan | None:
+        """What the host knows of the drafting after the step ``batch`` when it prepares it (``DraftPlan``):
+        every sampling row drafts, but a request whose drafting is paused or that may emit no more than
+        one token; the drafter runs even with no request to draft for when it reads the step's rows (its
+        cache rows must be written). None: no drafting after this step. One proposal round."""
+        sampler_of = {row.request_id: i for i, row in enumerate(samplers)}
+        plan = _PlanBuilder(self.block_size)
+        first_row = 0
+        for s, row in zip(batch.scheduled, batch.rows, strict=True):
+            req = s.request
+            if s.samples:
+                i = sampler_of[row.request_id]
+                plan.emitting(first_row, row, i)
+                drafts = row.draft_rows
+                room_after = _room_after(req, s.token_slot)
+                if self.paused(req.request_id) or room_after <= 0:  # no proposal until it drafts again
+                    self.proposals.pop(req.request_id, None)
+                else:
+                    plan.drafting(i, row, first_row + row.num_new_tokens - 1 - drafts, row.end - drafts, room_after)
             else:
-                drafting.append(req)
+                plan.chunk(row, req.all_token_ids[row.end] if row.end < req.num_tokens else 0)
+            first_row += row.num_new_tokens
         self._round += 1
-        requests = drafting
-        rows, chain = None, None
-        if self.cache is not None and hidden is not None:
-            chain = DraftChain(requests, self.cache, self.max_draft)
-            rows = self._committed_rows(requests, spans, hidden, chain)
-        if not requests and rows is None:
-            return 0.0, 0
-        dev = self.device
-        inputs = DraftInputs(
-            last_tokens=torch.tensor([r.all_token_ids[-1] for r in requests], dtype=torch.int64, device=dev),
-            token_ids=[r.all_token_ids for r in requests],
-            positions=torch.tensor([r.num_tokens - 1 for r in requests], dtype=torch.int64, device=dev),
-            seeds=torch.tensor([r.seed for r in requests], dtype=torch.int64, device=dev),
-            temperature=torch.tensor([0.0 if r.params.greedy else r.params.temperature for r in requests],
-                                     dtype=torch.float32, device=dev),  # below GREEDY_BELOW: greedy (0)
-            k=self.max_draft,
-            rows=rows,
-        )
+        self._drafted = set(plan.request_ids)
+        if not plan.samplers and not self.reads_rows:
+            return None
+        return plan.build()
+
+    def draft(self, plan: DraftPlan, input_ids: torch.Tensor, ctx: ForwardContext, hidden: torch.Tensor | None,
+              tokens: StepTokens) -> DeviceProposal:
+        """Draft after a step, on the device, from its results (``tokens``) as they are there: nothing here
+        reads the device. ``input_ids`` / ``ctx`` / ``hidden`` are the step's (``hidden`` only when the drafter
+        reads rows). Drafts a request may not use are dropped (−1, confidence 0)."""
+        inputs, chain, caps = draft_inputs(plan, tokens, k=self.max_draft, input_ids=input_ids, ctx=ctx,
+                                           hidden=hidden if self.reads_rows else None, token_cache=self.token_cache,
+                                           block_size=self.block_size, exact_host_lists=self.exact_host_lists)
         proposal = self.drafter.propose(inputs)
-        if not requests:
-            return time.perf_counter() - start, 0
+        if chain is not None:
+            caps = chain.draft_caps()
+        k = self.max_draft
+        drafts = proposal.tokens[:, :k]
+        cols = torch.arange(k, device=drafts.device)
+        usable = torch.cumprod(((cols < caps.unsqueeze(1)) & (drafts >= 0)).to(torch.int64), dim=1).bool()
         raw = proposal.raw_confidence if proposal.raw_confidence is not None else proposal.confidence
-        # One device-to-host read for the three (token ids are exact in float64).
-        host = torch.stack([proposal.tokens.double(), proposal.confidence.float().clamp(MIN_CONFIDENCE, 1.0).double(),
-                            raw.float().double()]).cpu()
+        zero = torch.zeros((), dtype=torch.float32, device=drafts.device)
+
+        def kept(confidence: torch.Tensor) -> torch.Tensor:
+            return torch.where(usable, confidence[:, :k].float().clamp(MIN_CONFIDENCE, 1.0), zero)
+
+        probs = proposal.probs[:, :k] if proposal.probs is not None else None
+        return DeviceProposal(plan, torch.where(usable, drafts, -1), kept(proposal.confidence), kept(raw), probs)
+
+    def record_tokens(self, input_ids: torch.Tensor, ctx: ForwardContext) -> None:
+        """Note a step's input tokens at their cache slots (``TokenCache``; every step, drafting or not)."""
+        if self.token_cache is not None:
+            self.token_cache.write(ctx.slot_mapping, input_ids)
+
+    def keep(self, proposal: DeviceProposal, live: Mapping[str, Request]) -> None:
+        """Keep the drafts of a processed step's proposal (``drafts_of``) for its requests still in ``live``
+        (request id → request: not stopped by the step, nor finished or preempted since)."""
+        host = proposal.host if proposal.host is not None else proposal.stacked()
         tokens = host[0].long().tolist()
         confidence, raw_confidence = host[1].tolist(), host[2].tolist()
-        for i, req in enumerate(requests):
-            row = tokens[i][:self.max_draft if chain is None else chain.caps[i]]
+        for i, request_id in enumerate(proposal.plan.request_ids):
+            req = live.get(request_id)
+            if req is None:
+                continue
+            row = tokens[i]
             n = row.index(-1) if -1 in row else len(row)
             probs = proposal.probs[i, :n] if proposal.probs is not None and n else None
-            self.proposals[req.request_id] = Drafts(req.epoch, tuple(row[:n]), tuple(confidence[i][:n]),
-                                                    tuple(raw_confidence[i][:n]), probs)
-        return time.perf_counter() - start, len(requests)
-
-    def _committed_rows(self, requests: Sequence[Request], spans: Sequence[CommittedSpan], hidden: torch.Tensor,
-                        chain: DraftChain) -> CommittedRows | None:
-        """``DraftInputs.rows`` from the step's spans (None when no row has a known next token)."""
-        assert self.cache is not None
-        kept = []
-        for span in spans:
-            # Only rows whose next token is known: a stop inside the emitted tokens cut the ones after it.
-            count = min(span.count, span.request.num_tokens - 1 - span.start)
-            if count > 0:
-                kept.append((span, count))
-        if not kept:
-            return None
-        kept.sort(key=lambda item: item[1] != 1)  # one-row spans first: they are the context's decode rows
-        index: list[int] = []
-        next_tokens: list[int] = []
-        last_row: dict[str, int] = {}
-        for span, count in kept:
-            index.extend(range(span.first_row, span.first_row + count))
-            next_tokens.extend(span.request.all_token_ids[span.start + 1:span.start + 1 + count])
-            last_row[span.request.request_id] = len(index) - 1
-        dev = hidden.device
-        return CommittedRows(
-            hidden=hidden.index_select(0, torch.tensor(index, dtype=torch.int64, device=dev)),
-            next_tokens=torch.tensor(next_tokens, dtype=torch.int64, device=dev),
-            ctx=self.cache.rows([(span.table, span.start, count) for span, count in kept],
-                                [None if span.request.finished else span.request.request_id for span, _ in kept]),
-            last_rows=torch.tensor([last_row[r.request_id] for r in requests], dtype=torch.int64, device=dev),
-            chain=chain,
-        )
+            self.proposals[request_id] = Drafts(req.epoch, tuple(row[:n]), tuple(confidence[i][:n]),
+                                                tuple(raw_confidence[i][:n]), probs)
 
     def observe_step(self, batch: SchedulerOutput, forward_seconds: float, sampler_seconds: float, drafted: int,
                      draft_seconds: float | None) -> None:
         """Feed a pure decode step's times to the step-cost model: its forward and sampler seconds, and
         the seconds of drafting for ``drafted`` requests after it (None: not measured)."""
         rows = batch.scheduled
-        if rows and all(s.samples and s.num_new_tokens == 1 + len(s.drafts) for s in rows):
+        if rows and all(s.samples and s.num_new_tokens == 1 + s.draft_rows for s in rows):
             self.cost.observe(batch.num_tokens, forward_seconds, sampler_seconds=sampler_seconds, requests=drafted,
                               draft_seconds=draft_seconds)

@@ -21,11 +21,12 @@ import torch
 from deepinfer.config import EngineConfig, ResolvedConfig, build_config
 from deepinfer.engine.compiled import check_compile_support, compile_layers
 from deepinfer.engine.cost import CurveCache, StepCost, time_call
+from deepinfer.engine.drafting import TokenCache
 from deepinfer.engine.graphs import DecodeGraphs
 from deepinfer.engine.intake import RequestIntake, load_tokenizer
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ReplayStart, Scheduler
-from deepinfer.engine.speculation import DraftCache, Speculator
+from deepinfer.engine.speculation import Speculator
 from deepinfer.errors import ConfigError, ModelLoadError
 from deepinfer.interfaces import CacheLayout, EngineInfo, RunRequirements
 from deepinfer.kv.blocks import KVCacheManager
@@ -161,6 +162,9 @@ class StartUp:
                                    chunked_prefill=cfg.scheduler.chunked_prefill,
                                    draft_planner=self.speculator.plan_drafts if self.speculator else None,
                                    drafting_paused=self.speculator.paused if self.speculator else None,
+                                   draft_reserve=self.spec_settings.max_draft - 1 if self.uses_mtp else 0,
+                                   max_model_len=self.max_model_len,
+                                   follow_ups=self.device.type != "cuda" or not self.runner.reads_host_lists,
                                    replay=replay)
         if not cfg.scheduler.chunked_prefill and cfg.scheduler.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
@@ -314,10 +318,6 @@ class StartUp:
         keep_hidden = self.uses_mtp or bool(hidden_layers)
         runner = ModelRunner(self.model, self.backends, block_size, self.device, graphs=graphs, stateful=stateful,
                              keep_hidden=keep_hidden, hidden_layers=hidden_layers)
-        cache = None
-        if keep_hidden:
-            cache = DraftCache(runner.span_context, self.kv.allocate, self.kv.table, block_size,
-                               self.kv.slots.get if self.num_state_slots else None)
         sched = self.config.scheduler
         largest = min(sched.max_num_seqs * (1 + settings.max_draft), sched.max_num_batched_tokens)
 
@@ -328,7 +328,9 @@ class StartUp:
         # A runner that keeps layer features the graphs do not (dspark's) runs every step eagerly.
         served = graphs if graphs is not None and graphs.keeps(hidden_layers) else None
         cost = self._step_cost(measure, largest, 1 + settings.max_draft, served)
-        return runner, Speculator(drafter, plan, cost, settings.max_draft, self.device, cache)
+        tokens = TokenCache(self.pool.num_blocks * block_size, block_size, self.device)
+        return runner, Speculator(drafter, plan, cost, settings.max_draft, self.device, block_size=block_size,
+                                  reads_rows=keep_hidden, token_cache=tokens, exact_host_lists=runner.exact_host_lists)
 
     def _step_cost(self, measure: Callable[[int], float], largest: int, query_len: int,
                    graphs: DecodeGraphs | None) -> StepCost:

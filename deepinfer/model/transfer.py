@@ -32,7 +32,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 
 
 
-def _pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
+def pinned_copy(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cuda":
         return tensor
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
@@ -43,6 +43,6 @@ def to_host(value: T) -> T:
     """A copy of the dataclass ``value`` whose CUDA tensor fields are being copied, non-blocking, into
     pinned host memory (other fields are kept). The copies are valid once the stream has run them:
     record an event after this call and wait on it before reading."""
-    changes = {f.name: _pinned_copy(getattr(value, f.name)) for f in dataclasses.fields(value)
+    changes = {f.name: pinned_copy(getattr(value, f.name)) for f in dataclasses.fields(value)
                if isinstance(getattr(value, f.name), torch.Tensor)}
     return dataclasses.replace(value, **changes)

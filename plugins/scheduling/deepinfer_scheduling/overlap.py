@@ -13,8 +13,9 @@ overlap is real on CPU too (torch releases the GIL inside its kernels). Outputs 
 synchronous executor's: every draw is a pure function of (seed, position), and results of requests
 preempted, aborted or finished while a step was in flight are dropped (core ``process``).
 
-Under speculative decoding the core's scheduler holds back a request whose sampled tokens are still
-in flight, so step N+1 carries the other requests; see the README for the choice and its cost.
+Under speculative decoding a request whose step N is in flight runs in N+1 too: the core drafts on the
+device inside each step and fixes N+1's follow-up rows up from N's results before the forward
+(``engine/followup.py``; the README).
 Steps 1–2 (the launch path) run inside the sync guard's ``launching`` scope, step 3's read inside
 its ``reading`` scope (``sync_guard.py``; a no-op unless ``plugins.scheduling.sync_guard``).
 """

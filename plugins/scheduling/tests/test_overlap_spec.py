@@ -1,11 +1,12 @@
 """Speculative decoding under the overlapped executor gives the synchronous executor's outputs and
 leaks nothing, with aborts and preemptions while a step is in flight.
 
-Under speculation a request whose sampled tokens are still in flight sits the next step out
-(plugins/scheduling/README.md), so every request verifies the same drafts at the same positions as
-under the synchronous executor: greedy tokens are identical for every plan, seeded sampling for the
-``fixed`` plan. ``varlen`` splits its budget over whichever requests share the step (and its budget
-follows measured step times), so only its greedy tokens are fixed by the model alone.
+Under speculation a request whose step is in flight runs in the next step too, as a follow-up row fixed
+up on the device (plugins/scheduling/README.md); with the ``fixed`` plan it verifies the same drafts at
+the same positions as under the synchronous executor: greedy tokens are identical for every plan,
+seeded sampling for ``fixed``. ``varlen`` splits its budget over whichever requests share the step
+(and its budget follows measured step times and, under overlap, stale confidences), so only its greedy
+tokens are fixed by the model alone.
 """
 
 from __future__ import annotations
@@ -305,6 +306,36 @@ def test_a_request_whose_drafting_is_paused_runs_in_consecutive_steps_under_over
     for steps in steps_of.values():
         consecutive = sum(b - a == 1 for a, b in itertools.pairwise(steps))
         assert consecutive >= 0.75 * (len(steps) - 1)
+    _assert_clean(llm)
+
+
+def test_a_speculating_request_verifies_drafts_in_consecutive_steps_under_overlap(tmp_path):
+    """One request whose drafts are always right, under overlap with the ``fixed`` plan: it is scheduled in
+    every step (step indices recorded), each of its decode steps after the first verifies drafts made on
+    the device after the step before it (a follow-up row: that step was still in flight when this one was
+    scheduled), and its greedy tokens equal decoding without speculation, in fewer steps."""
+    llm, prompts, params, plain = _oracle_under_overlap(tmp_path, 1, 48, 0.0)
+    llm.engine.speculator.plan = llm.engine.host.select("deepinfer_verification_plans", "fixed", "speculative.plan")
+    core = llm.engine.core
+    schedule, steps, calls = core.schedule, [], [0]
+
+    def spy():
+        scheduled = schedule()
+        for row in scheduled.batch.scheduled:
+            steps.append((calls[0], row.follows, row.draft_rows))
+        calls[0] += 1
+        return scheduled
+
+    core.schedule = spy
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs] == plain
+    indices = [i for i, _, _ in steps]
+    assert indices == list(range(indices[0], indices[0] + len(indices)))  # never sits a step out
+    decode = steps[2:]  # after the prefill and the first decode step (which follows the prefill's sampling)
+    assert decode and all(follows for _, follows, _ in decode)
+    assert sum(rows > 0 for _, _, rows in decode) >= len(decode) - 2  # all but the last, near max_tokens
+    spec = llm.get_stats()["spec_decode"]
+    assert spec["mean_acceptance_length"] > 3.5 and len(steps) < params.max_tokens / 3
     _assert_clean(llm)
 
 

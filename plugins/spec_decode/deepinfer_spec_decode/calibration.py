@@ -34,6 +34,7 @@ class IsotonicCalibrator:
         self.seen = [[0.0] * bins for _ in range(max_draft)]  # host lists: observed per verify row, per step
         self.accepted = [[0.0] * bins for _ in range(max_draft)]
         self._table: torch.Tensor | None = None
+        self._on_device: torch.Tensor | None = None  # ``table()`` where the drafts are (rebuilt after observations)
 
     def _bin(self, raw: torch.Tensor) -> torch.Tensor:
         return (raw.to(torch.float64) * self.bins).long().clamp(0, self.bins - 1)
@@ -51,11 +52,15 @@ class IsotonicCalibrator:
         return self._table
 
     def calibrate(self, raw: torch.Tensor) -> torch.Tensor:
-        """``[B, k]`` raw → calibrated (same device and dtype float32)."""
+        """``[B, k]`` raw → calibrated float32, on ``raw``'s device without reading it (drafting runs on the
+        device between steps); the table is copied there once per change."""
+        if not raw.numel():
+            return raw.float()
+        if self._on_device is None or self._on_device.device != raw.device:
+            table = self.table().pin_memory() if raw.device.type == "cuda" else self.table()
+            self._on_device = table.to(raw.device, non_blocking=True)
         k = raw.shape[1]
-        table = self.table()[:k].to(raw.device)
-        bins = self._bin(raw)
-        return table.gather(1, bins.t()).t().to(torch.float32) if raw.numel() else raw.float()
+        return self._on_device[:k].gather(1, self._bin(raw).t()).t().to(torch.float32)
 
     def observe(self, raw: Sequence[float], verified: int, accepted: int) -> None:
         """One request's verification: drafts ``0..verified-1`` with raw confidences ``raw``, the first
@@ -64,7 +69,7 @@ class IsotonicCalibrator:
         for j, b in enumerate(self._bin(torch.tensor(raw[:observed], dtype=torch.float32)).tolist()):
             self.seen[j][b] += 1
             self.accepted[j][b] += float(j < accepted)
-        self._table = None
+        self._table = self._on_device = None
 
 
 class CalibratedDrafter:
@@ -77,7 +82,7 @@ class CalibratedDrafter:
     def propose(self, inputs: DraftInputs) -> DraftProposal:
         proposal = self.inner.propose(inputs)
         raw = proposal.confidence
-        calibrated = self.calibrator.calibrate(raw.float().cpu()).to(raw.device)
+        calibrated = self.calibrator.calibrate(raw.float())
         calibrated = torch.where(proposal.tokens >= 0, calibrated, torch.zeros_like(calibrated))
         return dataclasses.replace(proposal, confidence=calibrated, raw_confidence=raw)
 

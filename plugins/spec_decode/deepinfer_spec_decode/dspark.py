@@ -5,14 +5,15 @@
 ``dspark_target_layer_ids``; the runner keeps those features of every committed row, concatenated
 (``CommittedRows.hidden``, ``[R, H · L]``).
 
-**Context cache** (the reference's ``update_main_cache``). After every step, each committed row's
-features become one context row ``c = main_norm(main_proj(features))``, and each drafter layer projects
+**Context cache** (the reference's ``update_main_cache``). Right after every step, on the device, each
+row's features become one context row ``c = main_norm(main_proj(features))``, and each drafter layer projects
 it to its own key and value (``ctx_kv``; the key RoPE'd at the row's position). They are written to a
 cache ``[slots, layers, 2, H]`` indexed by the main pool's slot of the row's position
 (``CommittedRows.ctx.slot_mapping``): the cache follows the main KV cache's blocks — freed with them,
 shared through the prefix cache (a hit's positions were written by the request that computed them) and
-overwritten when a block is reused. Only committed rows (prompt chunks, the last token, accepted
-drafts) are written, so a rejected draft leaves nothing to roll back.
+overwritten when a block is reused. Every row of the step is written (``CommittedRows``); a rejected
+draft's row lies past its request's committed length, which no window reads, and is written again when
+that position is computed for real, so nothing is rolled back.
 
 **One pass for the block.** The block is the golden token followed by ``k − 1`` copies of
 ``dspark_noise_token_id``, embedded with the main model's embedding, at positions ``n − 1 … n + k − 2``
@@ -315,7 +316,7 @@ class DSparkDrafter:
         rows, k = inputs.rows, inputs.k
         batch, dev = inputs.last_tokens.shape[0], inputs.last_tokens.device
         if rows is None:
-            raise RuntimeError("the dspark drafter needs the step's committed rows (DraftInputs.rows); the engine "
+            raise RuntimeError("the dspark drafter needs the step's rows (DraftInputs.rows); the engine "
                                "provides them when the model captures the drafter's target layers")
         # Every committed row (prefill chunks included) enters the context cache before any request drafts.
         linear = rows.ctx.backends["linear"].linear  # the engine's GEMMs (on CPU: packed once, not per call)
@@ -330,10 +331,9 @@ class DSparkDrafter:
         before_norm, normed = self.network.block(context, visible, self.model.embed_tokens(block_ids), block_positions,
                                                  linear)
         logits = linear(normed.reshape(batch * k, -1), self.head)
-        report = bool((inputs.temperature > 0).any())  # one read: whether distributions are reported at all
         tokens, probs, confidence = draft_block(
             logits.float().reshape(batch, k, -1), before_norm, inputs.last_tokens, self.network,
-            self.confidence_temperature, inputs.temperature, inputs.seeds, inputs.positions, report)
+            self.confidence_temperature, inputs.temperature, inputs.seeds, inputs.positions, inputs.sampling)
         return DraftProposal(tokens, probs, confidence)
 
 

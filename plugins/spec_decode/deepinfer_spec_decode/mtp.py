@@ -5,16 +5,17 @@ ctx)`` (the MTP layer's output rows, which stand in for the main model's at the 
 ``mtp_logits(rows, ctx)``. What a hidden row is belongs to the model: V3's final normed hidden state,
 V4's final hyper-connection streams (flattened).
 
-After every step the core hands over the committed rows (``DraftInputs.rows``, a ``CommittedRows``):
-the main model's final hidden state of every token the step computed and kept, and the token after
-each. MTP at position p takes (main hidden at p, embedding of token p + 1), writes its own cache row
-at p and predicts token p + 2. One pass over the committed rows therefore writes the MTP cache row of
-every main-model token (prefill chunks included), and its output at each drafting request's last
-committed row (position n − 2 for a request of n tokens, whose next token is the request's last
+Right after every step, on the device, the core hands over the step's rows (``DraftInputs.rows``, a
+``CommittedRows``): the main model's final hidden state of every token the step computed, and the token
+after each. MTP at position p takes (main hidden at p, embedding of token p + 1), writes its own cache
+row at p and predicts token p + 2. One pass over the rows therefore writes the MTP cache row of every
+main-model token (prefill chunks included; a rejected draft's row lands past the committed length and
+is written again once that position is computed for real), and its output at each drafting request's
+last committed row (position n − 2 for a request of n tokens, whose next token is the request's last
 token) gives draft 1. Drafts 2..k chain the same layer: its own output hidden stands in for the main
 model's at the next position, the previous draft is the next token, and the row lands past the
-committed length (``CommittedRows.chain``: the core allocated the blocks); rows of rejected drafts
-are overwritten once those positions are committed for real. Only depth 0 runs: DeepSeek-V3 and V4
+committed length (``CommittedRows.chain``: the scheduler reserved the blocks); rows of rejected
+drafts are overwritten once those positions are committed for real. Only depth 0 runs: DeepSeek-V3 and V4
 ship one MTP layer, and a deeper one would need its own catch-up over drafts not yet known.
 
 Drafts: a greedy request takes the argmax; a sampling request draws from ``softmax(logits / T)`` with
@@ -63,7 +64,7 @@ class MTPDrafter:
     def propose(self, inputs: DraftInputs) -> DraftProposal:
         rows = inputs.rows
         if rows is None:
-            raise RuntimeError("the mtp drafter needs the step's committed rows (DraftInputs.rows); the engine "
+            raise RuntimeError("the mtp drafter needs the step's rows (DraftInputs.rows); the engine "
                                "provides them when plugins.spec_decode.drafter resolves to 'mtp'")
         model, k = self.model, inputs.k
         batch, dev = inputs.last_tokens.shape[0], rows.hidden.device
@@ -73,8 +74,7 @@ class MTPDrafter:
         confidence = torch.empty(batch, k, dtype=torch.float32, device=dev)
         if batch == 0:
             return DraftProposal(tokens, None, confidence)
-        sampling = bool((inputs.temperature > 0).any())  # one read: whether distributions are reported at all
-        probs = torch.empty(batch, k, model.vocab_size, dtype=torch.float32, device=dev) if sampling else None
+        probs = torch.empty(batch, k, model.vocab_size, dtype=torch.float32, device=dev) if inputs.sampling else None
         hidden = hidden.index_select(0, rows.last_rows)
         ctx = rows.ctx
         for j in range(k):

@@ -24,7 +24,6 @@ from deepinfer.interfaces import DraftInputs, DraftProposal
 from deepinfer.ops import Purpose, uniform
 
 SMOOTHING = 0.1
-KEY_LEN = 16  # sequences are indexed by their first KEY_LEN ids, so a lookup scans only those that share them
 
 
 def read_sequences(path: str | Path) -> list[list[int]]:
@@ -34,31 +33,52 @@ def read_sequences(path: str | Path) -> list[list[int]]:
 
 
 class OracleDrafter:
-    """Known continuations with planted corruptions (for tests and benchmarks only)."""
+    """Known continuations with planted corruptions (for tests and benchmarks only). The lookup runs on
+    the history's device (drafting runs on the device between steps): every request's history is
+    compared with every known sequence at once."""
 
     def __init__(self, sequences: Sequence[Sequence[int]], vocab_size: int, corruption: float,
                  draft_probs: bool) -> None:
         self.sequences = [tuple(s) for s in sequences]
-        self._by_key: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
-        for seq in self.sequences:
-            self._by_key.setdefault(seq[:KEY_LEN], []).append(seq)
         self.vocab_size = vocab_size
         self.corruption = corruption
         self.draft_probs = draft_probs
+        self._table: torch.Tensor | None = None  # [S, L] the sequences, −2 padded (matches no token)
+        self._lengths: torch.Tensor | None = None
 
-    def _continuation(self, history: list[int], k: int) -> list[int]:
-        n = len(history)
-        candidates = self._by_key.get(tuple(history[:KEY_LEN]), []) if n >= KEY_LEN else self.sequences
-        for seq in candidates:
-            if len(seq) > n and list(seq[:n]) == history:
-                follow = list(seq[n:n + k])
-                return follow + [follow[-1]] * (k - len(follow))
-        return [history[-1]] * k
+    def _known(self, history: torch.Tensor, k: int) -> torch.Tensor:
+        """``[B, k]``: the next ``k`` tokens of the first known sequence that the request's history
+        (``[B, W]`` right-aligned, −1 padded) begins, repeating its last token when it runs out; copies of
+        the last token for a request that begins none."""
+        dev = history.device
+        batch, width = history.shape
+        if not self.sequences:
+            return history[:, -1:].expand(batch, k).clone()
+        if self._table is None or self._table.device != dev:
+            longest = max(len(seq) for seq in self.sequences)
+            self._table = torch.tensor([[*seq] + [-2] * (longest - len(seq)) for seq in self.sequences],
+                                       dtype=torch.int64, device=dev)
+            self._lengths = torch.tensor([len(seq) for seq in self.sequences], dtype=torch.int64, device=dev)
+        table, lengths = self._table, self._lengths
+        assert lengths is not None
+        if table.shape[1] < width:
+            table = torch.cat([table, table.new_full((table.shape[0], width - table.shape[1]), -2)], dim=1)
+        n = (history >= 0).sum(dim=1)  # each history's length
+        cols = torch.arange(width, device=dev)
+        left = history.gather(1, ((width - n).unsqueeze(1) + cols).clamp(max=width - 1))
+        beyond = cols.unsqueeze(0) >= n.unsqueeze(1)  # [B, W]: columns past the history
+        same = (table[:, :width].unsqueeze(0) == left.unsqueeze(1)) | beyond.unsqueeze(1)  # [B, S, W]
+        match = same.all(dim=-1) & (lengths.unsqueeze(0) > n.unsqueeze(1))
+        first = match.to(torch.int64).argmax(dim=1)  # the first matching sequence (0 when none)
+        at = (n.unsqueeze(1) + torch.arange(k, device=dev)).clamp(max=lengths[first].unsqueeze(1) - 1)
+        follow = self._table.index_select(0, first).gather(1, at.clamp(max=self._table.shape[1] - 1))
+        return torch.where(match.any(dim=1, keepdim=True), follow, history[:, -1:])
 
     def propose(self, inputs: DraftInputs) -> DraftProposal:
-        k, dev, vocab = inputs.k, inputs.history.device, self.vocab_size
-        rows = [[t for t in row if t >= 0] for row in inputs.history.tolist()]  # host-side lookup
-        known = torch.tensor([self._continuation(h, k) for h in rows], dtype=torch.int64, device=dev)
+        k, vocab = inputs.k, self.vocab_size
+        history = inputs.history
+        dev = history.device
+        known = self._known(history, k)
         batch = known.shape[0]
         positions = (inputs.positions.unsqueeze(1) + 1 + torch.arange(k, device=dev)).reshape(-1)
         seeds = inputs.seeds.repeat_interleave(k)

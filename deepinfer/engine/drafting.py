@@ -1,0 +1,204 @@
+"""Drafting on the device, right after a step's sampling (API.md §2; reference/deepinfer.md §2, §4).
+
+The drafter runs in the device part of every speculative step, between its sampling (or verification)
+and the next forward, on the step's results as they are on the device: how many drafts each request
+accepted, and so its last token and position, are never read by the host first. Under an overlapped
+executor the next step is then scheduled while this one runs, and its rows verify drafts the device
+made (the device-side fix-up, ``engine/followup.py``); under the synchronous one the host reads the
+proposal together with the step's tokens (one read).
+
+- ``DraftPlan``: what the host knows of the drafting when it prepares the step: which sampling rows
+  draft, and for each its rows, its position and room *if the step accepts none of its drafts*; the
+  device adds the accepted count.
+- ``TokenCache``: the token id of every computed position, in the main pool's slot of that position
+  (it follows the KV cache's blocks like the dspark context cache), from which ``DraftInputs.history``
+  is gathered for the drafters that read it (``ngram``, ``oracle``).
+- ``draft_inputs``: the ``DraftInputs`` (and ``CommittedRows``) of one step, on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.interfaces import CommittedRows, DraftInputs, ForwardContext
+from deepinfer.model.transfer import to_device
+
+SCRATCH_SLOT = 0  # state slot 0 is never handed out (kv/state.py): the per-request state of scratch rows
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """The drafting after one step, as the host knows it when it prepares the step.
+
+    Per drafting request (the proposal's rows, in this order): ``samplers`` its row among the step's
+    sampling rows, ``request_ids``, ``last_rows`` the step's token row of its last committed row and
+    ``positions`` the position of its last token — both if the step accepts none of its drafts (the
+    device adds the accepted count) —, ``rooms`` the drafts it could still use then (what it may still
+    emit, less one; one fewer per accepted draft; the core keeps at most ``k``), ``coverage`` the
+    positions its block table covers (a chained draft row past them runs on the scratch block),
+    ``tables`` its block table, ``seeds``,
+    ``temperatures`` (0: greedy) and ``state_slots`` (models with per-request state; None otherwise).
+
+    Per token row of the step: ``next_tokens`` the token after it when the host knows it (the next
+    input token; 0 where the step emits it), ``emitted_rows`` the rows whose next token the step emits
+    and ``emitted_from`` where: ``(sampling row, j)``, the request's ``j``-th emitted token.
+    """
+
+    samplers: list[int]
+    request_ids: list[str]
+    last_rows: list[int]
+    positions: list[int]
+    rooms: list[int]
+    coverage: list[int]
+    tables: list[list[int]]
+    seeds: list[int]
+    temperatures: list[float]
+    state_slots: list[int] | None
+    next_tokens: list[int]
+    emitted_rows: list[int]
+    emitted_from: list[tuple[int, int]]
+
+    @property
+    def sampling(self) -> bool:
+        """Whether any drafting request samples (its drafts then come with distributions)."""
+        return any(t > 0 for t in self.temperatures)
+
+
+class TokenCache:
+    """The token id of every computed position, at the main pool's slot of that position: written by
+    every step for its rows (a rejected draft's row too: that position is written again when it is
+    computed for real), read back through block tables."""
+
+    def __init__(self, num_slots: int, block_size: int, device: torch.device) -> None:
+        self.tokens = torch.zeros(num_slots, dtype=torch.int64, device=device)
+        self.block_size = block_size
+
+    def write(self, slot_mapping: torch.Tensor, input_ids: torch.Tensor) -> None:
+        self.tokens[slot_mapping] = input_ids
+
+    def history(self, tables: torch.Tensor, positions: torch.Tensor, last_tokens: torch.Tensor, width: int
+                ) -> torch.Tensor:
+        """``[B, width]``: each request's tokens up to its last one (at ``positions``, not computed yet,
+        so ``last_tokens``), right-aligned, −1 before position 0."""
+        cols = torch.arange(width, device=positions.device)
+        at = positions.unsqueeze(1) - (width - 1) + cols
+        bs = self.block_size
+        slots = tables.gather(1, (at.clamp(min=0) // bs).clamp(max=tables.shape[1] - 1)) * bs + at.clamp(min=0) % bs
+        history = torch.where(at >= 0, self.tokens[slots], -1)
+        history[:, -1] = last_tokens
+        return history
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """A step's results as the drafting reads them, on the device: per sampling row the tokens it
+    emitted ``[S, K+1]`` (−1 past them), how many drafts it accepted ``[S]`` and how far its positions
+    were moved before the forward ``[S]`` (a follow-up row's fix-up, ``engine/followup.py``; None: none)."""
+
+    emitted: torch.Tensor
+    num_accepted: torch.Tensor
+    moved: torch.Tensor | None = None
+
+    def last(self) -> torch.Tensor:
+        """Each sampling row's final emitted token ``[S]``."""
+        return self.emitted.gather(1, self.num_accepted.unsqueeze(1)).squeeze(1)
+
+
+class ChainRows:
+    """``CommittedRows.chain``: one decode row per drafting request at ``positions + offset``, on the
+    request's blocks where it may keep the draft that row leads to and its table covers the position;
+    else on the scratch block (and scratch state slot)."""
+
+    def __init__(self, positions: torch.Tensor, caps: torch.Tensor, coverage: torch.Tensor, tables: torch.Tensor,
+                 state_slots: torch.Tensor | None, block_size: int, backends: Mapping[str, object],
+                 exact_host_lists: Callable[[ForwardContext], None]) -> None:
+        self.positions, self.caps, self.coverage, self.tables = positions, caps, coverage, tables
+        self.state_slots = state_slots
+        self.block_size = block_size
+        self.backends = backends
+        self.exact_host_lists = exact_host_lists
+        self.used = False  # whether a drafter asked for chained rows (then their coverage caps its drafts)
+
+    def __call__(self, offset: int) -> ForwardContext:
+        self.used = True
+        batch, dev, bs = self.positions.shape[0], self.positions.device, self.block_size
+        wanted = self.positions + offset
+        valid = (offset + 2 <= self.caps) & (wanted < self.coverage)
+        positions = torch.where(valid, wanted, 0)
+        tables = torch.where(valid.unsqueeze(1), self.tables, 0)
+        slots = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        ctx = ForwardContext(
+            positions=positions, slot_mapping=slots,
+            query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=dev),
+            seq_lens=positions + 1, block_tables=tables, num_decodes=batch,
+            query_start_loc_host=list(range(batch + 1)), seq_lens_host=[1] * batch, block_size=bs,
+            backends=self.backends, max_query_len=1)
+        if self.state_slots is not None:
+            ctx.state_slots = torch.where(valid, self.state_slots, SCRATCH_SLOT)
+            ctx.state_slots_host = [SCRATCH_SLOT] * batch
+        self.exact_host_lists(ctx)
+        return ctx
+
+    def draft_caps(self) -> torch.Tensor:
+        """Drafts each request may keep given where its chained rows could land (``caps`` when the drafter
+        chained no row)."""
+        if not self.used:
+            return self.caps
+        return torch.minimum(self.caps, (self.coverage - self.positions + 1).clamp(min=1))
+
+
+def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torch.Tensor, ctx: ForwardContext,
+                 hidden: torch.Tensor | None, token_cache: TokenCache | None, block_size: int,
+                 exact_host_lists: Callable[[ForwardContext], None]
+                 ) -> tuple[DraftInputs, ChainRows | None, torch.Tensor]:
+    """The ``DraftInputs`` of the drafting after a step, from its plan and its results on the device.
+    ``input_ids`` / ``ctx`` / ``hidden`` are the step's (a CUDA graph's static ones, padding rows included);
+    ``hidden`` None: the drafter reads no rows. Returns the inputs, their chain (with rows) and the drafts
+    each request may keep ``[B]`` (what it may still use, at most ``k``; the chain may lower it)."""
+    dev = input_ids.device
+
+    def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return to_device(values, dtype, dev)
+
+    samplers = tensor(plan.samplers)
+    accepted = tokens.num_accepted.index_select(0, samplers)
+    last_tokens = tokens.last().index_select(0, samplers)
+    # The plan's positions and rooms hold for a row as laid out and a step that accepts no draft.
+    shift = accepted if tokens.moved is None else accepted + tokens.moved.index_select(0, samplers)
+    positions = tensor(plan.positions) + shift
+    caps = (tensor(plan.rooms) - shift).clamp(min=0, max=k)
+    batch = len(plan.samplers)
+    width = max((len(t) for t in plan.tables), default=1)
+    tables = tensor([[*t] + [0] * (width - len(t)) for t in plan.tables]).reshape(batch, width)
+    rows = chain = None
+    if hidden is not None:
+        next_tokens = torch.zeros(input_ids.shape[0], dtype=torch.int64, device=dev)
+        next_tokens[:len(plan.next_tokens)] = tensor(plan.next_tokens)
+        if plan.emitted_rows:
+            sampler, j = zip(*plan.emitted_from, strict=True)
+            emitted = tokens.emitted[tensor(list(sampler)), tensor(list(j))].clamp(min=0)
+            next_tokens[tensor(plan.emitted_rows)] = emitted
+        # The drafter's layers see the rows as the model's layers saw them, without bounded-replay floors.
+        rows_ctx = dataclasses.replace(ctx, visibility_floor=None, visibility_floor_host=None,
+                                       truncation_floor_host=None, truncation_compact_host=None)
+        slots = tensor(plan.state_slots) if plan.state_slots is not None else None
+        chain = ChainRows(positions, caps, tensor(plan.coverage), tables, slots, block_size, ctx.backends,
+                          exact_host_lists)
+        rows = CommittedRows(hidden=hidden, next_tokens=next_tokens, ctx=rows_ctx,
+                             last_rows=tensor(plan.last_rows) + accepted, chain=chain)
+    history_of = None
+    if token_cache is not None:
+        bound = max((p + 2 * k + 1 for p in plan.positions), default=1)  # past any shift and accepted count
+
+        def history_of() -> torch.Tensor:
+            return token_cache.history(tables, positions, last_tokens, bound)
+
+    inputs = DraftInputs(
+        last_tokens=last_tokens, positions=positions, seeds=tensor(plan.seeds),
+        temperature=tensor(plan.temperatures, torch.float32), k=k, rows=rows, sampling=plan.sampling,
+        history_of=history_of)
+    return inputs, chain, caps

@@ -1,0 +1,132 @@
+"""Follow-up rows: a speculating request scheduled while its previous step is still in flight.
+
+Under an overlapped executor the host schedules step N+1 before it has read step N (reference/
+deepinfer.md §2.3–2.4, the zero-overhead scheduler). A speculating request whose row of step N verified
+drafts will have emitted 1 + a tokens, a unknown on the host; and its next drafts were made on the
+device right after step N (``engine/drafting.py``). So the scheduler gives it a *follow-up row* in N+1
+laid out as if step N accepted no draft — its last token at the position after N's input, then ``g``
+draft rows — on blocks reserved for the worst case (every draft of N accepted), and the device fixes
+the row up from step N's results before the forward (``FollowUps.apply``, stream-ordered, no host
+read):
+
+- positions and cache slots move by a (the slots through the request's block table), and so does its
+  KV length;
+- its input token is N's final emitted token, its draft rows the drafts made after N, and the
+  verification takes those drafts: as many as were drafted, the request may still use (its room less
+  a) and the host granted (``g``; rows past them verify nothing and are rolled back like rejected
+  drafts);
+- the RNG counter of its draws moves by a, so every draw is the one the synchronous executor makes.
+
+The host learns a, the drafts and their confidences when it processes step N, and moves its own view
+of the row then (``EngineCore.process``). With the ``fixed`` plan a follow-up row therefore verifies
+exactly the drafts the synchronous executor's row would, and emits the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from deepinfer.engine.drafting import StepTokens
+from deepinfer.interfaces import ForwardContext
+from deepinfer.model.transfer import to_device
+from deepinfer.sampling.sampler import SamplingBatch
+from deepinfer.sampling.verify import VerifyBatch
+
+if TYPE_CHECKING:
+    from deepinfer.engine.speculation import DeviceProposal
+
+
+@dataclass(frozen=True)
+class FollowUps:
+    """A step's follow-up rows, as the host knows them when it prepares the step. Per row: ``token_rows``
+    its first token row, ``requests`` its index among the step's rows (its KV length and block table),
+    ``samplers`` among the step's sampling rows, ``random`` among the sampling batch's random rows (−1:
+    greedy), ``sources`` its sampling row in the previous step, ``proposal_rows`` its row of the previous
+    step's proposal (−1: it did not draft), ``drafts`` the draft rows it brings (``g``) and ``rooms`` the
+    drafts it may still use if the previous step accepted none of its drafts."""
+
+    token_rows: list[int]
+    requests: list[int]
+    samplers: list[int]
+    random: list[int]
+    sources: list[int]
+    proposal_rows: list[int]
+    drafts: list[int]
+    rooms: list[int]
+
+    def apply(self, previous: StepTokens, proposal: DeviceProposal | None, input_ids: torch.Tensor,
+              ctx: ForwardContext, sampling: SamplingBatch | None, verify: VerifyBatch | None,
+              num_samplers: int, vocab_size: int) -> tuple[VerifyBatch | None, torch.Tensor]:
+        """Fix the rows up on the device from the previous step's tokens and proposal (see the module
+        docstring). Returns the step's verification inputs with the follow-ups' drafts in place (a new
+        batch when draft distributions had to be added), and how far each of the step's ``num_samplers``
+        sampling rows moved ``[S]`` (0 but for follow-ups: the drafting after the step starts there)."""
+        dev = input_ids.device
+
+        def tensor(values: list) -> torch.Tensor:
+            return to_device(values, torch.int64, dev)
+
+        accepted = previous.num_accepted.index_select(0, tensor(self.sources))
+        moved = torch.zeros(num_samplers, dtype=torch.int64, device=dev)
+        moved[tensor(self.samplers)] = accepted
+        return self._fix(previous, proposal, accepted, input_ids, ctx, sampling, verify, vocab_size), moved
+
+    def _fix(self, previous: StepTokens, proposal: DeviceProposal | None, accepted: torch.Tensor,
+             input_ids: torch.Tensor, ctx: ForwardContext, sampling: SamplingBatch | None,
+             verify: VerifyBatch | None, vocab_size: int) -> VerifyBatch | None:
+        dev = input_ids.device
+
+        def tensor(values: list) -> torch.Tensor:
+            return to_device(values, torch.int64, dev)
+
+        counts = [1 + g for g in self.drafts]
+        owner = tensor([i for i, n in enumerate(counts) for _ in range(n)])
+        rows = tensor([first + j for first, n in zip(self.token_rows, counts, strict=True) for j in range(n)])
+        requests = tensor(self.requests)
+        ctx.positions[rows] += accepted[owner]
+        ctx.seq_lens[requests] += accepted
+        positions, bs = ctx.positions[rows], ctx.block_size
+        tables = ctx.block_tables.index_select(0, requests.index_select(0, owner))
+        ctx.slot_mapping[rows] = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
+        input_ids[tensor(self.token_rows)] = previous.last().index_select(0, tensor(self.sources))
+        if sampling is not None and any(r >= 0 for r in self.random):
+            random = [(i, r) for i, r in enumerate(self.random) if r >= 0]
+            sampling.positions[tensor([r for _, r in random])] += accepted[tensor([i for i, _ in random])]
+        if verify is None:
+            return None
+        samplers = tensor(self.samplers)
+        verify.base[samplers] += accepted
+        if not any(self.drafts) or proposal is None:
+            verify.num_drafts[samplers] = 0
+            return verify
+        k = verify.drafts.shape[1]
+        drafted = [i for i, row in enumerate(self.proposal_rows) if row >= 0]
+        width = min(k, proposal.tokens.shape[1])
+        drafts = torch.full((len(self.drafts), k), -1, dtype=torch.int64, device=dev)
+        drafted_index, source_rows = tensor(drafted), tensor([self.proposal_rows[i] for i in drafted])
+        drafts[drafted_index, :width] = proposal.tokens.index_select(0, source_rows)[:, :width]
+        cols = torch.arange(k, device=dev)
+        granted = tensor(self.drafts)
+        drafts = torch.where(cols < granted.unsqueeze(1), drafts, -1)
+        usable = torch.cumprod((drafts >= 0).to(torch.int64), dim=1).sum(dim=1)
+        room = (tensor(self.rooms) - accepted).clamp(min=0)
+        verify.num_drafts[samplers] = torch.minimum(usable, room)
+        verify.drafts[samplers] = drafts
+        draft_rows = [(i, j) for i, g in enumerate(self.drafts) for j in range(g)]
+        at = tensor([self.token_rows[i] + 1 + j for i, j in draft_rows])
+        input_ids[at] = drafts[tensor([i for i, _ in draft_rows]), tensor([j for _, j in draft_rows])].clamp(min=0)
+        if proposal.probs is None:
+            return verify
+        probs = verify.draft_probs
+        if probs is None:  # the host's drafts were one-hot: write their distributions out
+            probs = torch.zeros(verify.drafts.shape[0], k, vocab_size, dtype=torch.float32, device=dev)
+            host = (cols < verify.num_drafts.unsqueeze(1)) & (verify.drafts >= 0)
+            probs.scatter_(-1, verify.drafts.clamp(min=0).unsqueeze(-1), host.unsqueeze(-1).to(torch.float32))
+            verify = dataclasses.replace(verify, draft_probs=probs)
+        probs[samplers.index_select(0, drafted_index), :width] = proposal.probs.index_select(
+            0, source_rows)[:, :width].to(probs.dtype)
+        return verify
