@@ -20,6 +20,7 @@ share of steps in which a speculating request followed a step in flight are repo
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -48,7 +49,8 @@ def _engine(model: str, batch: int, executor: str, spec: dict | None) -> LLM:
         plugins["scheduling"] = {"enabled": True}
     if spec is not None:
         plugins["spec_decode"] = {"enabled": True, "max_draft": 5, **spec}
-    return LLM(model, max_num_seqs=max(batch, 1), cache={"kv_cache_bytes": 256 << 20, "prefix_caching": False},
+    return LLM(model, max_num_seqs=max(batch, 1), max_model_len=1024,
+               cache={"kv_cache_bytes": 256 << 20, "prefix_caching": False},
                plugins=plugins)
 
 
@@ -95,6 +97,7 @@ def main() -> None:
         prompts = _prompts(recorder, batch)
         _, replies = _generate(recorder, prompts, args.new_tokens + 1)
         recorder.shutdown()
+        del recorder
         oracle.write_text("\n".join(json.dumps({"token_ids": p + r}) for p, r in zip(prompts, replies, strict=True)))
         if args.drafter == "oracle":
             drafter = {"drafter": "oracle", "oracle_file": str(oracle), "oracle_corruption": 1.0 - args.acceptance}
@@ -127,6 +130,8 @@ def main() -> None:
                          "follow_up_share": follows / decode if decode else 0.0,
                          "step_cost_error": (stats.get("step_cost") or {}).get("prediction_error")}
             llm.shutdown()
+        engines.clear()
+        gc.collect()  # six engines per batch: the next batch's must not share the memory with them
         base = row["off-sync"]["decode_tok_s_median"]
         for name, r in row.items():
             r["x_off_sync"] = r["decode_tok_s_median"] / base

@@ -57,3 +57,20 @@ def check_invariance(llm: LLM, vocab: int, prompt_len: int, compositions: list[t
                                  delay_steps=delay)
         assert ids == alone_ids, f"composition {k}: tokens differ"
         assert lp == alone_lp, f"composition {k}: logprobs differ bitwise"
+
+
+def check_fixed_speculation(llm: LLM, vocab: int, compositions: list[tuple[list[int], int, int]],
+                            target_tokens: int) -> None:
+    """Deterministic speculative decoding (``fixed`` plan, ``ngram`` drafts): a target whose prompt
+    repeats itself (so drafts are found) gets bitwise the tokens and logprobs it gets alone, greedy and
+    seeded-sampled, in every composition."""
+    half = neighbour_ids(1000, 12, vocab)
+    target = half + half + half[:6]
+    for params in (SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
+                   SamplingParams(temperature=0.8, seed=77, max_tokens=12, logprobs=3, ignore_eos=True)):
+        alone = generate_among(llm, target, params, [], neighbour_tokens=target_tokens)
+        for k, (lengths, index, delay) in enumerate(compositions):
+            neighbours = [neighbour_ids(k * 100 + j, n, vocab) for j, n in enumerate(lengths)]
+            assert generate_among(llm, target, params, neighbours, neighbour_tokens=target_tokens,
+                                  target_index=index, delay_steps=delay) == alone, f"composition {k}"
+    assert llm.get_stats()["spec_decode"]["verify_steps"] > 0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from batch_invariance import check_invariance, generate_among, neighbour_ids
+from batch_invariance import check_fixed_speculation, check_invariance, generate_among, neighbour_ids
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
@@ -84,17 +84,8 @@ def test_fixed_speculation_keeps_outputs_bitwise_equal_in_every_batch(smollm2_di
               kernels={"batch_invariant": True},
               plugins={"spec_decode": {"enabled": True, "drafter": "ngram", "plan": "fixed", "max_draft": 4}})
     try:
-        half = neighbour_ids(1000, 12, 49152)
-        target = half + half + half[:6]
-        for params in (SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
-                       SamplingParams(temperature=0.8, seed=77, max_tokens=12, logprobs=3, ignore_eos=True)):
-            alone = generate_among(llm, target, params, [], neighbour_tokens=TARGET_TOKENS)
-            for k, (lengths, index, delay) in enumerate(COMPOSITIONS):
-                neighbours = [neighbour_ids(k * 100 + j, n, 49152) for j, n in enumerate(lengths)]
-                assert generate_among(llm, target, params, neighbours, neighbour_tokens=TARGET_TOKENS,
-                                      target_index=index, delay_steps=delay) == alone, f"composition {k}"
-        stats = llm.get_stats()["spec_decode"]
-        assert stats["verify_steps"] > 0 and stats["mean_acceptance_length"] > 1.0
+        check_fixed_speculation(llm, 49152, COMPOSITIONS, TARGET_TOKENS)
+        assert llm.get_stats()["spec_decode"]["mean_acceptance_length"] > 1.0  # SmolLM2 copies the repetition
     finally:
         llm.shutdown()
 

@@ -171,19 +171,25 @@ def test_router_stats_of_replayed_steps_count_only_real_tokens(tmp_path: Path) -
     llm.shutdown()
 
 
-@pytest.mark.parametrize("plan", ["fixed", "varlen"])
-def test_graphs_under_speculative_decoding_equal_eager(folder: Path, plan: str, tmp_path: Path) -> None:
-    prompts = _prompts(9)
+def _eager_and_oracle(folder: Path, prompts: list[list[int]], tmp_path: Path, plan: str,
+                      **oracle: Any) -> tuple[list, dict]:
+    """The eager run without speculation, and the ``spec_decode`` section of an ``oracle`` drafter that
+    proposes its greedy continuations (``oracle``: further drafter settings, e.g. planted corruptions, so
+    that every verification path runs: accept, reject, bonus)."""
     eager_llm = _llm(folder, graphs=False)
     eager = _run(eager_llm, prompts)
     eager_llm.shutdown()
-    # The oracle drafter proposes the known greedy continuation, with planted corruptions: every
-    # verification path (accept, reject, bonus) runs.
-    oracle = tmp_path / "oracle.jsonl"
-    oracle.write_text("\n".join(json.dumps({"token_ids": p + ids}) for p, (ids, _) in zip(prompts, eager, strict=True)))
-    spec = {"spec_decode": {"enabled": True, "drafter": "oracle", "oracle_file": str(oracle), "max_draft": 3,
-                            "plan": plan}}
-    llm = _llm(folder, graphs=True, plugins=spec)
+    path = tmp_path / "oracle.jsonl"
+    path.write_text("\n".join(json.dumps({"token_ids": p + ids}) for p, (ids, _) in zip(prompts, eager, strict=True)))
+    return eager, {"enabled": True, "drafter": "oracle", "oracle_file": str(path), "max_draft": 3, "plan": plan,
+                   **oracle}
+
+
+@pytest.mark.parametrize("plan", ["fixed", "varlen"])
+def test_graphs_under_speculative_decoding_equal_eager(folder: Path, plan: str, tmp_path: Path) -> None:
+    prompts = _prompts(9)
+    eager, spec = _eager_and_oracle(folder, prompts, tmp_path, plan)
+    llm = _llm(folder, graphs=True, plugins={"spec_decode": spec})
     used = _graph_buckets_used(llm)
     _compare(eager, _run(llm, prompts))
     assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
@@ -197,15 +203,8 @@ def test_follow_up_rows_under_overlap_replay_graphs_equal_eager_without_a_sync(f
     whose step is in flight run as follow-up rows (engine/followup.py), drafted and fixed up on the device
     without a host read; greedy tokens and logprobs equal eager decoding without speculation."""
     prompts = _prompts(9)
-    eager_llm = _llm(folder, graphs=False)
-    eager = _run(eager_llm, prompts)
-    eager_llm.shutdown()
-    oracle = tmp_path / "oracle.jsonl"
-    oracle.write_text("\n".join(json.dumps({"token_ids": p + ids}) for p, (ids, _) in zip(prompts, eager, strict=True)))
-    plugins = {"spec_decode": {"enabled": True, "drafter": "oracle", "oracle_file": str(oracle), "max_draft": 3,
-                               "oracle_corruption": 0.3, "plan": plan},
-               "scheduling": {"enabled": True, "sync_guard": True}}
-    llm = _llm(folder, graphs=True, plugins=plugins)
+    eager, spec = _eager_and_oracle(folder, prompts, tmp_path, plan, oracle_corruption=0.3)
+    llm = _llm(folder, graphs=True, plugins={"spec_decode": spec, "scheduling": {"enabled": True, "sync_guard": True}})
     core, follow_ups = llm.engine.core, []
     schedule = core.schedule
 

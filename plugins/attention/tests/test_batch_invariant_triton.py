@@ -254,3 +254,22 @@ def test_cuda_logprobs_bitwise_equal_in_every_batch(model: str, request: pytest.
         _check_invariance(llm, 256, prompt_len=29)
     finally:
         llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_cuda_fixed_speculation_keeps_outputs_bitwise_equal_in_every_batch(tiny_llama: Path) -> None:
+    """Deterministic speculative decoding on CUDA (issue 28 item 4): bfloat16, the mode on, the ``fixed``
+    plan with ``ngram`` drafts on a prompt that repeats itself (some drafts accepted): the target's tokens
+    and logprobs, greedy and seeded-sampled, are bitwise those it gets alone, in every batch."""
+    from batch_invariance import check_fixed_speculation
+
+    from deepinfer import LLM
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    llm = LLM(tiny_llama, **ENGINE, dtype="bfloat16", device="cuda", kernels={"batch_invariant": True},
+              plugins={**ON, "spec_decode": {"enabled": True, "drafter": "ngram", "plan": "fixed", "max_draft": 4}})
+    try:
+        check_fixed_speculation(llm, 256, COMPOSITIONS, TARGET_TOKENS)
+    finally:
+        llm.shutdown()
