@@ -86,8 +86,8 @@ def force_tokens(llm: LLM, forced: dict[tuple[int, ...], Sequence[int]]) -> None
         prompts[request.request_id] = tuple(request.prompt_token_ids)
         add(request)
 
-    def execute_forced(inputs: Any, fill: Any = None) -> Any:
-        results = execute(inputs, fill)
+    def execute_forced(inputs: Any, *args: Any) -> Any:
+        results = execute(inputs, *args)
         if results.sampled is not None:
             tokens = results.sampled.tokens.clone()
             for row, s in enumerate(results.samplers):

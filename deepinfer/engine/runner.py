@@ -154,8 +154,9 @@ class ModelRunner:
         self.penalties: PenaltyState | None = None
         # Whether some backend reads a context's host lists (off CUDA they cost nothing to make exact; on CUDA
         # only backends that are not graph_safe read them): see ``exact_host_lists``.
+        ops = getattr(model, "backend_ops", None) or frozenset(backends)  # the ops the model calls
         self.reads_host_lists = device.type != "cuda" or not all(
-            getattr(getattr(b, "capabilities", None), "graph_safe", False) for b in backends.values())
+            backends[op].capabilities.graph_safe for op in ops if op in backends)
 
     def exact_host_lists(self, ctx: ForwardContext) -> None:
         """Make the host lists of a context whose device tensors were computed on the device (drafting

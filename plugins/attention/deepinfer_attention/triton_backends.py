@@ -91,8 +91,9 @@ def plan_rows(ctx: ForwardContext, num_tokens: int, max_query_len: int) -> RowPl
         return RowPlan(None, device_token_req(ctx, num_tokens))
     short = [i for i in range(batch) if lengths[i] <= max_query_len]
 
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=dev)
+    def tensor(values: list[int]) -> torch.Tensor:  # through pinned memory: never waits for the device
+        host = torch.tensor(values, dtype=torch.int64)
+        return (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
 
     return RowPlan(kernel_tokens=tensor([t for i in short for t in range(starts[i], starts[i + 1])]),
                    token_req=tensor([i for i in short for _ in range(lengths[i])]),
