@@ -32,6 +32,9 @@ Statistics: ``pool_adjacent_violators(values, weights)``, the isotonic fit the c
     uses, for calibrations that must be monotone the same way.
 Strategies: ``ExactReplayPlanner``, the built-in ``exact`` replay planner, for a planner that restores
     exactly in some cases and bounds the replay in others.
+Transfers: ``to_device(values, dtype, device)``, host lists to a tensor on the device without waiting for
+    it (on CUDA through pinned memory and a non-blocking copy): what a backend's launch path uses for index
+    tensors it builds on the host, so the overlapped executor's sync guard holds.
 Files: ``cache_dir()``, the project's cache root (``$DEEPINFER_CACHE_DIR``, else the XDG cache), where a
     plugin keeps what it builds or trains once per machine (compiled kernels, drafters).
 """
@@ -47,6 +50,7 @@ from deepinfer.model.layers.reference import ALL_KV_DTYPES, TorchAttentionBacken
 from deepinfer.model.layers.reference_deepseek import TorchMLABackend, TorchMoEBackend, write_latent
 from deepinfer.model.layers.reference_deepseek_v4 import TorchSinkAttentionBackend, row_block
 from deepinfer.model.loader import init_dummy
+from deepinfer.model.transfer import to_device
 from deepinfer.sampling.rng import Purpose, uniform
 from deepinfer.sampling.sampler import inverse_cdf
 
@@ -65,6 +69,7 @@ __all__ = [
     "inverse_cdf",
     "pool_adjacent_violators",
     "row_block",
+    "to_device",
     "uniform",
     "write_kv",
     "write_latent",

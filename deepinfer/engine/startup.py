@@ -350,7 +350,7 @@ class StartUp:
         cache = CurveCache(folder, sched.step_cost_cache_ttl_s) if folder else None
         key = {"model": str(self.model_path), "architecture": self.info.architecture, "dtype": self.info.dtype,
                "device": torch.cuda.get_device_name(self.device),
-               "backends": sorted(f"{op}={getattr(b, 'name', '')}" for op, b in self.backends.items()),
+               "backends": sorted(f"{op}={self.backends[op].name}" for op in self._model_ops() if op in self.backends),
                "buckets": graphs.buckets, "query_len": query_len, "block_size": self.config.cache.block_size,
                "kv_dtype": str(self.kv_dtype), "placeholder": "random ids, distinct positions"}
         cached = cache.load(key) if cache else None
@@ -364,6 +364,11 @@ class StartUp:
 
     # ------------------------------------------------------------------------------ cache and graphs
 
+    def _model_ops(self) -> frozenset[str]:
+        """The ops the model calls (its ``backend_ops``; every selected op when it names none): an op it does
+        not call may hold a backend that cannot serve this run (``UnfitBackend``), which nothing may touch."""
+        return getattr(self.model, "backend_ops", None) or frozenset(self.backends)
+
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs for decode-shaped steps (``engine/graphs.py``), captured now; None when the run is
         not on CUDA, ``kernels.cuda_graphs`` is off, or something in the step cannot be captured (then
@@ -372,7 +377,7 @@ class StartUp:
         if self.device.type != "cuda" or not k.cuda_graphs:
             return None
         backends = self.backends
-        ops = getattr(self.model, "backend_ops", None) or frozenset(backends)
+        ops = self._model_ops()
         blockers = [f"{op} backend {backends[op].name!r} is not graph_safe" for op in sorted(ops)
                     if op in backends and not backends[op].capabilities.graph_safe]
         if self.world_size > 1:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.ops import ALL_KV_DTYPES, TorchMLABackend, write_kv, write_latent
+from deepinfer.ops import ALL_KV_DTYPES, TorchMLABackend, to_device, write_kv, write_latent
 from deepinfer.testing import triton_interpreting
 
 _DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
@@ -91,9 +91,8 @@ def plan_rows(ctx: ForwardContext, num_tokens: int, max_query_len: int) -> RowPl
         return RowPlan(None, device_token_req(ctx, num_tokens))
     short = [i for i in range(batch) if lengths[i] <= max_query_len]
 
-    def tensor(values: list[int]) -> torch.Tensor:  # through pinned memory: never waits for the device
-        host = torch.tensor(values, dtype=torch.int64)
-        return (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+    def tensor(values: list[int]) -> torch.Tensor:
+        return to_device(values, torch.int64, dev)  # never waits for the device (the launch path)
 
     return RowPlan(kernel_tokens=tensor([t for i in short for t in range(starts[i], starts[i + 1])]),
                    token_req=tensor([i for i in short for _ in range(lengths[i])]),
@@ -107,7 +106,7 @@ def sub_context(ctx: ForwardContext, requests: tuple[int, ...], tokens: torch.Te
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
-    rows = torch.tensor(requests, dtype=torch.int64, device=ctx.positions.device)
+    rows = to_device(list(requests), torch.int64, ctx.positions.device)
 
     def pick(host: list | None) -> list | None:
         return None if host is None else [host[i] for i in requests]
@@ -116,7 +115,7 @@ def sub_context(ctx: ForwardContext, requests: tuple[int, ...], tokens: torch.Te
         ctx,
         positions=ctx.positions.index_select(0, tokens),
         slot_mapping=ctx.slot_mapping.index_select(0, tokens),
-        query_start_loc=torch.tensor(starts, dtype=ctx.query_start_loc.dtype, device=ctx.positions.device),
+        query_start_loc=to_device(starts, ctx.query_start_loc.dtype, ctx.positions.device),
         seq_lens=ctx.seq_lens.index_select(0, rows),
         block_tables=ctx.block_tables.index_select(0, rows),
         num_decodes=0,

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.ops import to_device
 from deepinfer_attention import kernel_steps
 from deepinfer_attention.split_kv import LOG2E, dot_dtype, tile_width
 
@@ -154,7 +155,7 @@ def prefill_tiles(query_starts: Sequence[int], requests: Sequence[int], tokens_p
         lo, hi = query_starts[i], query_starts[i + 1]
         tiles.extend((i, t, min(t + tokens_per_tile, hi)) for t in range(lo, hi, tokens_per_tile))
     tiles.sort(key=lambda row: row[2] - query_starts[row[0]], reverse=True)
-    return torch.tensor(tiles, dtype=torch.int32).view(-1, 3).to(device)
+    return to_device(tiles, torch.int32, device).view(-1, 3)  # never waits for the device (the launch path)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
