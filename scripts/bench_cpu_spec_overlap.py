@@ -1,7 +1,7 @@
 """Speculative decoding under the overlapped executor against the synchronous one, on CPU (issue 28).
 
     python scripts/bench_cpu_spec_overlap.py [--batch 1 8 32] [--acceptance 0.7] [--drafter oracle|ngram]
-        [--repeats 3] [--new-tokens 64] [--output spec_overlap.json]
+        [--repeats 3] [--new-tokens 64] [--threads 2] [--output spec_overlap.json]
 
 SmolLM2-135M-Instruct fp32 with the ``cpu`` plugin (oneDNN GEMMs, paged attention), greedy, EOS ignored,
 prefix caching off. Configurations: no speculation, ``fixed``-5 and ``varlen``, each under the ``sync``
@@ -87,9 +87,10 @@ def main() -> None:
     ap.add_argument("--drafter", choices=["oracle", "ngram"], default="oracle")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the VM has 2 cores)")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     results: dict = {"args": vars(args) | {"output": str(args.output)}, "batches": {}}
     oracle = Path(tempfile.mkdtemp()) / "oracle.jsonl"
     for batch in args.batch:
