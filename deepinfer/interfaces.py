@@ -206,7 +206,7 @@ class DraftInputs:
     def history(self) -> torch.Tensor:
         """``[B, H]`` int64 on ``last_tokens``' device: each request's tokens, right-aligned, −1 padded."""
         if self.history_of is None:
-            return self.last_tokens.unsqueeze(1)
+            raise RuntimeError("DraftInputs.history: these inputs carry no token history (history_of is unset)")
         return self.history_of()
 
 

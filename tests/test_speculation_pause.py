@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.speculation import PAUSE_LIMIT, Speculator
 
@@ -12,8 +10,7 @@ def test_paused_requests_resume_drafting_on_shared_rounds():
     """Two requests whose drafts the plan never grants, the second starting 37 rounds later: each backs
     off 1, 2, 4 … rounds, and once both pause ``PAUSE_LIMIT`` rounds they probe on the same rounds, so a
     drafting step (whose cost is mostly per step) runs once for both instead of once for each."""
-    speculator = Speculator(drafter=None, plan=None, cost=None, max_draft=4, device=torch.device("cpu"),
-                            block_size=16)
+    speculator = Speculator(drafter=None, plan=None, cost=None, max_draft=4, block_size=16)
     starts = {"a": 0, "b": 37}
     drafted: dict[str, list[int]] = {rid: [] for rid in starts}
     rounds = 600

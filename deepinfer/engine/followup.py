@@ -66,13 +66,9 @@ class FollowUps:
         batch when draft distributions had to be added), and how far each of the step's ``num_samplers``
         sampling rows moved ``[S]`` (0 but for follow-ups: the drafting after the step starts there)."""
         dev = input_ids.device
-
-        def tensor(values: list) -> torch.Tensor:
-            return to_device(values, torch.int64, dev)
-
-        accepted = previous.num_accepted.index_select(0, tensor(self.sources))
+        accepted = previous.num_accepted.index_select(0, _indices(self.sources, dev))
         moved = torch.zeros(num_samplers, dtype=torch.int64, device=dev)
-        moved[tensor(self.samplers)] = accepted
+        moved[_indices(self.samplers, dev)] = accepted
         return self._fix(previous, proposal, accepted, input_ids, ctx, sampling, verify, vocab_size), moved
 
     def _fix(self, previous: StepTokens, proposal: DeviceProposal | None, accepted: torch.Tensor,
@@ -81,7 +77,7 @@ class FollowUps:
         dev = input_ids.device
 
         def tensor(values: list) -> torch.Tensor:
-            return to_device(values, torch.int64, dev)
+            return _indices(values, dev)
 
         counts = [1 + g for g in self.drafts]
         owner = tensor([i for i, n in enumerate(counts) for _ in range(n)])
@@ -130,3 +126,8 @@ class FollowUps:
         probs[samplers.index_select(0, drafted_index), :width] = proposal.probs.index_select(
             0, source_rows)[:, :width].to(probs.dtype)
         return verify
+
+
+def _indices(values: list, device: torch.device) -> torch.Tensor:
+    """Host-built int64 indices on ``device``, never waiting for it (the launch path)."""
+    return to_device(values, torch.int64, device)

@@ -232,9 +232,9 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                row = ScheduledRequest(req, start, num_new + len(verified), True, req.epoch, reach=reach)
                 if follows:
-                    row.follows, row.device_drafts, row.room = True, len(verified), room(req)
+                    row = ScheduledRequest(req, start, num_new + len(verified), True, req.epoch, follows=True,
+                                           device_drafts=len(verified), room=room(req), reach=reach)
                 else:
                     row = ScheduledRequest.of(req, start, num_new)
                     row.num_new_tokens, row.drafts, row.reach = num_new + len(verified), verified, reach

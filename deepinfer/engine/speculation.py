@@ -112,6 +112,11 @@ def _room_after(req: Request, token_slot: int) -> int:
     return min(req.params.max_tokens - (length - req.num_prompt_tokens), req.max_total_tokens - length) - 1
 
 
+def _last_known_row(first_row: int, row: StepRow) -> int:
+    """The step's token row of the request's last known token (its drafts follow it)."""
+    return first_row + row.num_new_tokens - 1 - row.draft_rows
+
+
 class _PlanBuilder:
     """Collects a ``DraftPlan`` row by row, in the step's order."""
 
@@ -141,43 +146,43 @@ class _PlanBuilder:
         """A row that samples: the step emits the next token of its last token's row and of each draft's."""
         self.next_tokens.extend(max(t, 0) for t in row.token_ids[1:])
         self.next_tokens.append(0)
-        base = first_row + row.num_new_tokens - 1 - row.draft_rows
+        base = _last_known_row(first_row, row)
         for j in range(row.draft_rows + 1):
             self.emitted_rows.append(base + j)
             self.emitted_from.append((sampler, j))
 
-    def drafting(self, sampler: int, row: StepRow, last_row: int, position: int, room: int) -> None:
-        """The sampling row ``sampler`` drafts after the step (``DraftPlan``'s per-request fields)."""
+    def drafting(self, sampler: int, row: StepRow, first_row: int, room: int) -> None:
+        """The sampling row ``sampler`` (starting at the step's token row ``first_row``) drafts after the step,
+        ``room`` drafts left to it (``DraftPlan``'s per-request fields)."""
         self.samplers.append(sampler)
         self.request_ids.append(row.request_id)
-        self.last_rows.append(last_row)
-        self.positions.append(position)
+        self.last_rows.append(_last_known_row(first_row, row))
+        self.positions.append(row.end - row.draft_rows)
         self.rooms.append(room)
         self.coverage.append(len(row.block_table) * self.block_size)
         self.tables.append(list(row.block_table))
         self.seeds.append(row.seed)
         self.temperatures.append(0.0 if row.params.greedy else row.params.temperature)
-        self.state_slots.append(row.state_slot if row.state_slot is not None else -1)
+        if row.state_slot is not None:
+            self.state_slots.append(row.state_slot)
 
     def build(self) -> DraftPlan:
-        stateful = any(slot >= 0 for slot in self.state_slots)
         return DraftPlan(self.samplers, self.request_ids, self.last_rows, self.positions, self.rooms, self.coverage,
-                         self.tables, self.seeds, self.temperatures, self.state_slots if stateful else None,
+                         self.tables, self.seeds, self.temperatures, self.state_slots or None,
                          self.next_tokens, self.emitted_rows, self.emitted_from)
 
 
 class Speculator:
     """Drafts, verification plans and the step-cost model of one engine."""
 
-    def __init__(self, drafter: Drafter, plan: VerificationPlan, cost: StepCostModel, max_draft: int,
-                 device: torch.device, *, block_size: int, reads_rows: bool = False,
+    def __init__(self, drafter: Drafter, plan: VerificationPlan, cost: StepCostModel, max_draft: int, *,
+                 block_size: int, reads_rows: bool = False,
                  token_cache: TokenCache | None = None,
                  exact_host_lists: Callable[[ForwardContext], None] = lambda ctx: None) -> None:
         self.drafter = drafter
         self.plan = plan
         self.cost = cost
         self.max_draft = max_draft
-        self.device = device
         self.block_size = block_size
         self.reads_rows = reads_rows  # the drafter reads the step's rows (MTP, dspark): DraftInputs.rows
         self.token_cache = token_cache  # tokens per KV slot, for DraftInputs.history
@@ -287,12 +292,11 @@ class Speculator:
             if s.samples:
                 i = sampler_of[row.request_id]
                 plan.emitting(first_row, row, i)
-                drafts = row.draft_rows
                 room_after = _room_after(req, s.token_slot)
                 if self.paused(req.request_id) or room_after <= 0:  # no proposal until it drafts again
                     self.proposals.pop(req.request_id, None)
                 else:
-                    plan.drafting(i, row, first_row + row.num_new_tokens - 1 - drafts, row.end - drafts, room_after)
+                    plan.drafting(i, row, first_row, room_after)
             else:
                 plan.chunk(row, req.all_token_ids[row.end] if row.end < req.num_tokens else 0)
             first_row += row.num_new_tokens

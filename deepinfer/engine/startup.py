@@ -329,7 +329,7 @@ class StartUp:
         served = graphs if graphs is not None and graphs.keeps(hidden_layers) else None
         cost = self._step_cost(measure, largest, 1 + settings.max_draft, served)
         tokens = TokenCache(self.pool.num_blocks * block_size, block_size, self.device)
-        return runner, Speculator(drafter, plan, cost, settings.max_draft, self.device, block_size=block_size,
+        return runner, Speculator(drafter, plan, cost, settings.max_draft, block_size=block_size,
                                   reads_rows=keep_hidden, token_cache=tokens, exact_host_lists=runner.exact_host_lists)
 
     def _step_cost(self, measure: Callable[[int], float], largest: int, query_len: int,
