@@ -6,7 +6,7 @@ An MoE module is *EP-capable* when it has stacked expert weights ``w13 [R, 2I, H
 R rows: every expert in order, or the rank's ``ExpertShard`` when the model was built with one) and an
 attribute ``expert_parallel`` (None by default) that its forward calls as
 ``expert_parallel(x, topk_ids, topk_weights, ctx[, swiglu_limit=…])`` instead of the ``experts`` op
-when set (``DeepseekMoE`` in ``model/deepseek_v3.py``, ``V4MoE`` in ``model/deepseek_v4.py``).
+when set (``DeepseekMoE`` in ``model/deepseek_v3.py``, ``V4MoE`` in ``model/deepseek_v4/moe.py``).
 ``attach_expert_parallel`` hands each such module's rows to an ``ExpertParallelMoE`` as the rank's
 slots: a model built with the rank's shard already holds exactly them (nothing is copied); a model
 holding every expert gives up the rows the rank does not hold.
