@@ -96,7 +96,15 @@ def deepinfer_request_routers() -> Mapping[str, RequestRouter]:
 
 @hookspec
 def deepinfer_kv_stores() -> Mapping[str, KVStoreFactory]:
-    """External KV stores by name; chosen by ``cache.kv_store`` (none by default)."""
+    """External KV tiers by name (``interfaces.KVStore``); chosen by ``cache.kv_store`` (none by default).
+
+    ``cache.kv_store`` names one store or a chain of them joined by ``+``, fastest first (``host+disk``);
+    each name must be offered by exactly one enabled plugin. A factory takes the engine's
+    ``KVStoreSpec`` (block size in bytes, device type, namespace) and returns a ``KVStore``. The core
+    (``deepinfer/kv/tiers.py``) owns the mechanism: a full block evicted from the device prefix cache is
+    written to every tier of the chain on a worker thread (a side stream copies it out on GPU), and a
+    device miss whose next blocks some tier holds is loaded back into free device blocks before the
+    request's prefill, which then computes only the tail."""
 
 
 @hookspec

@@ -334,18 +334,60 @@ class ReplayPlanner(Protocol):
              reason: Literal["prefill", "prefix_hit", "preempted"]) -> ReplayPlan: ...
 
 
-class KVStore(Protocol):
-    """An external store of KV blocks keyed by prefix hash (offload, sharing across engines)."""
+@dataclass(frozen=True)
+class KVStoreSpec:
+    """What a KV store is built for (``KVStoreFactory``): every block it will hold is ``block_bytes`` bytes
+    (one full block's paged entries of every layer, packed by the core); ``device`` is the engine's device
+    type (``cpu`` or ``cuda``: a host store pins its memory for the latter); ``namespace`` is a hex digest
+    of the model identity and cache layout, already mixed into every key (a store may use it to name
+    files or keep engines of different models apart)."""
 
-    def contains(self, block_hashes: Sequence[int]) -> int:
-        """How many leading blocks of ``block_hashes`` the store holds."""
+    block_bytes: int
+    device: str
+    namespace: str
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """An external tier of KV blocks (host memory, disk, ...), keyed by 16-byte block keys.
+
+    A key is the core's chained prefix hash of a full block mixed with ``KVStoreSpec.namespace`` (model
+    identity, dtype, KV dtype, block size and per-layer cache specs), so a block saved by another model or
+    layout is never found. A block's payload is a flat ``uint8`` CPU tensor of ``block_bytes`` bytes: all
+    layers' paged entries of that block (per-request state — sliding-window rings, V4 state slots — is
+    never stored; the replay planners rebuild it after a load). The core calls ``save`` from its writer
+    thread and ``contains``/``load`` from the scheduling thread, so every method must be thread-safe; a
+    store never raises for a block it cannot keep or read back: it returns False and counts it."""
+
+    name: str
+
+    def contains(self, keys: Sequence[bytes]) -> int:
+        """How many leading keys of ``keys`` the store holds (a lookup at admission; no I/O of payloads)."""
         ...
 
-    def load(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None: ...
-    def save(self, block_hashes: Sequence[int], block_ids: Sequence[int]) -> None: ...
+    def save(self, key: bytes, block: torch.Tensor) -> bool:
+        """Keep a copy of ``block`` (``uint8 [block_bytes]`` on the CPU; the caller may reuse it after the
+        call returns) under ``key``, evicting by the store's policy when full. False if it was not kept."""
+        ...
+
+    def load(self, key: bytes, out: torch.Tensor) -> bool:
+        """Copy the block under ``key`` into ``out`` (``uint8 [block_bytes]`` on the CPU). False, with
+        ``out`` in an unspecified state, when the block is missing, truncated or fails its checksum."""
+        ...
+
+    def stats(self) -> dict[str, float]:
+        """Counters: at least ``blocks``, ``bytes``, ``capacity_bytes``, ``hits``, ``misses``, ``saves``,
+        ``evictions`` and ``errors`` (corrupt, truncated or unwritable blocks)."""
+        ...
+
+    def close(self) -> None:
+        """Release what the store holds open (files, memory); called once at engine shutdown."""
+        ...
 
 
-KVStoreFactory = Callable[..., KVStore]
+KVStoreFactory = Callable[[KVStoreSpec], KVStore]
+"""Builds a store for one engine from its ``KVStoreSpec``; raises ``ConfigError`` naming the plugin's
+setting when the store cannot be built (e.g. a disk store without a directory)."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -252,20 +252,28 @@ class PluginHost:
         return table[chosen].value
 
     def check_kv_store(self, chosen: str | None) -> None:
-        """Refuse ``cache.kv_store`` at start-up unless it is unset. A name no enabled plugin offers is an
-        error listing the offered stores (and a disabled plugin that offers it); a name a plugin does offer
-        is refused too, because the engine has no external KV tier that would hand blocks to it yet: the
-        setting must never be accepted and then ignored."""
+        """Refuse, at start-up, a ``cache.kv_store`` that names a store no enabled plugin offers (the error
+        lists the offered stores and a disabled plugin that offers it). ``chosen`` is one name or a chain
+        joined by ``+`` (``host+disk``, fastest first); None: no external tier."""
+        self.kv_store_factories(chosen)
+
+    def kv_store_factories(self, chosen: str | None) -> list[Any]:
+        """The factories (``interfaces.KVStoreFactory``) of the chain ``cache.kv_store`` names, fastest
+        first; empty when unset. Unknown, empty or repeated names are a ``ConfigError``."""
         if chosen is None:
-            return
+            return []
+        names = [name.strip() for name in chosen.split("+")]
         table = self.named_offers("deepinfer_kv_stores")
-        if chosen not in table:
-            offered = ", ".join(f"{k} (plugin {o.plugin})" for k, o in sorted(table.items())) or "none"
-            hint = self._disabled_offering("deepinfer_kv_stores", lambda value: chosen in (value or {}))
-            raise ConfigError(f"cache.kv_store: unknown store {chosen!r}; offered: {offered}{hint}. "
-                              "Leave cache.kv_store unset")
-        raise ConfigError(f"cache.kv_store: store {chosen!r} (plugin {table[chosen].plugin!r}) cannot be used: "
-                          "this engine has no external KV tier yet. Leave cache.kv_store unset")
+        offered = ", ".join(f"{k} (plugin {o.plugin})" for k, o in sorted(table.items())) or "none"
+        if any(not name for name in names) or len(set(names)) != len(names):
+            raise ConfigError(f"cache.kv_store: {chosen!r} must be store names joined by '+', each once "
+                              f"(e.g. 'host+disk'); offered: {offered}")
+        for name in names:
+            if name not in table:
+                hint = self._disabled_offering("deepinfer_kv_stores", lambda value, n=name: n in (value or {}))
+                raise ConfigError(f"cache.kv_store: unknown store {name!r}; offered: {offered}{hint}. "
+                                  "Enable the plugin that offers it or leave cache.kv_store unset")
+        return [table[name].value for name in names]
 
     def select_backends(self, hook_name: str, chosen: str, config_path: str,
                         req: RunRequirements, required: frozenset[str] | None = None) -> dict[str, Backend]:

@@ -172,25 +172,28 @@ class HostStorePlugin:
 
     @hookimpl
     def deepinfer_kv_stores(self) -> dict[str, object]:
-        return {"host": lambda **_: None}
+        return {"host": lambda spec: None}
 
 
 def test_a_kv_store_nobody_offers_fails_at_start_up(clean_deepinfer_env: None, tiny_llama_dir: Path) -> None:
     from deepinfer import LLM
 
     with pytest.raises(ConfigError, match=r"cache\.kv_store: unknown store 'redis://localhost:6379'; "
-                                          r"offered: none\. Leave cache\.kv_store unset"):
+                                          r"offered: none\. Enable the plugin that offers it or leave "
+                                          r"cache\.kv_store unset"):
         LLM(tiny_llama_dir, cache={"kv_store": "redis://localhost:6379"}, kv_cache_bytes=1 << 20, block_size=16)
 
 
-def test_a_kv_store_error_lists_the_offered_stores_and_an_offered_one_is_refused_too() -> None:
+def test_a_kv_store_error_lists_the_offered_stores_and_an_offered_one_is_accepted() -> None:
     host = PluginHost({}, installed={}, extra=[("hoststore", HostStorePlugin())])
     host.check_kv_store(None)  # unset: nothing to check
+    assert host.kv_store_factories(None) == []
     with pytest.raises(ConfigError, match=r"unknown store 'disk'; offered: host \(plugin hoststore\)"):
         host.check_kv_store("disk")
-    # Offered, but the engine has no KV tier to hand blocks to: refused, not accepted and ignored.
-    with pytest.raises(ConfigError, match=r"store 'host' \(plugin 'hoststore'\) cannot be used"):
-        host.check_kv_store("host")
+    with pytest.raises(ConfigError, match=r"unknown store 'disk'; offered: host \(plugin hoststore\)"):
+        host.check_kv_store("host+disk")  # a chain: every name must be offered
+    host.check_kv_store("host")  # offered: the engine builds it (issue 34, plugins/kv_store)
+    assert len(host.kv_store_factories("host")) == 1
 
 
 def test_a_parallel_run_refuses_the_kv_store_before_starting_ranks(clean_deepinfer_env: None,

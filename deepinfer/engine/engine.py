@@ -45,7 +45,7 @@ class LLMEngine:
         self.num_state_slots, self.rank_experts = parts.num_state_slots, parts.rank_experts
         self.model, self.info, self.load_report = parts.model, parts.info, parts.load_report
         self.spec_settings = parts.spec_settings
-        self.pool, self.kv = parts.pool, parts.kv
+        self.pool, self.kv, self.kv_tiers = parts.pool, parts.kv, parts.kv_tiers
         self.runner, self.speculator, self.scheduler = parts.runner, parts.speculator, parts.scheduler
         self.intake = parts.intake
         self.stats = EngineStats()
@@ -147,6 +147,8 @@ class LLMEngine:
         }
         if self.speculator is not None and isinstance(self.speculator.cost, StepCost):
             stats["step_cost"] = self.speculator.cost.stats()
+        if self.kv_tiers is not None:  # cache.kv_store (kv/tiers.py)
+            stats["kv_tiers"] = {"promoted_tokens": kv.promoted_tokens, **self.kv_tiers.stats()}
         stats.update(self.host.plugin_stats())
         return stats
 
@@ -174,4 +176,6 @@ class LLMEngine:
         self.host.notify("deepinfer_engine_stopping")
         if self._grammars is not None:
             self._grammars.shutdown()
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
 

@@ -33,6 +33,7 @@ from deepinfer.kv.blocks import KVCacheManager
 from deepinfer.kv.fp8 import kv_storage_dtype
 from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_kv_dtype, num_blocks_for, state_bytes
 from deepinfer.kv.state import has_state, num_state_slots_for
+from deepinfer.kv.tiers import build_tiers
 from deepinfer.model.assets import resolve_model_path
 from deepinfer.model.layers.norm import BATCH_INVARIANT_CUDA_ROWS, RMSNorm
 from deepinfer.model.loader import LoadReport, init_dummy, load_checkpoint, read_hf_config
@@ -90,10 +91,17 @@ class StartUp:
     def __init__(self, config: EngineConfig, host: PluginHost) -> None:
         self.config = cfg = config
         self.host = host
-        host.check_kv_store(cfg.cache.kv_store)
+        kv_stores = host.kv_store_factories(cfg.cache.kv_store)  # unknown names fail before the model loads
+        if kv_stores and not cfg.cache.prefix_caching:
+            raise ConfigError(f"cache.kv_store={cfg.cache.kv_store!r} keeps blocks evicted from the prefix cache, "
+                              "but cache.prefix_caching is false; turn it on or leave cache.kv_store unset")
         # Several ranks are the business of ``LLM`` (deepinfer.parallel): inside a rank process this
         # engine is that rank's; anywhere else a world size > 1 must not silently run on one process.
         self.world_size, _ = parallel_sizes(cfg.parallel)
+        if kv_stores and self.world_size > 1:
+            raise ConfigError(f"cache.kv_store={cfg.cache.kv_store!r}: KV tiers run on one rank only so far "
+                              "(issue 34); leave cache.kv_store unset or set parallel.expert_parallel_size and "
+                              "data_parallel_size to 1")
         if self.world_size > 1 and current_rank() is None:
             raise ConfigError(f"parallel: {self.world_size} ranks are started by deepinfer.LLM only; this entry "
                               "point runs one process (set parallel.expert_parallel_size and data_parallel_size to 1)")
@@ -142,6 +150,14 @@ class StartUp:
             self.model.bind_mtp_cache(self.pool.layers[len(specs):])
         self.kv = KVCacheManager(num_blocks, cfg.cache.block_size, cfg.cache.prefix_caching,
                                  num_state_slots=self.num_state_slots)
+        # External KV tiers under the prefix cache (kv/tiers.py): keys carry the model and cache layout.
+        self.kv_tiers = build_tiers(kv_stores, self.pool.paged, self.device, {
+            "model": str(self.model_path), "config": self.hf_config, "load_format": cfg.model.load_format,
+            "seed": cfg.sampling.seed if cfg.model.load_format == "dummy" else None, "dtype": str(self.dtype),
+            "kv_dtype": str(self.kv_dtype), "block_size": cfg.cache.block_size,
+            "specs": [repr(s) for s in (*specs, *mtp_specs)]}) if kv_stores else None
+        if self.kv_tiers is not None:
+            self.kv.attach_tiers(self.kv_tiers)
         if self.kv.blocks_needed(self.max_model_len) > num_blocks - RESERVED_BLOCKS:
             raise ConfigError(
                 f"the KV cache holds {(num_blocks - RESERVED_BLOCKS) * cfg.cache.block_size} tokens but "

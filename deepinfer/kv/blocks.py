@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from deepinfer.kv.pools import RESERVED_BLOCKS
+
+if TYPE_CHECKING:
+    from deepinfer.kv.tiers import KVTiers
 
 
 def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
@@ -24,9 +28,13 @@ def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
 
 
 class BlockPool:
-    """Ref-counted blocks, the prefix-hash table, and the LRU queue of free blocks."""
+    """Ref-counted blocks, the prefix-hash table, and the LRU queue of free blocks.
+
+    ``on_evict(block_id, block_hash)``, when set, is called when a cached block is about to be reused
+    (its hash forgotten), before anything can rewrite it: the KV tiers demote it (``kv/tiers.py``)."""
 
     def __init__(self, num_blocks: int, enable_prefix_caching: bool) -> None:
+        self.on_evict: Callable[[int, bytes], None] | None = None
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_count = [0] * num_blocks
@@ -62,6 +70,8 @@ class BlockPool:
             b, _ = self.free_queue.popitem(last=False)
             old = self.block_hash[b]
             if old is not None:
+                if self.on_evict is not None:
+                    self.on_evict(b, old)
                 del self.cached[old]
                 self.block_hash[b] = None
             self.ref_count[b] = 1
@@ -128,6 +138,14 @@ class KVCacheManager:
         self.free_slots: list[int] = list(range(num_state_slots - 1, 0, -1))
         self.slots: dict[str, int] = {}
         self.shared_tokens: dict[str, int] = {}
+        # External tiers under the prefix cache (cache.kv_store, kv/tiers.py); None: none.
+        self.tiers: KVTiers | None = None
+        self.promoted_tokens = 0
+
+    def attach_tiers(self, tiers: KVTiers) -> None:
+        """Demote evicted cached blocks to ``tiers`` and promote from them at lookups (``find_prefix``)."""
+        self.tiers = tiers
+        self.pool.on_evict = tiers.demote
 
     @property
     def num_free_blocks(self) -> int:
@@ -147,17 +165,48 @@ class KVCacheManager:
 
     def find_prefix(self, request_id: str, token_ids: Sequence[int]) -> PrefixHit:
         """The longest cached prefix of ``token_ids`` in whole blocks, leaving at least one token to
-        compute (its logits give the next token)."""
+        compute (its logits give the next token). With KV tiers, the blocks after the device's hit that a
+        tier holds are first loaded into free device blocks and cached (``_promote``)."""
         if not self.pool.enable_prefix_caching:
             return PrefixHit([], 0)
         max_blocks = (len(token_ids) - 1) // self.block_size
+        chain = self._chain(request_id, token_ids, max_blocks)
+        hit = self._lookup(chain)
+        if self.tiers is not None and len(hit) < len(chain) and self._promote(chain[len(hit):], hit):
+            hit = self._lookup(chain)
+        return PrefixHit(hit, len(hit) * self.block_size)
+
+    def _lookup(self, chain: Sequence[bytes]) -> list[int]:
+        """The device blocks of the leading hashes of ``chain`` that are cached."""
         hit: list[int] = []
-        for h in self._chain(request_id, token_ids, max_blocks):
+        for h in chain:
             b = self.pool.lookup(h)
             if b is None:
                 break
             hit.append(b)
-        return PrefixHit(hit, len(hit) * self.block_size)
+        return hit
+
+    def _promote(self, chain: Sequence[bytes], hit: Sequence[int]) -> int:
+        """Load the leading blocks of ``chain`` that the tiers hold into free device blocks and register
+        them as cached (reference count 0: they wait in the LRU queue like any cached block, so a request
+        that is not admitted after all leaks nothing). ``hit``, the device blocks before them, is held
+        meanwhile so that the allocation cannot evict it. Returns the blocks promoted."""
+        assert self.tiers is not None
+        wanted = self.tiers.contains(chain)
+        if wanted == 0:
+            return 0
+        self.pool.touch(hit)
+        ids: list[int] = []
+        try:
+            ids = self.pool.allocate(min(wanted, self.pool.num_free)) or []
+            loaded = self.tiers.load(chain[:len(ids)], ids)
+            for block_id, h in zip(ids[:loaded], chain, strict=False):
+                self.pool.register(block_id, h)
+        finally:
+            self.pool.free(ids)
+            self.pool.free(hit)
+        self.promoted_tokens += loaded * self.block_size
+        return loaded
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's prompt toward the prefix-cache hit rate."""

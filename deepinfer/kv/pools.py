@@ -66,6 +66,8 @@ class KVPool:
         self.block_size = block_size
         self.num_state_slots = num_state_slots
         self.layers = [spec.allocate(num_blocks, block_size, kv_dtype or dtype, device) for spec in specs]
+        # The block-indexed tensors of every layer, in layer order (state rings, indexed by slot, excluded).
+        self.paged = [t for layer in self.layers for t in layer]
         for i, spec in enumerate(specs):
             if hasattr(spec, "allocate_state"):
                 self.layers[i] = self.layers[i] + spec.allocate_state(num_state_slots, max_backtrack, dtype, device)

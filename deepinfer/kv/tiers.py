@@ -1,0 +1,246 @@
+"""External KV tiers under the device prefix cache (issue 34): demotion on eviction, promotion at admission.
+
+The device prefix cache (``kv/blocks.py``) keeps full blocks by their chained prefix hash until an
+allocation evicts them. With ``cache.kv_store`` set, ``KVTiers`` sits under it:
+
+- **Demotion.** When ``BlockPool`` evicts a cached block, ``demote`` packs the block's paged entries of
+  every layer into one flat byte buffer (``BlockCodec``) *before* the block can be rewritten — on the CPU
+  a memcpy, on CUDA a copy into pinned memory on a side stream that the compute stream then waits for on
+  the device — and queues it. A writer thread saves it to every store of the chain (write-through, so a
+  block a host store evicts later is still on disk). The step never waits for a store: when the queue is
+  full the demotion is dropped and counted.
+- **Promotion.** At admission, after the device lookup stops, ``KVCacheManager.find_prefix`` asks
+  ``contains`` how many of the next blocks some tier (or the writer's queue) holds, allocates free device
+  blocks for them, ``load``s them (a failed load stops the promotion there: a miss, never wrong KV) and
+  registers them in the prefix cache, so the request's prefill computes only the tail.
+
+Only paged entries travel (``KVPool.paged``); per-request state — sliding-window rings, DeepSeek-V4 state
+slots — is rebuilt after a hit by the replay planners, as after any device prefix hit. A key is the
+device hash mixed with ``namespace``: a digest of the model identity and cache layout (``namespace_of``),
+so blocks of another model, dtype or layout never match.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from deepinfer.interfaces import KVStore, KVStoreSpec
+
+logger = logging.getLogger(__name__)
+
+_ALIGN = 64  # every part of a packed block starts at a multiple of this (any dtype view stays aligned)
+_PENDING_BYTES = 256 << 20  # most bytes of demoted blocks queued for the writer at once
+
+
+def namespace_of(identity: Mapping[str, Any]) -> str:
+    """A hex digest of the model identity and cache layout (JSON of ``identity``, keys sorted)."""
+    text = json.dumps(identity, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+class BlockCodec:
+    """Copies one block's entries of every block-indexed tensor to and from a flat ``uint8`` buffer.
+
+    ``tensors``: ``[num_blocks, ...]`` tensors (any dtypes, one device); part ``i`` of a packed block
+    holds ``tensors[i][block_id]`` at ``offsets[i]``, each offset a multiple of 64 bytes."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.offsets: list[int] = []
+        offset = 0
+        for t in self.tensors:
+            offset = -(-offset // _ALIGN) * _ALIGN
+            self.offsets.append(offset)
+            offset += t[0].numel() * t.element_size()
+        self.nbytes = offset
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """The parts of ``buffer`` seen as each tensor's block (dtype and shape)."""
+        views = []
+        for t, offset in zip(self.tensors, self.offsets, strict=True):
+            part = buffer[offset:offset + t[0].numel() * t.element_size()]
+            views.append(part.view(t.dtype).view(t.shape[1:]))
+        return views
+
+    def pack(self, block_id: int, out: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy block ``block_id`` of every tensor into ``out`` (``uint8 [nbytes]``)."""
+        for view, t in zip(self._views(out), self.tensors, strict=True):
+            view.copy_(t[block_id], non_blocking=non_blocking)
+
+    def unpack(self, buffer: torch.Tensor, block_id: int, non_blocking: bool = False) -> None:
+        """Copy a packed block (``uint8 [nbytes]``) into block ``block_id`` of every tensor."""
+        for view, t in zip(self._views(buffer), self.tensors, strict=True):
+            t[block_id].copy_(view, non_blocking=non_blocking)
+
+
+class KVTiers:
+    """The chain of stores under the device prefix cache (fastest first) and its writer thread.
+
+    ``demote`` and ``promote`` are called by the block manager on the scheduling thread; the writer thread
+    only calls the stores' ``save``. ``flush`` waits until every queued demotion is saved."""
+
+    def __init__(self, stores: Sequence[KVStore], codec: BlockCodec, spec: KVStoreSpec,
+                 device: torch.device) -> None:
+        self.stores = list(stores)
+        self.codec = codec
+        self.spec = spec
+        self.device = device
+        self._salt = bytes.fromhex(spec.namespace)
+        self._cuda = device.type == "cuda"
+        self._side = torch.cuda.Stream(device) if self._cuda else None
+        # Demoted blocks not yet saved by every store, by key: a promotion may read them from here.
+        self._pending: dict[bytes, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._max_pending = max(4, _PENDING_BYTES // max(1, codec.nbytes))
+        self._queue: queue.Queue[tuple[bytes, torch.Tensor, Any] | None] = queue.Queue()
+        self.demoted = 0
+        self.dropped = 0
+        self.promoted = 0
+        self.load_failures = 0
+        self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-writer", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------------------------------------- keys
+
+    def key(self, block_hash: bytes) -> bytes:
+        """The store key of a device block hash: the hash mixed with the namespace (16 bytes)."""
+        return hashlib.blake2b(block_hash, digest_size=16, key=self._salt).digest()
+
+    # ---------------------------------------------------------------------------------------- demotion
+
+    def demote(self, block_id: int, block_hash: bytes) -> None:
+        """Queue a copy of block ``block_id`` (about to be evicted from the device cache) for every store.
+        Called before the block can be rewritten; the host never waits for the copy or the stores."""
+        key = self.key(block_hash)
+        with self._lock:
+            if key in self._pending:
+                return
+            if len(self._pending) >= self._max_pending:
+                self.dropped += 1  # the writer is behind: the step does not wait for it
+                return
+        event = None
+        if self._cuda:
+            assert self._side is not None
+            buffer = torch.empty(self.codec.nbytes, dtype=torch.uint8, pin_memory=True)
+            main = torch.cuda.current_stream(self.device)
+            self._side.wait_stream(main)  # the block's last write is ordered before the copy
+            with torch.cuda.stream(self._side):
+                self.codec.pack(block_id, buffer, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._side)
+            main.wait_stream(self._side)  # the block's next write waits for the copy, on the device only
+        else:
+            buffer = torch.empty(self.codec.nbytes, dtype=torch.uint8)
+            self.codec.pack(block_id, buffer)
+        with self._lock:
+            self._pending[key] = buffer
+        self.demoted += 1
+        self._queue.put((key, buffer, event))
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                key, buffer, event = item
+                if event is not None:
+                    event.synchronize()
+                for store in self.stores:
+                    try:
+                        store.save(key, buffer)
+                    except Exception:  # a store must not raise (KVStore.save); keep the writer alive
+                        logger.exception("KV store %r raised in save; the block is dropped from it", store.name)
+                with self._lock:
+                    self._pending.pop(key, None)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued demotion is saved (tests, shutdown, a hand-off)."""
+        self._queue.join()
+
+    # --------------------------------------------------------------------------------------- promotion
+
+    def contains(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of ``block_hashes`` the queue or some store holds."""
+        keys = [self.key(h) for h in block_hashes]
+        n = 0
+        while n < len(keys):
+            with self._lock:
+                queued = keys[n] in self._pending
+            if queued:
+                n += 1
+                continue
+            best = max((store.contains(keys[n:]) for store in self.stores), default=0)
+            if best == 0:
+                break
+            n += best
+        return n
+
+    def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Load the blocks ``block_hashes`` into device blocks ``block_ids``, in order, stopping at the
+        first one no tier can give back intact; returns how many were loaded. A block found below the
+        first store is copied into the stores above it (promotion through the chain)."""
+        loaded = 0
+        for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
+            key = self.key(block_hash)
+            buffer = self._read(key)
+            if buffer is None:
+                self.load_failures += 1
+                break
+            self.codec.unpack(buffer, block_id, non_blocking=self._cuda)
+            loaded += 1
+        self.promoted += loaded
+        return loaded
+
+    def _read(self, key: bytes) -> torch.Tensor | None:
+        """The packed block under ``key`` from the queue or the first store that returns it intact."""
+        with self._lock:
+            queued = self._pending.get(key)
+        if queued is not None:
+            return queued
+        buffer = torch.empty(self.codec.nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        for depth, store in enumerate(self.stores):
+            if store.load(key, buffer):
+                for upper in self.stores[:depth]:
+                    upper.save(key, buffer)
+                return buffer
+        return None
+
+    # ------------------------------------------------------------------------------------------- misc
+
+    def stats(self) -> dict[str, Any]:
+        """The tiers' counters and each store's (``KVStore.stats``) under its name."""
+        out: dict[str, Any] = {"demoted_blocks": self.demoted, "dropped_demotions": self.dropped,
+                               "promoted_blocks": self.promoted, "load_failures": self.load_failures}
+        for store in self.stores:
+            out[store.name] = store.stats()
+        return out
+
+    def close(self) -> None:
+        """Save what is queued, stop the writer and close the stores (once; later calls do nothing)."""
+        if not self._writer.is_alive():
+            return
+        self.flush()
+        self._queue.put(None)
+        self._writer.join()
+        for store in self.stores:
+            store.close()
+
+
+def build_tiers(factories: Sequence[Callable[[KVStoreSpec], KVStore]], tensors: Sequence[torch.Tensor],
+                device: torch.device, identity: Mapping[str, Any]) -> KVTiers:
+    """The tiers of an engine: its block-indexed cache ``tensors`` (``KVPool.paged``), one store per
+    factory (fastest first), and the namespace of ``identity`` (model and cache layout)."""
+    codec = BlockCodec(tensors)
+    spec = KVStoreSpec(block_bytes=codec.nbytes, device=device.type, namespace=namespace_of(identity))
+    return KVTiers([factory(spec) for factory in factories], codec, spec, device)

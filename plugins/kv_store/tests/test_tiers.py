@@ -1,0 +1,204 @@
+"""KV tiers in an engine (issue 34): blocks evicted from the device prefix cache come back from the host
+or disk store, the prefill computes only the tail, and greedy tokens equal a fresh computation."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_gemma3 import build_gemma3
+from tiny_deepseek import save_tiny_v3
+from tiny_models import save_tiny
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.errors import ConfigError
+
+BLOCK = 16
+PREFIX = 64  # 4 full blocks shared by the prompts that hit
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny("llama", tmp_path_factory.mktemp("tiers-llama"))[1]
+
+
+@pytest.fixture(scope="module")
+def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_v3(tmp_path_factory.mktemp("tiers-v3"))
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiers-gemma3")
+    build_gemma3("gemma3-tied").save_pretrained(folder)  # sliding window 8 on two of three layers
+    return folder
+
+
+def _llm(folder: Path, kv_store: str | None, *, blocks: int, tmp: Path | None = None, **overrides: Any) -> LLM:
+    """An engine whose device cache holds ``blocks`` blocks of 16 tokens (sized from the model's bytes)."""
+    probe = LLM(folder, kv_cache_bytes=1 << 22, block_size=BLOCK, max_model_len=128, **overrides)
+    per_block = sum(t[0].numel() * t.element_size() for t in probe.engine.pool.paged)
+    probe.shutdown()
+    plugins = {"kv_store": {"enabled": True, "host_bytes": 1 << 24,
+                            "disk_dir": str(tmp) if tmp is not None else None}}
+    return LLM(folder, kv_cache_bytes=per_block * (blocks + 1), block_size=BLOCK, max_model_len=128,
+               cache={"kv_store": kv_store}, plugins=plugins, **overrides)
+
+
+def _count_computed(llm: LLM) -> list[int]:
+    """Patch the scheduler so the returned list holds the tokens each step computes."""
+    counts: list[int] = []
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+
+    def counted() -> Any:
+        out = schedule()
+        counts.append(out.num_tokens)
+        return out
+
+    scheduler.schedule = counted
+    return counts
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+def _evict_then_hit(folder: Path, kv_store: str, tmp: Path | None = None, **overrides: Any) -> dict[str, Any]:
+    """Prompt A (prefix + tail), then unrelated prompts that evict every cached block of A, then prompt B
+    (the same prefix, another tail): B's prefix must come back from the tiers."""
+    prefix = _tokens(PREFIX, 1)
+    a, b = prefix + _tokens(9, 2), prefix + _tokens(13, 3)
+    fillers = [_tokens(70, 10 + i) for i in range(3)]
+    llm = _llm(folder, kv_store, blocks=12, tmp=tmp, **overrides)
+    first = _generate(llm, [a])
+    for filler in fillers:
+        _generate(llm, [filler])
+    llm.engine.kv_tiers.flush()
+    assert all(llm.engine.kv.pool.lookup(h) is None for h in llm.engine.kv._chain("x", a, PREFIX // BLOCK)), \
+        "the fillers must evict the prefix from the device"
+    llm.engine.kv.hashes.pop("x")
+    counts = _count_computed(llm)
+    second = _generate(llm, [b])
+    stats = llm.get_stats()
+    llm.shutdown()
+    fresh = LLM(folder, kv_cache_bytes=1 << 22, block_size=BLOCK, max_model_len=128,
+                cache={"prefix_caching": False}, **overrides)
+    want = _generate(fresh, [a, b])
+    fresh.shutdown()
+    return {"got": first + second, "want": want, "prefill": counts[0], "len_b": len(b), "stats": stats}
+
+
+@pytest.mark.parametrize("kv_store", ["host", "disk", "host+disk"])
+def test_a_prefix_evicted_from_the_device_comes_back_from_each_tier(llama_dir: Path, tmp_path: Path,
+                                                                   kv_store: str) -> None:
+    run = _evict_then_hit(llama_dir, kv_store, tmp_path)
+    assert run["got"] == run["want"]
+    assert run["prefill"] == run["len_b"] - PREFIX  # only the tail is computed
+    tiers = run["stats"]["kv_tiers"]
+    assert tiers["promoted_blocks"] == PREFIX // BLOCK and tiers["promoted_tokens"] == PREFIX
+    assert tiers["demoted_blocks"] > 0 and tiers["load_failures"] == 0
+    assert run["stats"]["kv_blocks_free"] == run["stats"]["kv_blocks_total"]
+
+
+@pytest.mark.slow  # about 30 s on the 2-core VM (three engines of a MoE model)
+def test_the_latent_cache_of_deepseek_v3_comes_back_from_the_host(v3_dir: Path) -> None:
+    run = _evict_then_hit(v3_dir, "host")
+    assert run["got"] == run["want"]
+    assert run["prefill"] == run["len_b"] - PREFIX
+
+
+def test_a_sliding_window_model_comes_back_from_the_host(gemma_dir: Path) -> None:
+    run = _evict_then_hit(gemma_dir, "host")
+    assert run["got"] == run["want"]
+    assert run["prefill"] == run["len_b"] - PREFIX
+
+
+def test_a_lower_tier_hit_is_copied_into_the_tier_above(llama_dir: Path, tmp_path: Path) -> None:
+    """Blocks only on disk (a second engine on the directory, whose host store is empty) are promoted to
+    the device and copied into its host store on the way."""
+    first = _evict_then_hit(llama_dir, "disk", tmp_path)
+    assert first["stats"]["kv_tiers"]["disk"]["saves"] > 0
+    prefix = _tokens(PREFIX, 1)
+    llm = _llm(llama_dir, "host+disk", blocks=12, tmp=tmp_path)
+    counts = _count_computed(llm)
+    got = _generate(llm, [prefix + _tokens(13, 3)])
+    tiers = llm.get_stats()["kv_tiers"]
+    llm.shutdown()
+    assert got == first["want"][1:]
+    assert counts[0] == 13 + PREFIX - PREFIX
+    assert tiers["disk"]["hits"] == PREFIX // BLOCK and tiers["host"]["saves"] >= PREFIX // BLOCK
+
+
+def test_blocks_of_another_model_are_never_found(llama_dir: Path, tmp_path: Path) -> None:
+    """The key carries the model identity and cache layout: the same tokens under another model dtype miss."""
+    _evict_then_hit(llama_dir, "disk", tmp_path)
+    llm = _llm(llama_dir, "disk", blocks=12, tmp=tmp_path, dtype="bfloat16")
+    counts = _count_computed(llm)
+    prompt = _tokens(PREFIX, 1) + _tokens(13, 3)
+    _generate(llm, [prompt])
+    tiers = llm.get_stats()["kv_tiers"]
+    llm.shutdown()
+    assert counts[0] == len(prompt) and tiers["promoted_blocks"] == 0
+
+
+def test_corrupt_block_files_are_misses_and_the_tokens_stay_right(llama_dir: Path, tmp_path: Path) -> None:
+    run = _evict_then_hit(llama_dir, "disk", tmp_path)
+    for f in tmp_path.glob("*.kvb"):
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        f.write_bytes(bytes(data))
+    llm = _llm(llama_dir, "disk", blocks=12, tmp=tmp_path)
+    counts = _count_computed(llm)
+    prompt = _tokens(PREFIX, 1) + _tokens(13, 3)
+    got = _generate(llm, [prompt])
+    tiers = llm.get_stats()["kv_tiers"]
+    llm.shutdown()
+    assert got == run["want"][1:]
+    assert counts[0] == len(prompt)
+    assert tiers["load_failures"] == 1 and tiers["disk"]["errors"] == 1
+
+
+def test_aborts_and_preemptions_with_tiers_leak_no_block(llama_dir: Path) -> None:
+    llm = _llm(llama_dir, "host", blocks=10, max_num_seqs=6)
+    engine = llm.engine
+    rng = random.Random(4)
+    shared = _tokens(32, 7)
+    prompts = [(shared if i % 2 else []) + _tokens(rng.randint(5, 40), 100 + i) for i in range(30)]
+    requests = [engine.make_request(p, SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 30), seed=i))
+                for i, p in enumerate(prompts)]
+    for req in requests:
+        engine.add(req)
+    finished: set[str] = set()
+    while engine.has_unfinished():
+        finished |= {out.request_id for out in engine.step()}
+        if rng.random() < 0.3:
+            live = [r.request_id for r in requests if r.request_id not in finished and not r.finished]
+            if live:
+                assert engine.abort(rng.choice(live))
+    stats = llm.get_stats()
+    llm.shutdown()
+    assert finished == {r.request_id for r in requests}
+    assert stats["preemptions"] > 0 and stats["kv_tiers"]["promoted_blocks"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_an_unknown_or_malformed_store_chain_is_an_error(llama_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"cache\.kv_store: unknown store 'redis'; offered: disk \(plugin "
+                                          r"kv_store\), host \(plugin kv_store\)"):
+        LLM(llama_dir, kv_cache_bytes=1 << 20, block_size=BLOCK, cache={"kv_store": "host+redis"},
+            plugins={"kv_store": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"cache\.kv_store: 'host\+host' must be store names joined by '\+'"):
+        LLM(llama_dir, kv_cache_bytes=1 << 20, block_size=BLOCK, cache={"kv_store": "host+host"},
+            plugins={"kv_store": {"enabled": True}})
+    with pytest.raises(ConfigError, match=r"cache\.prefix_caching is false"):
+        LLM(llama_dir, kv_cache_bytes=1 << 20, block_size=BLOCK,
+            cache={"kv_store": "host", "prefix_caching": False}, plugins={"kv_store": {"enabled": True}})
