@@ -25,9 +25,22 @@ class RequestMetrics:
 
 
 @dataclass
+class ToolCall:
+    """One function call parsed from a chat reply: ``arguments`` is the JSON text of the arguments object."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass
 class CompletionOutput:
     """The generated continuation. ``text`` has any matched stop string cut off; ``token_ids``
-    keep the EOS token when the request stopped on it."""
+    keep the EOS token when the request stopped on it.
+
+    A chat reply of a model whose output is parsed (``tokenizer="deepseek-v4"``: deepseek-recipe's stream
+    processor) has ``text`` = the answer content alone, ``reasoning`` = the thinking (None outside
+    thinking mode) and ``tool_calls`` = the parsed calls (None when there are none)."""
 
     index: int = 0
     text: str = ""
@@ -35,6 +48,8 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 @dataclass

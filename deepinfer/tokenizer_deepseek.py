@@ -54,8 +54,9 @@ class DeepseekV4Tokenizer(Tokenizer):
     def __init__(self) -> None:
         super().__init__(_package_folder())
         self._encoding: Any = None  # deepseek_recipe.DeepseekV4Encoding with its tokenizer, built on first use
+        self._recipe_tokenizer: Any = None  # the recipe's Tokenizer under that encoding
 
-    def _recipe(self) -> Any:
+    def recipe(self) -> Any:
         """The ``deepseek_recipe`` module; ``ValueError`` naming the extra when it is missing."""
         try:
             import deepseek_recipe
@@ -67,38 +68,61 @@ class DeepseekV4Tokenizer(Tokenizer):
     def _v4_encoding(self) -> Any:
         """``DeepseekV4Encoding`` over the same tokenizer.json (loaded once, about 0.2 s)."""
         if self._encoding is None:
-            recipe = self._recipe()
+            recipe = self.recipe()
             tok = recipe.Tokenizer.from_file(str(self.folder / "tokenizer.json"))
+            self._recipe_tokenizer = tok
             self._encoding = recipe.DeepseekV4Encoding().with_tokenizer(tok)
         return self._encoding
 
-    def conversation(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> Any:
-        """``messages`` (OpenAI Chat Completions messages) as a recipe ``Conversation``.
+    def recipe_tokenizer(self) -> Any:
+        """The recipe's ``Tokenizer`` over the same tokenizer.json (its stream processor decodes with it)."""
+        self._v4_encoding()
+        return self._recipe_tokenizer
 
-        The recipe's own request conversion does the work, so tool calls, tool results and content
-        parts follow DeepSeek's API; the ``developer`` role is read as ``system``, as OpenAI defines it.
-        Unknown options and a non-bool ``thinking`` raise ``ChatOptionError``; messages the recipe rejects
-        raise ``ValueError``.
+    def chat_request(self, messages: Sequence[Mapping[str, Any]], /, *,
+                     request_fields: Mapping[str, Any] | None = None, **options: Any) -> Any:
+        """``messages`` (OpenAI Chat Completions messages) converted by the recipe: a ``ConversationRequest``
+        (its conversation, inference options with the sampling rules and output constraint, and the
+        parsing options of the reply).
+
+        The recipe's own request conversion does the work, so tool calls, tool results and content parts
+        follow DeepSeek's API; the ``developer`` role is read as ``system``, as OpenAI defines it. Thinking
+        is off unless ``thinking`` is True, or ``reasoning_effort`` is given without ``thinking``.
+        ``request_fields`` are further body fields (``temperature``, ``top_p``, ``stop``). Unknown options
+        and a non-bool ``thinking`` raise ``ChatOptionError``; messages or tools the recipe rejects raise
+        ``ValueError``.
         """
         unknown = sorted(set(options) - {"thinking", *_FORWARDED_OPTIONS})
         if unknown:
             raise ChatOptionError(f"chat_template_kwargs: {unknown} not understood by the DeepSeek-V4 chat encoding; "
                              f"allowed: thinking, {', '.join(_FORWARDED_OPTIONS)}")
-        thinking = options.get("thinking", False)
+        thinking = options.get("thinking", options.get("reasoning_effort") is not None)
         if not isinstance(thinking, bool):
             raise ChatOptionError(f"chat_template_kwargs.thinking must be true or false, got {thinking!r}")
-        recipe = self._recipe()
+        recipe = self.recipe()
         body: dict[str, Any] = {
+            **{k: v for k, v in (request_fields or {}).items() if v is not None},
             "model": _RECIPE_MODEL,
             "messages": [{**m, "role": "system"} if m.get("role") == "developer" else dict(m) for m in messages],
             "thinking": {"type": "enabled" if thinking else "disabled"},
             **{k: options[k] for k in _FORWARDED_OPTIONS if options.get(k) is not None},
         }
         try:
-            request = recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
+            return recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
         except (ValueError, recipe.ConversionError) as exc:
             raise ValueError(f"messages: the DeepSeek-V4 chat encoding rejected them: {exc}") from exc
-        return request.conversation
+
+    def conversation(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> Any:
+        """``messages`` as a recipe ``Conversation`` (``chat_request``'s)."""
+        return self.chat_request(messages, **options).conversation
+
+    def encode_request(self, request: Any) -> tuple[str, list[int]]:
+        """The V4 prompt text and the recipe's prompt encoding of a ``chat_request`` (no BOS added: the text
+        has one)."""
+        encoding = self._v4_encoding()
+        text = encoding.render_conversation(request.conversation).prompt
+        check_unicode(text, "the chat prompt")  # before the recipe's tokenizer meets a lone surrogate
+        return text, list(encoding.encode(request.conversation))
 
     def render_chat(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> str:
         """The V4 prompt text of ``messages`` with the assistant turn opened (see the class docstring)."""
@@ -106,8 +130,4 @@ class DeepseekV4Tokenizer(Tokenizer):
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> tuple[str, list[int]]:
         """The V4 prompt text and the recipe's prompt encoding of it (no BOS added: the text has one)."""
-        conv = self.conversation(messages, **options)
-        encoding = self._v4_encoding()
-        text = encoding.render_conversation(conv).prompt
-        check_unicode(text, "the chat prompt")  # before the recipe's tokenizer meets a lone surrogate
-        return text, list(encoding.encode(conv))
+        return self.encode_request(self.chat_request(messages, **options))

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 import torch
 from tqdm.auto import tqdm
 
+from deepinfer.chat_output import ChatPrompt, encode_chat, parse_reply
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.intake import RequestIntake
@@ -96,6 +97,19 @@ def _as_prompt_list(prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequ
     return out
 
 
+def _apply_reply(chat: ChatPrompt, params: SamplingParams, out: RequestOutput, eos_ids: frozenset[int]) -> None:
+    """Replace a parsed chat reply's raw text by its content, with its reasoning and tool calls beside it."""
+    comp = out.outputs[0]
+    if comp.finish_reason == "error":
+        return  # nothing finished to parse; the error says what happened
+    reply = parse_reply(chat, comp.token_ids, comp.finish_reason,
+                        skip_ids=eos_ids | frozenset(params.stop_token_ids), stop=params.stop)
+    if reply is not None:
+        comp.text = reply.content or ""
+        comp.reasoning = reply.reasoning
+        comp.tool_calls = reply.tool_calls or None
+
+
 _BYTES_HINT = " (bytes are not taken as token ids: decode them to str, or pass a list of ints)"
 
 
@@ -134,7 +148,11 @@ class LLM:
         """Generate replies: one conversation (a list of ``{"role", "content"}``) or a list of them,
         rendered with the model's chat template (generation prompt on) and tokenized without adding
         special tokens. ``chat_template_kwargs`` are extra template variables; with
-        ``tokenizer="deepseek-v4"`` they are the V4 encoding's options, e.g. ``{"thinking": True}``."""
+        ``tokenizer="deepseek-v4"`` they are the V4 encoding's options, e.g. ``{"thinking": True}``, and
+        each reply is parsed by deepseek-recipe's stream processor: ``outputs[0].text`` is the answer
+        content, ``.reasoning`` the thinking, ``.tool_calls`` the parsed calls (``chat_output.py``). The
+        recipe's thinking-mode sampling rule (temperature and top_p 1.0) is the server's to apply; here the
+        given ``sampling_params`` are used as they are."""
         tokenizer = self.engine.tokenizer
         if tokenizer is None:
             raise ValueError(f"chat() needs a tokenizer; {str(self.engine.model_path)!r} has none")
@@ -149,11 +167,14 @@ class LLM:
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
             raise ValueError(f"chat_template_kwargs must be a mapping, got {type(chat_template_kwargs).__name__}")
         options = dict(chat_template_kwargs or {})
-        encoded = [tokenizer.encode_chat([dict(m) for m in conv], **options) for conv in conversations]
+        encoded = [encode_chat(tokenizer, [dict(m) for m in conv], options) for conv in conversations]
         params = self._params_for(len(encoded), sampling_params)
-        requests = [self.engine.make_request(ids, sp, text=text)
-                    for (text, ids), sp in zip(encoded, params, strict=True)]
-        return self._run(requests, use_tqdm)
+        requests = [self.engine.make_request(chat.token_ids, sp, text=chat.text)
+                    for chat, sp in zip(encoded, params, strict=True)]
+        outputs = self._run(requests, use_tqdm)
+        for chat, sp, out in zip(encoded, params, outputs, strict=True):
+            _apply_reply(chat, sp, out, self.engine.intake.eos_token_ids)
+        return outputs
 
     @staticmethod
     def _params_for(n: int, sampling_params: SamplingParams | Sequence[SamplingParams] | None

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -36,12 +36,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from deepinfer.chat_output import ChatPrompt, encode_chat
 from deepinfer.entrypoints.async_llm import AsyncLLM
 from deepinfer.errors import ChatOptionError, ModelLoadError
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling.params import SamplingParams
+from deepinfer.server.choices import Choice, choice_params, merge_choices
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, ChatRequest, CompletionRequest, bad_request, parse_body
+from deepinfer.server.render import ChatChoice, Formatter, TextDelta, finish_reason
 from deepinfer.server.stops import StopHoldBack
 
 logger = logging.getLogger(__name__)
@@ -179,72 +182,44 @@ def _sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-class _Delta:
-    """Turns cumulative outputs into stream deltas. While a request runs, text that could still be
-    cut (a partial stop string at the end, an incomplete UTF-8 character) is held back."""
-
-    def __init__(self, holdback: StopHoldBack | None) -> None:
-        self.holdback = holdback  # None: no stop strings
-        self.sent = ""
-        self.tokens = 0
-
-    def step(self, out: RequestOutput) -> tuple[str, int, int]:
-        text = out.outputs[0].text
-        end = len(text)
-        if not out.finished:
-            while end > len(self.sent) and text[end - 1] == "\ufffd":
-                end -= 1
-            if self.holdback is not None:  # incremental: the cost of a chunk is its new characters
-                end -= self.holdback.advance(text[:end])
-        delta = ""
-        if end > len(self.sent) and text.startswith(self.sent):
-            delta = text[len(self.sent):end]
-            self.sent = text[:end]
-        first, self.tokens = self.tokens, len(out.outputs[0].token_ids)
-        return delta, first, self.tokens
-
-
 def _internal_error(request_id: str) -> APIError:
     """A 500 body that says where to look, never what went wrong inside (that is logged under the id)."""
     return APIError(500, f"internal server error (request id {request_id}; the details are in the server log)",
                     type="server_error", code="internal_error")
 
 
-def _finish_reason(out: RequestOutput) -> str | None:
-    reason = out.outputs[0].finish_reason
-    return None if reason is None else ("stop" if reason == "abort" else reason)
-
-
-def _usage(out: RequestOutput) -> dict[str, int]:
-    p, c = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
+def _usage(outs: Sequence[RequestOutput]) -> dict[str, int]:
+    """Usage of a request's choices: the prompt once (its blocks are shared), the completions summed."""
+    p, c = len(outs[0].prompt_token_ids), sum(len(o.outputs[0].token_ids) for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _check_error(out: RequestOutput, params: SamplingParams) -> None:
-    refused = _grammar_refusal(out, params)
+def _check_error(out: RequestOutput, params: SamplingParams, grammar_param: str = "response_format") -> None:
+    refused = _grammar_refusal(out, params, grammar_param)
     if refused is not None:
         raise refused
     if out.outputs[0].finish_reason == "error":
         raise APIError(500, f"generation failed: {out.outputs[0].error}", type="server_error", code="engine_error")
 
 
-def _grammar_refusal(out: RequestOutput, params: SamplingParams) -> APIError | None:
+def _grammar_refusal(out: RequestOutput, params: SamplingParams, param: str = "response_format") -> APIError | None:
     """The 400 for a structured request whose grammar failed to compile (or timed out compiling): it
-    ends with ``finish_reason="error"`` before its first token. A later error is the engine's (500)."""
+    ends with ``finish_reason="error"`` before its first token. A later error is the engine's (500).
+    ``param`` is the field the grammar came from (``response_format``, or ``tools`` for a forced call)."""
     comp = out.outputs[0]
     if params.grammar_spec is None or comp.finish_reason != "error" or comp.token_ids:
         return None
-    return bad_request(f"response_format: {comp.error}", "response_format", "invalid_response_format")
+    return bad_request(f"{param}: {comp.error}", param, f"invalid_{param}")
 
 
-async def _first_output(gen: AsyncGenerator[RequestOutput, None], params: SamplingParams,
-                        release: Callable[[], None]) -> AsyncGenerator[RequestOutput, None]:
+async def _first_output(gen: AsyncGenerator[Choice, None], params: SamplingParams, release: Callable[[], None],
+                        grammar_param: str) -> AsyncGenerator[Choice, None]:
     """A streaming structured request waits for its first output before anything is sent, so that a grammar
     that fails to compile is a 400 (as without streaming), not a 200 stream with an error event. Returns a
     generator that yields that output, then the rest (closing ``gen`` when it is closed)."""
     try:
         first = await anext(gen, None)
-        refused = None if first is None else _grammar_refusal(first, params)
+        refused = None if first is None else _grammar_refusal(first[1], params, grammar_param)
         if refused is not None:
             raise refused
     except BaseException:
@@ -252,75 +227,45 @@ async def _first_output(gen: AsyncGenerator[RequestOutput, None], params: Sampli
         await gen.aclose()
         raise
 
-    async def chained() -> AsyncGenerator[RequestOutput, None]:
+    async def chained() -> AsyncGenerator[Choice, None]:
         try:
             if first is not None:
                 yield first
-            async for out in gen:
-                yield out
+            async for item in gen:
+                yield item
         finally:
             await gen.aclose()
 
     return chained()
 
 
-class _Formatter:
-    """Logprobs in the two OpenAI shapes."""
-
-    def __init__(self, llm: AsyncLLM) -> None:
-        self.tokenizer = llm.tokenizer
-
-    def token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
-
-    def completion_logprobs(self, out: RequestOutput, first: int, last: int, offset: int) -> dict[str, Any]:
-        comp = out.outputs[0]
-        tokens, token_lps, tops, offsets = [], [], [], []
-        for tid, row in zip(comp.token_ids[first:last], (comp.logprobs or [])[first:last], strict=False):
-            s = self.token(tid)
-            tokens.append(s)
-            token_lps.append(row.get(tid))
-            tops.append({self.token(t): lp for t, lp in sorted(row.items(), key=lambda kv: -kv[1])})
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-    def chat_logprobs(self, out: RequestOutput, first: int, last: int, top_n: int) -> dict[str, Any]:
-        comp = out.outputs[0]
-        content = []
-        for tid, row in zip(comp.token_ids[first:last], (comp.logprobs or [])[first:last], strict=False):
-            s = self.token(tid)
-            best = sorted(row.items(), key=lambda kv: -kv[1])[:top_n]
-            content.append({
-                "token": s, "logprob": row.get(tid), "bytes": list(s.encode()),
-                "top_logprobs": [{"token": self.token(t), "logprob": lp, "bytes": list(self.token(t).encode())}
-                                 for t, lp in best],
-            })
-        return {"content": content}
+async def _last_outputs(gen: AsyncIterator[Choice], n: int) -> list[RequestOutput] | None:
+    """Each choice's last output, by index (None if the stream ended early)."""
+    last: dict[int, RequestOutput] = {}
+    async for index, out in gen:
+        last[index] = out
+    return [last[i] for i in range(n)] if len(last) == n else None
 
 
-async def _last_output(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
-    last = None
-    async for out in gen:
-        last = out
-    return last
-
-
-async def _final_output(gen: AsyncIterator[RequestOutput], request: Request, params: SamplingParams,
-                        release: Callable[[], None]) -> RequestOutput | None:
-    """A non-streaming request's checked final output (None: the client left), releasing its queue slot."""
+async def _final_outputs(gen: AsyncGenerator[Choice, None], n: int, request: Request, params: SamplingParams,
+                         release: Callable[[], None], grammar_param: str = "response_format"
+                         ) -> list[RequestOutput] | None:
+    """A non-streaming request's checked final outputs, one per choice (None: the client left), releasing
+    its queue slot."""
     try:
-        final = await _run_unless_disconnected(gen, request)
+        finals = await _run_unless_disconnected(gen, n, request)
     finally:
         release()
-    if final is not None:
-        _check_error(final, params)
-    return final
+        await gen.aclose()
+    for final in finals or ():
+        _check_error(final, params, grammar_param)
+    return finals
 
 
-async def _run_unless_disconnected(gen: AsyncIterator[RequestOutput], request: Request) -> RequestOutput | None:
-    """The final output, or None when the client went away (the request is then aborted)."""
-    task = asyncio.ensure_future(_last_output(gen))
+async def _run_unless_disconnected(gen: AsyncIterator[Choice], n: int,
+                                   request: Request) -> list[RequestOutput] | None:
+    """The final outputs, or None when the client went away (the request is then aborted)."""
+    task = asyncio.ensure_future(_last_outputs(gen, n))
     try:
         while True:
             done, _ = await asyncio.wait({task}, timeout=0.2)
@@ -418,17 +363,23 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         return await asyncio.get_running_loop().run_in_executor(state.tokenize_pool,
                                                                 functools.partial(fn, *args, **kwargs))
 
-    async def start(llm: AsyncLLM, prompt: str | list[int], params: SamplingParams, param: str, model: str,
-                    request_id: str) -> AsyncGenerator[RequestOutput, None]:
+    async def start(llm: AsyncLLM, prompt: str | list[int], params: list[SamplingParams], param: str, model: str,
+                    request_id: str) -> AsyncGenerator[Choice, None]:
+        """The request's choices (``params``: one per choice) as one stream of ``(index, output)``."""
         try:
             # ``generate`` tokenizes a text prompt and checks it against the model; the stream it returns
             # is iterated on the loop (it is bound to the loop only when iteration starts).
-            gen = await off_loop(llm.generate, prompt, params, request_id=request_id)
+            gen = await off_loop(llm.generate, prompt, params[0], request_id=request_id)
         except ValueError as exc:
             raise bad_request(str(exc), param, "invalid_prompt") from exc
         state.check_model(model)
         state.admit()
-        return gen
+
+        def start_rest(prompt_ids: list[int]) -> list[AsyncGenerator[RequestOutput, None]]:
+            # The prompt is the first choice's ids (already checked); its full blocks are in the prefix cache.
+            return [llm.generate(prompt_ids, p, request_id=f"{request_id}-{i}") for i, p in enumerate(params) if i]
+
+        return merge_choices(gen, start_rest, len(params))
 
     def release() -> None:
         state.inflight -= 1
@@ -442,36 +393,44 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         prompt = body.the_prompt()
         llm = state.ready()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        holdback = StopHoldBack(params.stop) if body.stream and params.stop else None
-        gen = await start(llm, prompt, params, "prompt", body.model, request_id)
-        fmt = _Formatter(llm)
+        gen = await start(llm, prompt, choice_params(params, body.n), "prompt", body.model, request_id)
+        fmt = Formatter(llm.tokenizer)
         created = int(time.time())
         want_lp = body.logprobs is not None
 
-        def chunk(text: str, out: RequestOutput, lp: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+        def choice(index: int, text: str, lp: dict[str, Any] | None, finish: str | None) -> dict[str, Any]:
+            return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+
+        def envelope(choices: list[dict[str, Any]]) -> dict[str, Any]:
             return {"id": request_id, "object": "text_completion", "created": created, "model": body.model,
-                    "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]}
+                    "choices": choices}
 
         if not body.stream:
-            final = await _final_output(gen, request, params, release)
-            if final is None:
+            finals = await _final_outputs(gen, body.n, request, params, release)
+            if finals is None:
                 return Response(status_code=499)
-            lp = fmt.completion_logprobs(final, 0, len(final.outputs[0].token_ids), 0) if want_lp else None
-            payload = chunk(final.outputs[0].text, final, lp, _finish_reason(final))
-            payload["usage"] = _usage(final)
+            payload = envelope([
+                choice(i, f.outputs[0].text,
+                       fmt.completion_logprobs(f, 0, len(f.outputs[0].token_ids), 0) if want_lp else None,
+                       finish_reason(f))
+                for i, f in enumerate(finals)])
+            payload["usage"] = _usage(finals)
             return JSONResponse(payload)
 
-        def render(out: RequestOutput, text: str, first: int, last: int, finish: str | None,
-                   sent: int) -> dict[str, Any] | None:
+        deltas = [TextDelta(StopHoldBack(params.stop) if params.stop else None) for _ in range(body.n)]
+
+        def render(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+            text, first, last = deltas[index].step(out)
+            finish = finish_reason(out) if out.finished else None
             if not (text or finish or (want_lp and last > first)):
-                return None
-            lp = fmt.completion_logprobs(out, first, last, sent - len(text)) if want_lp else None
-            return chunk(text, out, lp, finish)
+                return []
+            lp = fmt.completion_logprobs(out, first, last, len(deltas[index].sent) - len(text)) if want_lp else None
+            return [envelope([choice(index, text, lp, finish)])]
 
         usage = _usage_chunk(body, request_id, "text_completion", created)
         if params.grammar_spec is not None:
-            gen = await _first_output(gen, params, release)
-        return _EventStream(_events(gen, holdback, render, usage, request_id=request_id), release)
+            gen = await _first_output(gen, params, release, "response_format")
+        return _EventStream(_events(gen, body.n, render, usage, request_id=request_id), release)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -485,87 +444,155 @@ def create_app(llm: AsyncLLM | Callable[[], AsyncLLM], *, served_model_name: str
         if llm.tokenizer is None:
             raise bad_request("this model has no tokenizer, so chat is unavailable; use /v1/completions with "
                               "token ids", "messages")
+        native = hasattr(llm.tokenizer, "chat_request")  # deepseek-recipe encodes, and parses the replies
+        options, fields = _chat_options(body, native)
         try:
             # The tokenizer's own chat encoding makes the ids, as LLM.chat does: for tokenizer="deepseek-v4"
             # that is deepseek-recipe's V4 encoding, which is not encode(render(...)) (tokenizer_deepseek.py).
-            _, prompt = await off_loop(llm.tokenizer.encode_chat, [m.as_dict() for m in body.messages],
-                                       **(body.chat_template_kwargs or {}))
+            chat = await off_loop(encode_chat, llm.tokenizer, [m.as_dict() for m in body.messages], options, fields)
         except ChatOptionError as exc:
             raise bad_request(str(exc), "chat_template_kwargs", "invalid_value") from exc
         except ModelLoadError:
             raise  # the model folder's template is broken: a 500 (logged), not the client's fault
         except (ValueError, TemplateError) as exc:
-            raise bad_request(f"the chat template failed: {exc}", "messages", "invalid_messages") from exc
+            raise bad_request(f"the chat template failed: {exc}", _rejected_field(str(exc), body),
+                              "invalid_messages") from exc
+        params, forced, grammar_param = _chat_sampling(body, params, chat)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        holdback = StopHoldBack(params.stop) if body.stream and params.stop else None
-        gen = await start(llm, prompt, params, "messages", body.model, request_id)
-        fmt = _Formatter(llm)
+        gen = await start(llm, chat.token_ids, choice_params(params, body.n), "messages", body.model, request_id)
+        fmt = Formatter(llm.tokenizer)
         created = int(time.time())
-        top_n = body.top_logprobs or 0
+        skip = llm.engine.intake.eos_token_ids | frozenset(params.stop_token_ids)
+        holdback = params.stop if body.stream and params.stop else None
+        choices = [ChatChoice(i, fmt, parser=chat.reply_stream(skip_ids=skip, stop=params.stop), forced=forced,
+                              holdback=StopHoldBack(holdback) if holdback else None,
+                              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                   for i in range(body.n)]
 
-        def envelope(obj: str, choice: dict[str, Any]) -> dict[str, Any]:
-            return {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [choice]}
+        def envelope(obj: str, items: list[dict[str, Any]]) -> dict[str, Any]:
+            return {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": items}
 
         if not body.stream:
-            final = await _final_output(gen, request, params, release)
-            if final is None:
+            finals = await _final_outputs(gen, body.n, request, params, release, grammar_param)
+            if finals is None:
                 return Response(status_code=499)
-            lp = fmt.chat_logprobs(final, 0, len(final.outputs[0].token_ids), top_n) if body.logprobs else None
-            payload = envelope("chat.completion", {
-                "index": 0, "message": {"role": "assistant", "content": final.outputs[0].text},
-                "logprobs": lp, "finish_reason": _finish_reason(final)})
-            payload["usage"] = _usage(final)
+            payload = envelope("chat.completion", [c.final(f) for c, f in zip(choices, finals, strict=True)])
+            payload["usage"] = _usage(finals)
             return JSONResponse(payload)
 
-        def render(out: RequestOutput, text: str, first: int, last: int, finish: str | None,
-                   sent: int) -> dict[str, Any] | None:
-            if not (text or finish or (body.logprobs and last > first)):
-                return None
-            lp = fmt.chat_logprobs(out, first, last, top_n) if body.logprobs else None
-            return envelope("chat.completion.chunk", {"index": 0, "delta": {"content": text} if text else {},
-                                                      "logprobs": lp, "finish_reason": finish})
+        def render(index: int, out: RequestOutput) -> list[dict[str, Any]]:
+            return [envelope("chat.completion.chunk", [item]) for item in choices[index].step(out)]
 
-        head = envelope("chat.completion.chunk", {"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None})
+        head = envelope("chat.completion.chunk", [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None} for i in range(body.n)])
         usage = _usage_chunk(body, request_id, "chat.completion.chunk", created)
         if params.grammar_spec is not None:
-            gen = await _first_output(gen, params, release)
-        return _EventStream(_events(gen, holdback, render, usage, head, request_id=request_id), release)
+            gen = await _first_output(gen, params, release, grammar_param)
+        return _EventStream(_events(gen, body.n, render, usage, head, request_id=request_id), release)
 
     return app
 
 
+def _chat_options(body: ChatRequest, native: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The chat encoding's options and (deepseek-recipe only) the further request fields it reads.
+
+    With deepseek-recipe (``native``) tools, ``tool_choice`` and ``reasoning_effort`` go to its conversion,
+    and ``temperature`` / ``top_p`` too (it resolves them: thinking mode fixes both). Otherwise the model has
+    no tool-call format: ``tool_choice`` ``auto`` is refused (there is nothing to parse calls with), ``none``
+    drops the tools, and a forced function reaches the template as the ``tools`` variable (HF's convention)."""
+    options = dict(body.chat_template_kwargs or {})
+    tools = [t.as_dict() for t in body.tools or ()]
+    choice = body.tool_choice
+    if native:
+        if tools:
+            options["tools"] = tools
+            if choice is not None:
+                options["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
+        if body.reasoning_effort is not None:
+            options["reasoning_effort"] = body.reasoning_effort
+        return options, {"temperature": body.temperature, "top_p": body.top_p}
+    if body.reasoning_effort is not None:
+        raise bad_request("reasoning_effort needs a model whose replies are parsed for reasoning "
+                          "(tokenizer='deepseek-v4')", "reasoning_effort")
+    if tools and choice in (None, "auto"):
+        raise bad_request("tool_choice 'auto' needs a model with a tool-call format (tokenizer='deepseek-v4'); "
+                          "give 'required' or a named function (constrained to its parameters), or 'none'",
+                          "tool_choice", "invalid_tool_choice")
+    if tools and choice != "none":
+        options.setdefault("tools", tools)
+    return options, None
+
+
+def _chat_sampling(body: ChatRequest, params: SamplingParams, chat: ChatPrompt
+                   ) -> tuple[SamplingParams, str | None, str]:
+    """``params`` under the chat's rules: deepseek-recipe's resolved temperature / top_p and its
+    ``tool_call_required`` constraint; or, without the recipe, a forced function's parameter schema.
+    Returns the params, the forced function's name (None: no forced call) and the field a grammar came from."""
+    grammar_param = "response_format"
+    tools_grammar = None
+    forced = None
+    if chat.parses_replies:
+        params = replace(params, **chat.sampling_rules())
+        tools_grammar = chat.tool_constraint()
+    elif body.tool_choice not in (None, "none") and body.tools:
+        function = body.forced_function()
+        if function is None:
+            raise bad_request("tool_choice 'required' with several tools needs a model with a tool-call format "
+                              "(tokenizer='deepseek-v4'); name one function", "tool_choice", "invalid_tool_choice")
+        forced = function.name
+        tools_grammar = {"json_schema": function.parameters or {"type": "object"}}
+    if tools_grammar is not None:
+        if params.grammar_spec is not None:
+            raise bad_request("response_format cannot constrain a reply whose tool_choice forces a tool call",
+                              "response_format")
+        try:
+            params = replace(params, structured=tools_grammar)
+        except ValueError as exc:
+            raise bad_request(f"tools: {exc}", "tools", "invalid_tools") from exc
+        grammar_param = "tools"
+    return params, forced, grammar_param
+
+
+def _rejected_field(message: str, body: ChatRequest) -> str:
+    """The field a chat-encoding refusal is about: ``tools`` / ``tool_choice`` when the recipe says so."""
+    lowered = message.lower()
+    if body.tools and ("tool_call" in lowered or "tool_choice" in lowered) and "function named" in lowered:
+        return "tool_choice"
+    if body.tools and ("schema" in lowered or "function" in lowered or "tool" in lowered):
+        return "tools"
+    return "messages"
+
+
 def _usage_chunk(body: Any, request_id: str, obj: str, created: int
-                 ) -> Callable[[RequestOutput], dict[str, Any]] | None:
+                 ) -> Callable[[list[RequestOutput]], dict[str, Any]] | None:
     """The final ``usage`` chunk of a stream, when the client asked for it (``stream_options``)."""
     if body.stream_options is None or not body.stream_options.include_usage:
         return None
-    return lambda out: {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [],
-                        "usage": _usage(out)}
+    return lambda outs: {"id": request_id, "object": obj, "created": created, "model": body.model, "choices": [],
+                         "usage": _usage(outs)}
 
 
-async def _events(gen: AsyncGenerator[RequestOutput, None], holdback: StopHoldBack | None, render: Callable[..., Any],
-                  usage: Callable[[RequestOutput], dict[str, Any]] | None,
+async def _events(gen: AsyncGenerator[Choice, None], n: int, render: Callable[[int, RequestOutput], list[Any]],
+                  usage: Callable[[list[RequestOutput]], dict[str, Any]] | None,
                   head: dict[str, Any] | None = None, *, request_id: str = "") -> AsyncGenerator[str, None]:
-    """Server-sent events of one streaming request. ``render(out, text, first, last, finish, sent)``
-    builds the chunk for the text that became safe to send (or None to send nothing); ``usage`` adds
-    the final usage chunk; a generation error becomes an error event; the stream always ends with
-    ``[DONE]`` and closes the generator (which aborts the request if it is still running)."""
-    delta = _Delta(holdback)
+    """Server-sent events of one streaming request of ``n`` choices. ``render(index, out)`` builds the chunks
+    that choice's new output makes available (text held back until it is safe to send); ``usage`` adds the
+    final usage chunk once every choice finished; a generation error becomes an error event; the stream
+    always ends with ``[DONE]`` and closes the generator (which aborts the choices still running)."""
     if head is not None:
         yield _sse(head)
+    finals: dict[int, RequestOutput] = {}
     try:
-        async for out in gen:
+        async for index, out in gen:
             if out.outputs[0].finish_reason == "error":
                 yield _sse(APIError(500, f"generation failed: {out.outputs[0].error}", type="server_error").body())
                 break
-            text, first, last = delta.step(out)
-            finish = _finish_reason(out) if out.finished else None
-            payload = render(out, text, first, last, finish, len(delta.sent))
-            if payload is not None:
+            for payload in render(index, out):
                 yield _sse(payload)
-            if out.finished and usage is not None:
-                yield _sse(usage(out))
+            if out.finished:
+                finals[index] = out
+                if len(finals) == n and usage is not None:
+                    yield _sse(usage([finals[i] for i in range(n)]))
     except RuntimeError:
         # The engine stopped (a failure, or a shutdown): the details go to the log, not to the client.
         logger.exception("request %s: the stream failed", request_id)

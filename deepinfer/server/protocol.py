@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from deepinfer.sampling.params import MAX_TEMPERATURE, SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_CHOICES = 16  # ``n``: choices per request (each is its own engine request; see choices.py)
+# OpenAI's rule for function names (they appear in prompts and in the model's tool-call markup).
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 # Stop strings per request and characters per stop string: the engine checks every stop against the text
 # after each token, and a stream holds back up to the longest one (server/stops.py).
 MAX_STOP_STRINGS = 64
@@ -79,8 +82,8 @@ class _Sampling(_Body):
     first_n_token_no_eos: int | None = None
 
     def common_checks(self) -> None:
-        if self.n != 1:
-            raise bad_request(f"n must be 1 (deepinfer returns one choice per request), got {self.n}", "n")
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise bad_request(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise bad_request(f"stop has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed", "stop")
@@ -162,10 +165,31 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Body):
+    """A tool call of an earlier assistant turn, sent back in the conversation (``index`` is tolerated:
+    streamed calls carry it, and clients echo them back)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+    index: int | None = None
+
+
 class ChatMessage(_Body):
+    """One message. ``tool_calls`` (assistant), ``tool_call_id`` (tool) and ``reasoning_content`` (assistant,
+    DeepSeek's thinking of that turn) are handed to the chat encoding as they are."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         if isinstance(self.content, list):
@@ -175,7 +199,40 @@ class ChatMessage(_Body):
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls is not None:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": c.function.model_dump()}
+                                     for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            message["reasoning_content"] = self.reasoning_content
         return message
+
+
+class FunctionSpec(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(_Body):
+    """An OpenAI function tool: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
+
+
+class ChosenFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: ChosenFunction
 
 
 class ResponseFormat(_Body):
@@ -207,9 +264,45 @@ class ChatRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
+    tools: list[ToolSpec] | None = None
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    reasoning_effort: str | None = None
+
+    def check_tools(self) -> None:
+        """The tool declarations' form: unique, well-named functions whose ``parameters`` is an object
+        schema; a ``tool_choice`` that names a declared function, and none that needs tools without them."""
+        names: list[str] = []
+        for i, tool in enumerate(self.tools or ()):
+            fn = tool.function
+            if not _FUNCTION_NAME.match(fn.name):
+                raise bad_request(f"tools[{i}].function.name {fn.name!r} must be 1-64 letters, digits, '_' or '-'",
+                                  "tools", "invalid_tools")
+            if fn.name in names:
+                raise bad_request(f"tools[{i}].function.name {fn.name!r} is declared twice", "tools", "invalid_tools")
+            params = fn.parameters
+            if params is not None and params.get("type", "object") != "object":
+                raise bad_request(f"tools[{i}].function.parameters must be a JSON schema of type 'object', got "
+                                  f"type {params.get('type')!r}", "tools", "invalid_tools")
+            names.append(fn.name)
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise bad_request(f"tool_choice names the function {choice.function.name!r}, which is not in tools "
+                              f"({names})", "tool_choice", "invalid_tool_choice")
+        if choice == "required" and not names:
+            raise bad_request("tool_choice 'required' needs tools", "tool_choice", "invalid_tool_choice")
+
+    def forced_function(self) -> FunctionSpec | None:
+        """The function a named ``tool_choice`` forces, or the only tool under ``required``; None otherwise."""
+        choice, tools = self.tool_choice, self.tools or []
+        if isinstance(choice, NamedToolChoice):
+            return next(t.function for t in tools if t.function.name == choice.function.name)
+        if choice == "required" and len(tools) == 1:
+            return tools[0].function
+        return None
 
     def to_sampling_params(self, default_max_tokens: int) -> SamplingParams:
         self.common_checks()
+        self.check_tools()
         structured = self.response_format.structured() if self.response_format is not None else None
         if self.top_logprobs is not None:
             if not self.logprobs:
