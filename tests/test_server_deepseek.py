@@ -107,12 +107,16 @@ def test_a_message_the_recipe_rejects_is_a_400(served) -> None:
 def test_chat_template_kwargs_reach_the_encoding_as_in_llm_chat(served, client, offline) -> None:
     _, prompts = served
     messages = CONVERSATIONS[0]
-    want = offline.chat(messages, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+    # Thinking mode samples at temperature 1 and top_p 1 whatever the request says (the recipe's rule), so the
+    # offline call uses those, and both the same seed.
+    want = offline.chat(messages, SamplingParams(temperature=1.0, top_p=1.0, seed=5, max_tokens=4), use_tqdm=False,
                         chat_template_kwargs={"thinking": True})[0]
-    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0.0,
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=4, temperature=0.0, seed=5,
                                          extra_body={"chat_template_kwargs": {"thinking": True}})
     assert prompts[-1] == want.prompt_token_ids and prompts[-1][-1] == THINK
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
     assert got.choices[0].message.content == want.outputs[0].text
+    assert got.choices[0].message.model_extra["reasoning_content"] == want.outputs[0].reasoning
     client.chat.completions.create(model=NAME, messages=messages, max_tokens=1,
                                    extra_body={"chat_template_kwargs": {"thinking": False}})
     assert prompts[-1] == offline.tokenizer.encode_chat(messages)[1] != want.prompt_token_ids

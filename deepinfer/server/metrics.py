@@ -3,7 +3,8 @@
 Request metrics are recorded by ``AsyncLLM``'s engine thread when a request finishes (aborts
 included); HTTP responses are counted by the app; engine gauges and counters come from
 ``AsyncLLM.get_stats()`` at scrape time (a collector over the stats handed to ``render``), with the
-speculative-decoding acceptance and the process collector beside them. Counters carry no ``_created``
+speculative-decoding acceptance, the KV store tiers' hit rates and traffic (when ``cache.kv_store`` is
+on) and the process collector beside them. Counters carry no ``_created``
 samples (as vLLM serves them).
 """
 
@@ -69,6 +70,9 @@ class _EngineCollector(Collector):
             for i, rate in enumerate(spec.get("acceptance_per_position", ()), 1):
                 per_position.add_metric([str(i)], rate)
             yield per_position
+        tiers = stats.get("kv_tiers")
+        if isinstance(tiers, dict):
+            yield from _tier_metrics(tiers)
         plugin = GaugeMetricFamily("deepinfer_plugin_stat", "Numeric counters reported by enabled plugins "
                                    "(get_stats).", labels=["plugin", "stat"])
         for name, sub in sorted(stats.items()):
@@ -77,6 +81,25 @@ class _EngineCollector(Collector):
                     plugin.add_metric([name, key], value)
         if plugin.samples:
             yield plugin
+
+
+def _tier_metrics(tiers: dict[str, Any]) -> Iterator[Metric]:
+    """The KV tiers' (``cache.kv_store``, kv/tiers.py) hit rate per store and their block traffic."""
+    rate = GaugeMetricFamily("deepinfer_kv_tier_hit_rate", "Hit blocks / looked-up blocks of a KV store tier.",
+                             labels=["tier"])
+    hits = CounterMetricFamily("deepinfer_kv_tier_hits", "Blocks found in a KV store tier.", labels=["tier"])
+    for name, store in sorted(tiers.items()):
+        if isinstance(store, dict) and "hits" in store and "misses" in store:
+            looked = store["hits"] + store["misses"]
+            rate.add_metric([name], store["hits"] / looked if looked else 0.0)
+            hits.add_metric([name], store["hits"])
+    yield rate
+    yield hits
+    for key, help_text in (("promoted_tokens", "Prompt tokens loaded back from the KV store tiers."),
+                           ("demoted_blocks", "Blocks saved to the KV store tiers on eviction."),
+                           ("promoted_blocks", "Blocks loaded back from the KV store tiers.")):
+        if key in tiers:
+            yield CounterMetricFamily(f"deepinfer_kv_tier_{key}", help_text, value=tiers[key])
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
