@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from test_deepseek_v4 import SEQS
+from test_deepseek_v4 import build as build_v4
 from test_gemma3 import build_gemma3
 from tiny_deepseek import save_tiny_v3
 from tiny_models import save_tiny
@@ -36,6 +38,13 @@ def v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def v4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiers-v4")
+    build_v4("v4-yarn", folder, yoco_num_producer_layers=0)  # window 8, CSA ratio 4, HCA ratio 8
+    return folder
+
+
+@pytest.fixture(scope="module")
 def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("tiers-gemma3")
     build_gemma3("gemma3-tied").save_pretrained(folder)  # sliding window 8 on two of three layers
@@ -45,11 +54,14 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _llm(folder: Path, kv_store: str | None, *, blocks: int, tmp: Path | None = None, **overrides: Any) -> LLM:
     """An engine whose device cache holds ``blocks`` blocks of 16 tokens (sized from the model's bytes)."""
     probe = LLM(folder, kv_cache_bytes=1 << 22, block_size=BLOCK, max_model_len=128, **overrides)
-    per_block = sum(t[0].numel() * t.element_size() for t in probe.engine.pool.paged)
+    pool = probe.engine.pool
+    per_block = sum(t[0].numel() * t.element_size() for t in pool.paged)
+    # Per-request state rings (DeepSeek-V4) come out of the same budget.
+    state = sum(t.numel() * t.element_size() for layer in pool.layers for t in layer) - per_block * pool.num_blocks
     probe.shutdown()
     plugins = {"kv_store": {"enabled": True, "host_bytes": 1 << 24,
                             "disk_dir": str(tmp) if tmp is not None else None}}
-    return LLM(folder, kv_cache_bytes=per_block * (blocks + 1), block_size=BLOCK, max_model_len=128,
+    return LLM(folder, kv_cache_bytes=state + per_block * (blocks + 1), block_size=BLOCK, max_model_len=128,
                cache={"kv_store": kv_store}, plugins=plugins, **overrides)
 
 
@@ -120,6 +132,18 @@ def test_a_sliding_window_model_comes_back_from_the_host(gemma_dir: Path) -> Non
     run = _evict_then_hit(gemma_dir, "host")
     assert run["got"] == run["want"]
     assert run["prefill"] == run["len_b"] - PREFIX
+
+
+def test_deepseek_v4_paged_entries_come_back_and_replay_rebuilds_its_state(v4_dir: Path,
+                                                                           one_torch_thread: None) -> None:
+    """Compressed entries and indexer keys come back from the host store; the state rings are not stored,
+    so exact replay recomputes the receptive field below the hit (as after a device hit): the prefill
+    computes the tail plus that field, not the whole prefix."""
+    run = _evict_then_hit(v4_dir, "host", max_num_seqs=SEQS)
+    assert run["got"] == run["want"]
+    field = 4 * (8 + 1) + 2 * 8  # layers x (window + max_backtrack) + 2 x the largest ratio (ExactReplayPlanner)
+    assert run["prefill"] == run["len_b"] - PREFIX + field
+    assert run["stats"]["kv_tiers"]["promoted_blocks"] == PREFIX // BLOCK
 
 
 def test_a_lower_tier_hit_is_copied_into_the_tier_above(llama_dir: Path, tmp_path: Path) -> None:
