@@ -83,13 +83,14 @@ class ReplyStream:
         new = [t for t in token_ids[self._fed:] if t not in self._skip]
         self._fed = len(token_ids)
         raw: list[Any] = []
-        if new:
+        # The processor finishes by itself on a stop sequence; nothing may be pushed after that.
+        if new and not self._processor.finished:
             raw += self._processor.push(self._recipe.InferenceChunk.tokens(new))
         if finish_reason is not None:
             self._finished = True
             if finish_reason == "error":
                 self._processor.close()
-            else:
+            elif not self._processor.finished:
                 reason = self._recipe.InferenceFinishReason
                 raw += self._processor.push(self._recipe.InferenceChunk.finish(
                     reason.Length if finish_reason == "length" else reason.Stop))

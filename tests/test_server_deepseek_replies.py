@@ -136,6 +136,20 @@ def test_thinking_reply_is_split_as_llm_chat_splits_it(served, client, offline, 
     assert [f for f in finishes if f] == ["stop"]
 
 
+def test_a_stop_string_is_cut_from_the_parsed_content(served, client, offline, tok) -> None:
+    _, rec = served
+    golden = forced(tok, "It is 4. Done, and more.")
+    want = offline.chat(QUESTION, SamplingParams(max_tokens=64, golden_token_ids=golden, stop=["Done"]),
+                        use_tqdm=False)[0].outputs[0]
+    assert want.text == "It is 4. " and want.finish_reason == "stop"
+    rec.golden = golden
+    got = client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=64, stop=["Done"])
+    assert got.choices[0].message.content == want.text
+    _, content, _, _ = stream_parts(client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=64,
+                                                                   stop=["Done"], stream=True))
+    assert content == want.text
+
+
 def test_reasoning_effort_turns_thinking_on_with_the_recipes_sampling_rule(served, client) -> None:
     _, rec = served
     client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=2, temperature=0.0, top_p=0.5,

@@ -554,12 +554,12 @@ def _chat_sampling(body: ChatRequest, params: SamplingParams, chat: ChatPrompt
 
 
 def _rejected_field(message: str, body: ChatRequest) -> str:
-    """The field a chat-encoding refusal is about: ``tools`` / ``tool_choice`` when the recipe says so."""
-    lowered = message.lower()
-    if body.tools and ("tool_call" in lowered or "tool_choice" in lowered) and "function named" in lowered:
-        return "tool_choice"
-    if body.tools and ("schema" in lowered or "function" in lowered or "tool" in lowered):
+    """The field a chat-encoding refusal is about: deepseek-recipe names a tool's bad schema ("Invalid schema
+    for function ...") and a ``tool_choice`` naming no declared function ("no function named ...")."""
+    if body.tools and "invalid schema for function" in message.lower():
         return "tools"
+    if body.tool_choice is not None and "no function named" in message.lower():
+        return "tool_choice"
     return "messages"
 
 
