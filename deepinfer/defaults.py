@@ -10,6 +10,7 @@ from deepinfer.hookspecs import hookimpl
 from deepinfer.interfaces import CacheLayout, RankLoad, ReplayPlan, SchedulableRequest
 from deepinfer.model.deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from deepinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.model.deepseek_v4.v41 import DeepseekV41ForCausalLM
 from deepinfer.model.gemma3 import Gemma3ForCausalLM
 from deepinfer.model.layers.batch_invariant import (
     BatchInvariantAttentionBackend,
@@ -81,7 +82,8 @@ class BuiltinPlugin:
     def deepinfer_model_architectures(self) -> dict[str, type]:
         return {cls.architecture: cls for cls in (LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
                                                   DeepseekV3ForCausalLM, DeepseekV2ForCausalLM,
-                                                  DeepseekV4ForCausalLM, Gemma3ForCausalLM)}
+                                                  DeepseekV4ForCausalLM, DeepseekV41ForCausalLM,
+                                                  Gemma3ForCausalLM)}
 
     @hookimpl(trylast=True)
     def deepinfer_step_executors(self) -> dict[str, type]:

@@ -43,15 +43,26 @@ class Compressor(nn.Module):
     per-token ``[kv, gate]`` projections (``bind``)."""
 
     def __init__(self, d: V4Dims, width: int, ratio: int, overlap: bool, dtype: torch.dtype,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, ape: bool = True, gated: bool = True) -> None:
         super().__init__()
-        self.width, self.ratio, self.overlap = width, ratio, overlap
+        if not gated and ratio != 1:
+            raise ValueError(f"an ungated compressor pools one token per entry, not {ratio}")
+        self.width, self.ratio, self.overlap, self.gated = width, ratio, overlap, gated
         self.series = (2 if overlap else 1) * width
-        self.kv_gate_weight = nn.Parameter(torch.empty(2 * self.series, d.hidden, dtype=dtype, device=device))
-        self.position_bias = nn.Parameter(torch.empty(ratio, self.series, dtype=torch.float32, device=device))
+        rows = (2 if gated else 1) * self.series
+        self.kv_gate_weight = nn.Parameter(torch.empty(rows, d.hidden, dtype=dtype, device=device))
+        if ape:
+            self.position_bias = nn.Parameter(torch.empty(ratio, self.series, dtype=torch.float32, device=device))
+        else:  # V4.1: no position bias (the gate alone weighs the window's tokens)
+            self.register_buffer("position_bias", torch.zeros(ratio, self.series, dtype=torch.float32, device=device),
+                                 persistent=False)
         self.norm = V4RMSNorm(width, d.eps, device=device)
         self.paged: torch.Tensor | None = None
         self.ring: torch.Tensor | None = None
+        # V4.1 (``v41_indexer.IndexKeys``): the indexer keys of each entry from its normed, unroped value,
+        # written to ``index_paged`` at the entry's row.
+        self.index_keys: nn.Module | None = None
+        self.index_paged: torch.Tensor | None = None
 
     def ring_span(self) -> int:
         """Positions an entry reads back: its window, and the previous one with overlap."""
@@ -63,6 +74,8 @@ class Compressor(nn.Module):
         only when ``step_rows`` are ``_DeviceRows`` (``_update_rows``), else request by request."""
         assert self.paged is not None and self.ring is not None, "compressor cache not bound"
         proj = ctx.backends["linear"].linear(x, self.kv_gate_weight)  # [T, 2 · series]: kv, then gate
+        if not self.gated:  # one token per entry: its softmax weight is 1 whatever the gate
+            proj = torch.cat([proj, torch.zeros_like(proj)], dim=-1)
         if isinstance(step_rows, _DeviceRows):
             self._update_rows(proj, ctx, step_rows, rotary)
             return
@@ -80,7 +93,7 @@ class Compressor(nn.Module):
                 ids = torch.arange(min(w1, max(w0, -(-s.floor // r))), w1, device=dev)
                 if ids.numel():
                     targets = entry_rows(ctx.block_tables[s.index], ids, per_block)
-                    flat.index_copy_(0, targets, entries[ids - w0])
+                    self._store(flat, targets, entries[ids - w0])
             keep = min(s.hi - s.lo, size)
             self.ring[s.slot].index_copy_(0, ring_rows(s.end - keep, s.end, size, dev), proj[s.hi - keep:s.hi])
 
@@ -119,13 +132,27 @@ class Compressor(nn.Module):
         closes = (pos + 1) % r == 0
         targets = torch.where(closes, blocks * per_block + window % per_block, 0)
         flat = self.paged.view(-1, width)
-        flat.index_copy_(0, targets, entries.to(flat.dtype))
+        self._store(flat, targets, entries.to(flat.dtype))
 
     def _finish(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
         """Entries from their windows' ``kv`` and biased ``gate`` ``[entries, slots, width]``: softmax over
         the slots per channel, the weighted sum, the norm, then rope at ``positions`` (window starts)."""
         probs = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-        return rotary.rotate(self.norm((kv * probs).sum(dim=1)), positions)
+        normed = self.norm((kv * probs).sum(dim=1))
+        entries = rotary.rotate(normed, positions)
+        if self.index_keys is None:
+            return entries
+        return torch.cat([entries, self.index_keys(normed, positions).to(entries.dtype)], dim=-1)
+
+    def _store(self, flat: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write entry rows ``rows`` (with their indexer keys appended, V4.1) at ``targets`` of ``flat``."""
+        if self.index_keys is None:
+            flat.index_copy_(0, targets, rows)
+            return
+        assert self.index_paged is not None, "indexer key cache not bound"
+        flat.index_copy_(0, targets, rows[:, : self.width].to(flat.dtype))
+        keys = self.index_paged.view(-1, self.index_paged.shape[-1])
+        keys.index_copy_(0, targets, rows[:, self.width:].to(keys.dtype))
 
     def _pool(self, rows: torch.Tensor, w0: int, w1: int, first_window: int, rotary: V4Rotary) -> torch.Tensor:
         """Entries ``[w0, w1)`` from the projections of windows ``[first_window, w1)``."""

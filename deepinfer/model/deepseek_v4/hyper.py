@@ -6,7 +6,9 @@ projection ``fn [(2+m)·m, m·H]`` (times ``scale``, plus ``base``) and yields `
 (mixes the streams into the sub-layer input), ``post = 2·sigmoid(·)`` (spreads the output back) and
 ``comb = softmax(·) + eps`` made doubly stochastic by Sinkhorn (column normalization, then
 ``hc_sinkhorn_iters − 1`` row/column rounds). New streams: ``out[k] = post[k]·y + Σ_j comb[j, k]·streams[j]``.
-The final ``hc_head`` folds the streams with its own ``pre`` weights before the last RMSNorm.
+The final ``hc_head`` folds the streams with its own ``pre`` weights before the last RMSNorm. DeepSeek-V4.1's
+``hc_shifted`` collapses each sub-layer's streams with the ``pre`` of the sub-layer before (``mixes``,
+``collapse``; ``v41.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,11 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, m, H]`` → ``post [T, m]``, ``comb [T, m, m]`` (float32), ``collapsed [T, H]``."""
+        pre, post, comb = self.mixes(streams)
+        return post, comb, self.collapse(pre, streams)
+
+    def mixes(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams [T, m, H]`` → float32 ``pre [T, m]``, ``post [T, m]`` and Sinkhorn ``comb [T, m, m]``."""
         m = self.m
         flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         mixes = F.linear(flat, self.fn)
@@ -45,8 +52,12 @@ class HyperConnection(nn.Module):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return pre, post, comb
+
+    @staticmethod
+    def collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        """The sub-layer input ``Σ_k pre[k]·streams[k]`` ``[T, H]`` (in the streams' dtype)."""
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
     @staticmethod
     def write_back(post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
