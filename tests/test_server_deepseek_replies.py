@@ -150,6 +150,25 @@ def test_a_stop_string_is_cut_from_the_parsed_content(served, client, offline, t
     assert content == want.text
 
 
+def test_n_parsed_choices_stream_with_an_index_and_logprobs_each(served, client, tok) -> None:
+    _, rec = served
+    rec.golden = golden = forced(tok, "Add.</think>4.")
+    kwargs = {"model": NAME, "messages": QUESTION, "n": 2, "max_tokens": 32, "logprobs": True, "top_logprobs": 1,
+              "extra_body": {"chat_template_kwargs": {"thinking": True}}}
+    whole = client.chat.completions.create(**kwargs)
+    assert [(c.index, c.message.model_extra["reasoning_content"], c.message.content) for c in whole.choices] == [
+        (0, "Add.", "4."), (1, "Add.", "4.")]
+    assert [len(c.logprobs.content) for c in whole.choices] == [len(golden)] * 2
+    parts: dict[int, list[str]] = {0: ["", ""], 1: ["", ""]}
+    logprobs = [0, 0]
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for c in chunk.choices:
+            parts[c.index][0] += (c.delta.model_extra or {}).get("reasoning_content") or ""
+            parts[c.index][1] += c.delta.content or ""
+            logprobs[c.index] += len(c.logprobs.content) if c.logprobs else 0
+    assert parts == {0: ["Add.", "4."], 1: ["Add.", "4."]} and logprobs == [len(golden)] * 2
+
+
 def test_reasoning_effort_turns_thinking_on_with_the_recipes_sampling_rule(served, client) -> None:
     _, rec = served
     client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=2, temperature=0.0, top_p=0.5,
