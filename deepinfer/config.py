@@ -37,6 +37,9 @@ class ModelSection(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     load_format: Literal["auto", "dummy"] = "auto"
+    # Weight-only quantization of the GEMM weights (``none``: the model dtype, the default oracle); a value
+    # needs an enabled plugin that serves it (``plugins.cpu``: ``int8``, ``q4_1`` on CPU in float32).
+    quantization: Literal["none", "int8", "q4_1"] = "none"
     tokenizer: str | None = None
     max_model_len: int | None = Field(default=None, ge=1)
 
@@ -151,6 +154,7 @@ FLAT_OVERRIDES: dict[str, str] = {
     "dtype": "model",
     "device": "model",
     "load_format": "model",
+    "quantization": "model",
     "tokenizer": "model",
     "max_model_len": "model",
     "max_num_seqs": "scheduler",

@@ -125,6 +125,14 @@ def deepinfer_gemm_backends() -> list[GemmBackend]:
     """GEMM backends (op ``linear``); chosen by ``kernels.gemm`` like attention backends."""
 
 
+@hookspec
+def deepinfer_weight_quantizations() -> list[str]:
+    """The ``model.quantization`` values (other than ``none``) this plugin serves: for a run with one of
+    them it offers, in ``deepinfer_gemm_backends``, a ``linear`` backend that keeps the GEMM weights in that
+    format, and refuses in ``deepinfer_validate_config`` the runs it cannot serve (naming the fix). The core
+    refuses at start-up a value that no enabled plugin lists."""
+
+
 # ---------------------------------------------------------------------------------- checks and aliases
 
 

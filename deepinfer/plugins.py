@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import inspect
 import logging
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ import pluggy
 from pydantic import BaseModel, ValidationError
 
 from deepinfer import hookspecs
-from deepinfer.config import ConfigAlias, format_validation_error
+from deepinfer.config import ConfigAlias, ModelSection, format_validation_error
 from deepinfer.errors import ConfigError, PluginError
 from deepinfer.interfaces import Backend, RunRequirements
 
@@ -116,6 +117,29 @@ class UnfitBackend:
         raise ConfigError(self._reason)
 
 
+_QUANTIZATIONS = typing.get_args(ModelSection.model_fields["quantization"].annotation)
+
+
+class _QuantizationCheck:
+    """The core's check of ``model.quantization``: a value other than ``none`` must be listed by an
+    enabled plugin's ``deepinfer_weight_quantizations`` (the core's own GEMMs compute in the model dtype), so a
+    quantized run never silently runs unquantized."""
+
+    def __init__(self, host: PluginHost) -> None:
+        self.host = host
+
+    @hookspecs.hookimpl(trylast=True)
+    def deepinfer_validate_config(self, config: Any, info: Any) -> None:
+        wanted = config.model.quantization
+        if wanted == "none":
+            return
+        served = sorted({q for offer in self.host._call_each("deepinfer_weight_quantizations") for q in offer.value})
+        if wanted not in served:
+            hint = self.host._disabled_offering("deepinfer_weight_quantizations", lambda value: wanted in (value or ()))
+            raise ConfigError(f"model.quantization: {wanted!r} is served by no enabled plugin (served: "
+                              f"{served or 'none'}; allowed values: {', '.join(_QUANTIZATIONS)}){hint}")
+
+
 @dataclass
 class _Offer:
     plugin: str
@@ -136,6 +160,7 @@ class PluginHost:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
         self.pm.register(BuiltinPlugin(), name=BUILTIN)
+        self.pm.register(_QuantizationCheck(self), name=f"{BUILTIN}-quantization")
         self.enabled: dict[str, Any] = {}
         self.disabled: dict[str, Any] = {}  # built (config validated) but not registered
         unknown = sorted(set(self.plugin_configs) - set(self.installed))

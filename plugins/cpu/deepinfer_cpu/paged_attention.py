@@ -24,51 +24,25 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.ops import TorchAttentionBackend, cache_dir, write_kv
+from deepinfer.ops import TorchAttentionBackend, write_kv
+from deepinfer_cpu.cbuild import CSRC, FLAGS, build_library, compiler
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.c"
+__all__ = ["FLAGS", "MAX_QUERY_ROWS", "CPUPagedAttentionBackend", "compiler", "load_kernel", "paged_attention"]
+
+SOURCE = CSRC / "paged_attention.c"
 # Query rows per request the kernel takes (a verification step's 1 + max_draft, short prompts); its score
 # buffer holds rows × group × context floats per task.
 MAX_QUERY_ROWS = 16
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")  # no errno: expf vectorizes
-
-
-def compiler() -> str | None:
-    """The C compiler the kernel is built with (``$CC``, else cc / gcc / clang on PATH)."""
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
 
 
 @functools.cache
 def load_kernel() -> ctypes.CDLL:
     """The compiled kernel library, built into the cache on first use."""
-    cc = compiler()
-    if cc is None:
-        raise RuntimeError("plugins.cpu: the cpu_paged attention kernel needs a C compiler (cc, gcc or clang)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / "cpu_kernels" / f"paged_attention-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            run = subprocess.run([cc, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], capture_output=True, text=True)
-            if run.returncode != 0:
-                raise RuntimeError(f"plugins.cpu: building {SOURCE.name} with {cc} failed:\n{run.stderr.strip()}")
-            os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
-    lib = ctypes.CDLL(str(target))
+    lib = build_library(SOURCE)
     i64, f32 = ctypes.c_int64, ctypes.c_float
     lib.paged_attention_f32.restype = ctypes.c_int
     lib.paged_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [i64] * 7 + [f32, ctypes.c_int]

@@ -1,0 +1,47 @@
+"""Building the plugin's C kernels (``csrc/*.c``) once per machine with the system C compiler.
+
+A kernel is compiled on first use (``FLAGS``) into ``<deepinfer cache>/cpu_kernels/`` under a name hashed
+from the source, the flags and the compiler, so a machine builds each version once (under a second) and
+loads it through ctypes; a failed build raises with the compiler's message.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from deepinfer.ops import cache_dir
+
+CSRC = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared")  # no errno: expf vectorizes
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with (``$CC``, else cc / gcc / clang on PATH)."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def build_library(source: Path) -> ctypes.CDLL:
+    """``source`` compiled into the cache (once per source, flags and compiler) and loaded."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError(f"plugins.cpu: the {source.name} kernel needs a C compiler (cc, gcc or clang)")
+    key = hashlib.sha256(source.read_bytes() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / "cpu_kernels" / f"{source.stem}-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            run = subprocess.run([cc, *FLAGS, "-o", str(built), str(source), "-lm"], capture_output=True, text=True)
+            if run.returncode != 0:
+                raise RuntimeError(f"plugins.cpu: building {source.name} with {cc} failed:\n{run.stderr.strip()}")
+            os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
+    return ctypes.CDLL(str(target))

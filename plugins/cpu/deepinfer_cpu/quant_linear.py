@@ -1,0 +1,202 @@
+"""``cpu_int8`` / ``cpu_q4_1``: weight-only quantized GEMMs (op ``linear``) for ``model.quantization``.
+
+A decode step of a small model on CPU streams every GEMM weight once per step: SmolLM2-135M reads 540 MB of
+float32 weights per token, so batch-1 decode runs at memory speed. These backends keep each weight the model
+lists in ``gemm_weights`` quantized (``csrc/quant_linear.c`` reads it and expands it to float32 in cache, four
+output rows at a time, for every input row of the call):
+
+* ``int8`` (backend ``cpu_int8``): symmetric int8 with one float32 scale per output row,
+  ``scale = max|w_row| / 127`` — a quarter of the float32 bytes.
+* ``q4_1`` (backend ``cpu_q4_1``): llama.cpp's Q4_1 layout, blocks of 32 inputs with a float32 step ``d`` and
+  minimum ``m`` each (``w = d·q + m``, ``q`` in 0..15, ``d = (max - min) / 15``) — 5 bits per weight here
+  (float32 ``d``/``m``; llama.cpp stores float16 ones). The LM head (the weight with ``vocab_size`` rows) is
+  kept in 8-bit blocks of 32 (llama.cpp's Q8_0: ``d = max|w| / 127``), as llama.cpp's Q4_1 files keep it; a
+  model with another GEMM weight of exactly ``vocab_size`` rows gets that one in 8 bits too (more precise,
+  never less).
+  A weight that came from a GGUF Q4_1 (Q8_0) tensor — the SmolLM2 package's — is re-derived block by block
+  from its float32 values: each block's minimum and maximum are its ``q = 0`` and ``q = 15`` values, so the
+  blocks, steps and minima come back to float32 rounding (checked by ``tests/test_quant_linear.py``) and the
+  model computes with the file's own 4-bit weights.
+
+``prepare_weight`` returns the weight *rounded to its format* (its float32 values after quantization), so
+every other reader of the parameter — the embedding lookup of a tied LM head, calls that take torch's path —
+sees the same model the kernel computes with. Calls with at least ``dense_rows`` rows (prompt chunks) run
+torch's float32 GEMM on those rounded values: there the multiply, not the weight stream, dominates. The float32
+copy stays in memory beside the quantized one (the tied embedding table needs it), so these backends save
+memory bandwidth per step, not memory.
+
+Weights are keyed like ``onednn``'s packed copies (storage address, shape, strides, with a reference held); an
+in-place write to a weight re-quantizes it on the next call. A tensor that was never prepared (a temporary, or
+a parameter the model does not list in ``gemm_weights``) runs torch's float32 GEMM unquantized.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.interfaces import BackendCapabilities
+from deepinfer_cpu.cbuild import CSRC, build_library, compiler
+
+BLOCK = 32  # inputs per Q4_1 / Q8_0 block
+FORMATS = ("int8", "q4_1")
+
+
+@functools.cache
+def load_kernel() -> ctypes.CDLL:
+    """``csrc/quant_linear.c``, built into the cache on first use."""
+    lib = build_library(CSRC / "quant_linear.c")
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.linear_int8_f32.restype = ctypes.c_int
+    lib.linear_int8_f32.argtypes = [ptr] * 5 + [i64] * 4 + [ctypes.c_int]
+    lib.linear_q4_1_f32.restype = ctypes.c_int
+    lib.linear_q4_1_f32.argtypes = [ptr] * 6 + [i64] * 3 + [ctypes.c_int]
+    return lib
+
+
+@dataclass(frozen=True)
+class Int8Weight:
+    """``w[n, k] = scale[n, k // group] · q[n, k]``: ``q`` int8 ``[N, K]``, ``scale`` float32 ``[N, K / group]``."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values ``[N, K]``."""
+        n, k = self.q.shape
+        return (self.q.float().view(n, k // self.group, self.group) * self.scale.unsqueeze(-1)).view(n, k)
+
+
+@dataclass(frozen=True)
+class Q41Weight:
+    """llama.cpp's Q4_1: ``w[n, 32b + j] = d[n, b] · q + m[n, b]``, ``q`` the low nibble of ``qs[n, 16b + j]``
+    for ``j < 16``, the high nibble of ``qs[n, 16b + j - 16]`` otherwise; ``qs`` uint8 ``[N, K / 2]``,
+    ``d`` and ``m`` float32 ``[N, K / 32]``."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 values ``[N, K]``."""
+        n, blocks = self.d.shape
+        packed = self.qs.view(n, blocks, BLOCK // 2)
+        q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
+        return (q * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)).view(n, blocks * BLOCK)
+
+
+def quantize_int8(weight: torch.Tensor, group: int | None = None) -> Int8Weight:
+    """Symmetric int8 of ``weight [N, K]``, one scale per ``group`` inputs of a row (None: per row):
+    ``scale = max|w| / 127``, ``q = round(w / scale)``; an all-zero group gets scale 0."""
+    n, k = weight.shape
+    group = k if group is None else group
+    if k % group:
+        raise ValueError(f"int8 quantization in groups of {group} needs an input width divisible by it, got {k}")
+    w = weight.detach().float().reshape(n, k // group, group)
+    scale = w.abs().amax(dim=-1) / 127.0
+    q = torch.round(w / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp_(-127, 127)
+    return Int8Weight(q.to(torch.int8).reshape(n, k).contiguous(), scale.contiguous(), group)
+
+
+def quantize_q4_1(weight: torch.Tensor) -> Q41Weight:
+    """Q4_1 of ``weight [N, K]`` (``K`` a multiple of 32): per block ``m = min``, ``d = (max - min) / 15``,
+    ``q = round((w - m) / d)`` in 0..15; a constant block gets ``d = 0``."""
+    n, k = weight.shape
+    if k % BLOCK:
+        raise ValueError(f"q4_1 quantization needs an input width divisible by {BLOCK}, got {k}")
+    w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
+    low, high = w.amin(dim=-1), w.amax(dim=-1)
+    d = (high - low) / 15.0
+    q = torch.round((w - low.unsqueeze(-1)) / torch.where(d > 0, d, 1.0).unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    qs = q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
+    return Q41Weight(qs.reshape(n, k // 2).contiguous(), d.contiguous(), low.contiguous())
+
+
+def quantized_linear(x: torch.Tensor, weight: Int8Weight | Q41Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ wᵀ (+ bias)`` through the C kernel, ``x`` float32 on the CPU; returns ``[..., N]``."""
+    n, k = weight.q.shape if isinstance(weight, Int8Weight) else (weight.d.shape[0], weight.qs.shape[1] * 2)
+    if x.dtype != torch.float32 or x.shape[-1] != k:
+        raise ValueError(f"quantized linear takes float32 inputs of width {k}, got {x.dtype} {tuple(x.shape)}")
+    flat = x.reshape(-1, k).contiguous()
+    out = torch.empty(flat.shape[0], n, dtype=torch.float32)
+    bias_arg = None
+    if bias is not None:
+        bias = bias.detach().float().contiguous()
+        bias_arg = bias.data_ptr()
+    lib, rows, threads = load_kernel(), flat.shape[0], torch.get_num_threads()
+    if isinstance(weight, Int8Weight):
+        failed = lib.linear_int8_f32(flat.data_ptr(), weight.q.data_ptr(), weight.scale.data_ptr(), bias_arg,
+                                     out.data_ptr(), rows, n, k, weight.group, threads)
+    else:
+        failed = lib.linear_q4_1_f32(flat.data_ptr(), weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
+                                     bias_arg, out.data_ptr(), rows, n, k, threads)
+    if failed:
+        raise MemoryError("plugins.cpu quantized linear: the kernel could not allocate its row buffer")
+    return out.view(*x.shape[:-1], n)
+
+
+@dataclass
+class _Entry:
+    weight: torch.Tensor  # the rounded float32 weight (kept: its address keys the entry)
+    version: int
+    quantized: Int8Weight | Q41Weight
+
+
+class QuantizedGemmBackend:
+    """Op ``linear`` on weights quantized to ``fmt`` (``int8`` or ``q4_1``; module docstring). Serves the runs
+    whose ``model.quantization`` is ``fmt`` (the plugin offers it only to those); ``head_rows`` is the
+    vocabulary size, whose weight (the LM head) ``q4_1`` keeps in 8-bit blocks."""
+
+    priority = 20  # above onednn (10): under model.quantization the quantizing backend is the one that fits
+
+    def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 64) -> None:
+        if fmt not in FORMATS:
+            raise ValueError(f"model.quantization: no CPU kernel for {fmt!r}; choose one of {list(FORMATS)}")
+        self.format = fmt
+        self.name = f"cpu_{fmt}"
+        self.ops = frozenset({"linear"})
+        self.head_rows = head_rows
+        self.dense_rows = dense_rows
+        self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+        self._entries: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Entry] = {}
+
+    def available(self) -> bool:
+        return compiler() is not None
+
+    def quantize(self, weight: torch.Tensor) -> Int8Weight | Q41Weight:
+        """``weight [N, K]`` in this backend's format (8-bit blocks for the LM head under ``q4_1``)."""
+        if weight.dim() != 2:
+            raise ValueError(f"model.quantization={self.format!r}: a GEMM weight must be 2-D, "
+                             f"got {tuple(weight.shape)}")
+        if self.format == "int8":
+            return quantize_int8(weight)
+        if weight.shape[0] == self.head_rows:
+            return quantize_int8(weight, BLOCK)
+        return quantize_q4_1(weight)
+
+    def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight rounded to the format (float32, column-major as torch's GEMM reads it fastest); its
+        quantized form is kept for ``linear``."""
+        quantized = self.quantize(weight)
+        rounded = quantized.dequantize().t().contiguous().t()
+        self._entries[self._key(rounded)] = _Entry(rounded, rounded._version, quantized)
+        return rounded
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        entry = self._entries.get(self._key(weight))
+        if entry is None or rows >= self.dense_rows or x.dtype != torch.float32:
+            return F.linear(x, weight, bias)  # a temporary, or a prompt chunk: the multiply dominates
+        if entry.version != weight._version:  # written in place since: quantize the new values
+            entry = _Entry(entry.weight, weight._version, self.quantize(weight))
+            self._entries[self._key(weight)] = entry
+        return quantized_linear(x, entry.quantized, bias)
+
+    @staticmethod
+    def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        return weight.data_ptr(), tuple(weight.shape), tuple(weight.stride())

@@ -1,0 +1,149 @@
+"""``model.quantization`` on CPU: the ``cpu_int8`` / ``cpu_q4_1`` kernels equal a float64 product of the
+dequantized weights, the formats round-trip (a GGUF Q4_1 block comes back exactly), the backends follow
+in-place writes and leave temporaries alone, a quantized engine run matches transformers on the same rounded
+weights, and every run the kernels cannot serve fails at start-up naming the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from deepinfer_cpu.cbuild import compiler
+from deepinfer_cpu.quant_linear import (
+    Int8Weight,
+    Q41Weight,
+    QuantizedGemmBackend,
+    quantize_int8,
+    quantize_q4_1,
+    quantized_linear,
+)
+from tiny_models import assert_cached_logits_match, save_tiny
+
+from deepinfer import LLM
+from deepinfer.errors import ConfigError
+
+pytestmark = [pytest.mark.skipif(compiler() is None, reason="no C compiler for the plugin's kernels"),
+              pytest.mark.usefixtures("one_torch_thread")]
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _quantized(fmt: str, weight: torch.Tensor) -> Int8Weight | Q41Weight:
+    return {"int8": lambda w: quantize_int8(w), "q8_0": lambda w: quantize_int8(w, 32), "q4_1": quantize_q4_1}[fmt](
+        weight)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 33])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_kernel_equals_a_float64_product_of_the_dequantized_weight(fmt: str, rows: int, with_bias: bool) -> None:
+    weight = _randn(70, 96, seed=rows) * 0.1  # 70 rows: a tail of 2 after the kernel's 4-row tasks
+    quantized = _quantized(fmt, weight)
+    x = _randn(rows, 96, seed=100 + rows)
+    bias = _randn(70, seed=7) if with_bias else None
+    got = quantized_linear(x, quantized, bias)
+    ref = x.double() @ quantized.dequantize().double().t() + (0 if bias is None else bias.double())
+    assert got.shape == (rows, 70) and got.dtype == torch.float32
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert quantized_linear(x.view(rows, 1, 96), quantized, bias).shape == (rows, 1, 70)
+
+
+def test_formats_bound_their_error_and_round_trip() -> None:
+    weight = _randn(16, 64, seed=1)
+    int8 = quantize_int8(weight)
+    assert int8.q.dtype == torch.int8 and int8.scale.shape == (16, 1)
+    step = weight.abs().amax(dim=1, keepdim=True) / 127
+    assert ((int8.dequantize() - weight).abs() <= step / 2 + 1e-7).all()
+    q4 = quantize_q4_1(weight)
+    assert q4.qs.dtype == torch.uint8 and q4.qs.shape == (16, 32) and q4.d.shape == (16, 2)
+    blocks = weight.view(16, 2, 32)
+    d = (blocks.amax(-1) - blocks.amin(-1)) / 15
+    assert ((q4.dequantize() - weight).view(16, 2, 32).abs() <= d.unsqueeze(-1) / 2 + 1e-6).all()
+    # Quantizing the rounded values again gives the same codes.
+    assert torch.equal(quantize_int8(int8.dequantize()).q, int8.q)
+    assert torch.equal(quantize_q4_1(q4.dequantize()).qs, q4.qs)
+
+
+def test_q4_1_recovers_a_gguf_style_block_exactly() -> None:
+    """A GGUF Q4_1 tensor dequantized to float32 (as the SmolLM2 conversion does) comes back as its own
+    4-bit codes, steps and minima: each block holds a q = 0 and a q = 15 value."""
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 16, (8, 4, 32), generator=gen)
+    codes[..., 5], codes[..., 20] = 0, 15
+    d = (torch.rand(8, 4, generator=gen) * 0.01 + 1e-3).half().float()  # float16 steps and minima, as stored
+    m = (torch.randn(8, 4, generator=gen) * 0.05).half().float()
+    stored = (codes * d.unsqueeze(-1) + m.unsqueeze(-1)).view(8, 128)
+    q4 = quantize_q4_1(stored)
+    packed = q4.qs.view(8, 4, 16)
+    assert torch.equal(torch.cat([packed & 15, packed >> 4], dim=-1).long(), codes)
+    assert torch.equal(q4.m, m)
+    torch.testing.assert_close(q4.d, d, rtol=1e-6, atol=0)
+    torch.testing.assert_close(q4.dequantize(), stored, rtol=0, atol=1e-7)
+
+
+def test_backend_keeps_rounded_weights_follows_writes_and_leaves_temporaries() -> None:
+    backend = QuantizedGemmBackend("q4_1", head_rows=40, dense_rows=8)
+    weight = torch.nn.Parameter(_randn(32, 64, seed=4), requires_grad=False)
+    weight.data = backend.prepare_weight(weight.data)
+    rounded = quantize_q4_1(weight.data).dequantize()
+    torch.testing.assert_close(weight.data, rounded, rtol=0, atol=1e-7)  # the parameter holds the rounded values
+    x = _randn(3, 64, seed=5)
+    torch.testing.assert_close(backend.linear(x, weight), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    many = _randn(8, 64, seed=6)  # dense_rows: torch's GEMM on the rounded weight
+    torch.testing.assert_close(backend.linear(many, weight), many @ weight.t(), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        weight.mul_(2.0)
+    torch.testing.assert_close(backend.linear(x, weight), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    temporary = _randn(32, 64, seed=8)  # never prepared: full precision
+    torch.testing.assert_close(backend.linear(x, temporary), x @ temporary.t(), rtol=1e-5, atol=1e-5)
+    head = backend.quantize(_randn(40, 64, seed=9))  # vocab rows: 8-bit blocks of 32
+    assert isinstance(head, Int8Weight) and head.group == 32
+    with pytest.raises(ValueError, match="divisible by 32"):
+        backend.quantize(_randn(4, 40, seed=10))
+
+
+def _round_linear_weights(model: torch.nn.Module, fmt: str, vocab: int) -> None:
+    """The transformers model's GEMM weights rounded as the engine rounds them (per row, so fusing q/k/v or
+    gate/up does not change a value); its embedding only when tied to the LM head."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight
+                if fmt == "int8":
+                    w.copy_(quantize_int8(w).dequantize())
+                elif w.shape[0] == vocab:
+                    w.copy_(quantize_int8(w, 32).dequantize())
+                else:
+                    w.copy_(quantize_q4_1(w).dequantize())
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_engine_runs_the_kernel_and_matches_transformers_on_rounded_weights(tmp_path: Path, fmt: str,
+                                                                          tied: bool) -> None:
+    # vocab 320: no other GEMM weight has that many rows (fused gate/up has 256), so only the head is 8-bit
+    model, folder = save_tiny("llama", tmp_path / "llama", 0, tie_word_embeddings=tied, vocab_size=320)
+    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, quantization=fmt, plugins={"cpu": {"enabled": True}})
+    assert llm.engine.runner.backends["linear"].name == f"cpu_{fmt}"
+    _round_linear_weights(model, fmt, vocab=320)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (3, 11, 20)]
+    assert_cached_logits_match(llm, model, prompts, decode_steps=6)
+    llm.shutdown()
+
+
+def test_runs_the_kernels_cannot_serve_fail_at_start_up(tmp_path: Path) -> None:
+    _, folder = save_tiny("llama", tmp_path / "llama", 0)
+    small = {"block_size": 16, "kv_cache_bytes": 1 << 22}
+    with pytest.raises(ConfigError, match=r"model\.quantization.*'int8'.*plugins\.cpu\.enabled=true"):
+        LLM(folder, quantization="int8", **small)  # the plugin is installed but not enabled
+    with pytest.raises(ConfigError, match=r"model\.quantization"):
+        LLM(folder, quantization="int4", **small)
+    cpu = {"cpu": {"enabled": True}}
+    with pytest.raises(ConfigError, match=r"plugins\.cpu: model\.quantization='q4_1' computes in float32 only"):
+        LLM(folder, quantization="q4_1", dtype="bfloat16", plugins=cpu, **small)
+    with pytest.raises(ConfigError, match=r"kernels\.gemm auto or cpu_int8"):
+        LLM(folder, quantization="int8", kernels={"gemm": "onednn"}, plugins=cpu, **small)
