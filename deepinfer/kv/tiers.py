@@ -119,13 +119,23 @@ class KVTiers:
     def demote(self, block_id: int, block_hash: bytes) -> None:
         """Queue a copy of block ``block_id`` (about to be evicted from the device cache) for every store.
         Called before the block can be rewritten; the host never waits for the copy or the stores."""
+        self.save_block(block_id, block_hash, wait=False)
+
+    def save_block(self, block_id: int, block_hash: bytes, *, wait: bool) -> bool:
+        """Queue a copy of device block ``block_id`` (full, holding ``block_hash``) for every store. With a
+        full queue: ``wait`` waits for the writer (a hand-off publishing its blocks), else the copy is
+        dropped and counted (an eviction: the step never waits). False when dropped."""
         key = self.key(block_hash)
         with self._lock:
             if key in self._pending:
-                return
-            if len(self._pending) >= self._max_pending:
+                return True
+            full = len(self._pending) >= self._max_pending
+        if full and wait:
+            self.flush()
+        elif full:
+            with self._lock:
                 self.dropped += 1  # the writer is behind: the step does not wait for it
-                return
+            return False
         event = None
         if self._cuda:
             assert self._side is not None
@@ -144,6 +154,7 @@ class KVTiers:
             self._pending[key] = buffer
         self.demoted += 1
         self._queue.put((key, buffer, event))
+        return True
 
     def _write_loop(self) -> None:
         while True:
