@@ -226,3 +226,15 @@ def test_an_unknown_or_malformed_store_chain_is_an_error(llama_dir: Path) -> Non
     with pytest.raises(ConfigError, match=r"cache\.prefix_caching is false"):
         LLM(llama_dir, kv_cache_bytes=1 << 20, block_size=BLOCK,
             cache={"kv_store": "host", "prefix_caching": False}, plugins={"kv_store": {"enabled": True}})
+
+
+@pytest.mark.slow  # starts two rank processes (about 10 s)
+@pytest.mark.distributed
+def test_a_parallel_run_with_a_store_is_refused(llama_dir: Path) -> None:
+    from deepinfer.parallel.driver import ParallelEngine
+
+    with pytest.raises(ConfigError, match=r"cache\.kv_store='host': KV tiers run on one rank only"):
+        ParallelEngine(str(llama_dir), overrides={
+            "cache": {"kv_store": "host", "kv_cache_bytes": 1 << 20, "block_size": BLOCK},
+            "plugins": {"kv_store": {"enabled": True}}, "parallel": {"data_parallel_size": 2}})
+
