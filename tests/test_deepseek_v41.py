@@ -19,7 +19,7 @@ from tiny_models import assert_cached_logits_match, randomize, record_logits
 from deepinfer import SamplingParams
 from deepinfer.errors import ConfigError
 from deepinfer.kv.pools import bytes_per_block
-from deepinfer.model.deepseek_v4 import hyper, v41_indexer
+from deepinfer.model.deepseek_v4 import engram, hyper, v41_indexer
 from deepinfer.model.deepseek_v4.v41 import DeepseekV41ForCausalLM
 from deepinfer.model.deepseek_v4.v41_config import CandidateLimit, V41Dims
 
@@ -44,6 +44,11 @@ TEXT = {"vocab_size": VOCAB, "hidden_size": 64, "moe_intermediate_size": 32, "nu
 # holds every entry (then C1 layers see every complete entry, as V4's ratio-1 HCA layers).
 OFF = {"hc_shifted": False, "compress_ratios": [0, 0, 1, 1, 1], "kv_source_layer_ids": [0, 1, 2, 3, 4],
        "index_source_layer_ids": [0, 1, 2, 3, 4], "candidate_source_layer_id": None, "index_topk": 512}
+
+
+# Engram on both YoCo producers: 3-grams, 2 heads of 8 per order, tables of primes above 49.
+ENGRAM = {"engram_layer_ids": [0, 1], "engram_max_ngram_size": 3, "engram_vocab_size": 50, "engram_n_heads": 2,
+          "engram_head_dim": 8, "engram_pad_token_id": 2}
 
 
 def v41_config(**text: object) -> dict:
@@ -86,6 +91,9 @@ def reference_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
         if attn.index_query is not None:
             out[p + "attn.indexer.wq_b.weight"] = attn.index_query.q_b_weight
             out[p + "attn.indexer.weights_proj.weight"] = attn.index_query.weights_weight
+        if (eg := layer.engram) is not None:
+            out.update({p + "engram.q_weight": eg.q_weight, p + "engram.k_weight": eg.k_weight,
+                        p + "engram.wkv.weight": eg.wkv_weight, p + "engram.embed.weight": eg.table})
         gate_up, down = mlp.shared_gate_up.chunk(2), mlp.shared_down
         out.update({p + "ffn.shared_experts.w1.weight": gate_up[0], p + "ffn.shared_experts.w3.weight": gate_up[1],
                     p + "ffn.shared_experts.w2.weight": down})
@@ -100,7 +108,11 @@ def build_v41(folder: Path, seed: int = 0, **text: object) -> DeepseekV41ForCaus
     """A random tiny V4.1 model saved to ``folder`` under the reference's names and config keys."""
     config = v41_config(**text)
     model = DeepseekV41ForCausalLM(config, dtype=torch.float32, device=torch.device("cpu"), max_positions=512)
-    randomize(model, torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    randomize(model, gen)
+    for layer in model.layers:
+        if layer.engram is not None:  # 3 padding rows past the primes, as a sharded table may have
+            layer.engram.set_table(torch.randn(layer.engram.rows + 3, layer.engram.head_dim, generator=gen))
     folder.mkdir(parents=True, exist_ok=True)
     save_file(reference_tensors(model), str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config))
@@ -181,11 +193,12 @@ class FromScratch:
             return SimpleNamespace(logits=model.compute_logits(model.forward(ids, ctx), ctx).unsqueeze(0))
 
 
-@pytest.mark.parametrize("features", ["all", "no-shift"])
+@pytest.mark.parametrize("features", ["all", "no-shift", "engram"])
 def test_prefill_and_cached_decode_equal_from_scratch(tmp_path, features):
-    """Every V4.1 feature on (shifted HC, KV/index/top-k sharing, the candidate limit): chunked prefill
-    and 32 cached decode steps give, at every step, the logits of one forward over the whole sequence."""
-    build_v41(tmp_path, **({} if features == "all" else {"hc_shifted": False}))
+    """Every V4.1 feature on (shifted HC, KV/index/top-k sharing, the candidate limit; Engram too):
+    chunked prefill and 32 cached decode steps give, at every step, the logits of one forward over the
+    whole sequence (so Engram's n-gram ring feeds decode steps what the sequence holds)."""
+    build_v41(tmp_path, **{"all": {}, "no-shift": {"hc_shifted": False}, "engram": ENGRAM}[features])
     llm = v41_llm(tmp_path, max_num_batched_tokens=32)
     assert_cached_logits_match(llm, FromScratch(tmp_path), prompts([5, 23, 40], seed=3), 32)
 
@@ -366,7 +379,7 @@ def test_dspark_tensors_are_skipped_with_a_warning(tmp_path, caplog):
 
 
 @pytest.mark.parametrize(("change", "key"), [
-    ({"engram_layer_ids": [1]}, "engram_layer_ids"),
+    ({**ENGRAM, "engram_layer_ids": [3]}, "engram_layer_ids"),
     ({"some_new_key": 1}, "some_new_key"),
     ({"compress_ratios": [0, 4, 1, 1, 1]}, "compress_ratios"),
     ({"index_k_source_layer_ids": [0, 1, 2, 3, 4]}, "index_k_source_layer_ids"),
@@ -375,3 +388,81 @@ def test_dspark_tensors_are_skipped_with_a_warning(tmp_path, caplog):
 def test_unsupported_config_is_an_error_naming_the_key(change, key):
     with pytest.raises(ConfigError, match=key):
         V41Dims(v41_config(**change))
+
+
+def test_engram_rows_and_gate_follow_the_definition():
+    """Hand-made n-grams: each order's xor of ``c_r · m_r`` modulo each head's prime plus its offset; the
+    gate in float64: ``x_k + sigmoid(ssqrt(⟨rms(x_k)·q_k, rms(k_k)·k'_k⟩ / sqrt(H))) · v``."""
+    primes = engram.table_primes([4], 2, 2, 50)[4]
+    mult = engram.hash_multipliers(4, 3, VOCAB)
+    flat = [p for order in primes for p in order]
+    offsets = torch.tensor([0, *flat[:-1]]).cumsum(0)
+    grams = torch.tensor([[5, 2, 2], [7, 5, 2], [9, 7, 5], [200, 9, 7]])
+    rows = engram.engram_rows(grams, mult, torch.tensor(primes), offsets)
+    m = [int(x) for x in mult]
+    for t_, (c0, c1, c2) in enumerate(grams.tolist()):
+        h2 = (c0 * m[0]) ^ (c1 * m[1])
+        h3 = h2 ^ (c2 * m[2])
+        want = [h2 % primes[0][0], h2 % primes[0][1] + flat[0], h3 % primes[1][0] + sum(flat[:2]),
+                h3 % primes[1][1] + sum(flat[:3])]
+        assert rows[t_].tolist() == want
+    gen = torch.Generator().manual_seed(2)
+    x, kv = torch.randn(4, 2, 16, generator=gen), torch.randn(4, 3, 16, generator=gen)
+    q, k = torch.randn(2, 16, generator=gen), torch.randn(2, 16, generator=gen)
+    out = engram.engram_gate(x, kv, q, k, 1e-6).double()
+    xd, kd = x.double(), kv[:, :2].double()
+    xn = xd / torch.sqrt(xd.square().mean(-1, keepdim=True) + 1e-6)
+    kn = kd / torch.sqrt(kd.square().mean(-1, keepdim=True) + 1e-6)
+    dot = (xn * q.double() * kn * k.double()).sum(-1) / 4.0
+    gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp(min=1e-6).sqrt())
+    assert torch.allclose(out, xd + gate.unsqueeze(-1) * kv[:, 2:].double(), rtol=1e-5, atol=1e-5)
+
+
+def test_engram_tables_are_distinct_primes_in_config_order():
+    """Each head's table size is the next prime after the previous head's (from ``vocab − 1`` at each
+    order), never one another layer/order/head already took; multipliers are odd and per layer."""
+    sizes = engram.table_primes([0, 3], 2, 3, 20)
+    assert sizes[0] == [[23, 29, 31], [37, 41, 43]]  # 23 after 19; 2nd order restarts at 19, skips those taken
+    assert sizes[3] == [[47, 53, 59], [61, 67, 71]]
+    a, b = engram.hash_multipliers(0, 3, 20), engram.hash_multipliers(3, 3, 20)
+    assert (a % 2 == 1).all() and (b % 2 == 1).all() and not torch.equal(a, b)
+    assert torch.equal(a, engram.hash_multipliers(0, 3, 20))
+
+
+def _tokenizer_json(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<s>": 0, "</s>": 1, "<｜▁pad▁｜>": 2, "Hello": 3, "hello": 4, "héllo": 5, "  ": 6, "world": 7,
+             "WORLD": 8, " ": 9}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<s>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def test_tokenizer_compression_merges_normalized_tokens(tmp_path):
+    """Case, accents and whitespace runs fold together (``Hello``/``hello``/``héllo``; two spaces and one);
+    special tokens keep their own ids; the PAD must be id 2."""
+    _tokenizer_json(tmp_path)
+    table, size = engram.compressed_vocabulary(tmp_path / "tokenizer.json")
+    assert table == [0, 1, 2, 3, 3, 3, 4, 5, 5, 4] and size == 6
+
+
+def test_engram_with_tokenizer_compression_loads_from_the_folder(tmp_path):
+    """``engram_compressed_vocab_size`` makes the model read the folder's tokenizer.json (a wrong size is
+    an error naming the key), and its n-grams are compressed ids."""
+    model = build_v41(tmp_path, **ENGRAM, vocab_size=VOCAB)
+    _tokenizer_json(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["text_config"]["engram_compressed_vocab_size"] = 7
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="engram_compressed_vocab_size"):
+        v41_llm(tmp_path)
+    config["text_config"]["engram_compressed_vocab_size"] = 6
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(reference_tensors(model), str(tmp_path / "model.safetensors"))
+    llm = v41_llm(tmp_path)
+    history = llm.engine.model.ngram_history
+    assert history.lookup.tolist() == [0, 1, 2, 3, 3, 3, 4, 5, 5, 4] and history.pad == 2
+    out = llm.generate([[3, 4, 5, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -80,6 +80,9 @@ def read_hf_config(folder: Path) -> dict:
         value = config.get(key)
         if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
             raise ModelLoadError(f"{str(path)!r}: {key!r} must be a number, got {value!r}")
+    if config.get("model_type") == "deepseek_v41":
+        # DeepSeek-V4.1's Engram compresses ids with the folder's own tokenizer.json (deepseek_v4/engram.py).
+        config["deepinfer_model_folder"] = str(folder)
     return config
 
 

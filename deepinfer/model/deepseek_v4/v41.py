@@ -11,10 +11,13 @@ top-k only), YoCo and state rings, with V4.1's differences (reference/deepinfer.
   only for source layers); a top-k consumer has no indexer query and reuses its source's top-k of the
   same step; the candidate-block limit restricts the index sources after the candidate source;
 - ``hc_shifted``: every sub-layer reads the streams through the pre-mix of the sub-layer before it (the
-  first through stream 0 alone) and the model ends with the last sub-layer's pre-mix (no ``hc_head``).
+  first through stream 0 alone) and the model ends with the last sub-layer's pre-mix (no ``hc_head``);
+- Engram (``engram.py``): at ``engram_layer_ids`` the n-gram memory is gated into the streams before the
+  attention hyper-connection; the step's n-gram ids come from a per-slot ring of compressed ids.
 
 Weights load under the reference's tensor names (``hugging_face/names.py``): V4's upstream names with
-``attn.kv_norm`` (V4: ``attn.norm``), ``attn.indexer.{wk,k_norm}`` and no compressor ``ape``; a missing
+``attn.kv_norm`` (V4: ``attn.norm``), ``attn.indexer.{wk,k_norm}``, no compressor ``ape``, and
+``engram.{q_weight,k_weight,wkv.weight,embed.weight}`` (the table is kept as loaded); a missing
 or extra tensor is an error naming it. DSpark layers (``mtp.{i}.*``) are not loaded yet: they are
 skipped with a warning (the ``dspark`` drafter needs the DSpark issue's ring context). Image tensors
 (``vision_pipeline.*``, ``image_*``, ``ffn.gate.bias_vl``) belong to the vision side this text model
@@ -26,6 +29,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,12 +40,19 @@ from deepinfer.kv.state import CompressedPart, HybridLayerSpec, RingPart
 from deepinfer.model import deepseek_v4 as v4_package
 from deepinfer.model.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.model.deepseek_v4.compressor import Compressor
+from deepinfer.model.deepseek_v4.engram import (
+    EngramLayer,
+    NgramHistory,
+    hash_multipliers,
+    read_tokenizer_lookup,
+    table_primes,
+)
 from deepinfer.model.deepseek_v4.hyper import HyperConnection, HyperHead
 from deepinfer.model.deepseek_v4.moe import V4MoE
 from deepinfer.model.deepseek_v4.norm import V4RMSNorm, unweighted_rms_norm
 from deepinfer.model.deepseek_v4.rotary import V4Rotary
 from deepinfer.model.deepseek_v4.rows import StepRows, _all_rows, _consumer_view, _ConsumerView, _DeviceRows, _segments
-from deepinfer.model.deepseek_v4.v41_config import ARCH, V41Dims
+from deepinfer.model.deepseek_v4.v41_config import ARCH, EngramSpec, V41Dims
 from deepinfer.model.deepseek_v4.v41_indexer import IndexKeys, IndexQuery, select
 from deepinfer.model.deepseek_v4.weights import _copy, _half, module_tensors
 
@@ -154,9 +165,10 @@ class V41DecoderLayer(nn.Module):
     """A V4.1 block: V4's, with V41Attention and (``hc_shifted``) the pre-mix of the sub-layer before."""
 
     def __init__(self, d: V41Dims, layer: int, rotary: V4Rotary, dtype: torch.dtype,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, engram: EngramLayer | None = None) -> None:
         super().__init__()
         self.layer, self.shifted = layer, d.hc_shifted
+        self.engram = engram
         self.attn_hc = HyperConnection(d, device)
         self.ffn_hc = HyperConnection(d, device)
         self.input_layernorm = V4RMSNorm(d.hidden, d.eps, device)
@@ -166,10 +178,14 @@ class V41DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, pre_in: torch.Tensor | None, positions: torch.Tensor,
                 input_ids: torch.Tensor, ctx: ForwardContext, step_rows: StepRows, shared: torch.Tensor | None,
-                shares: bool, view: _ConsumerView | None, cross: CrossLayerState
+                shares: bool, view: _ConsumerView | None, cross: CrossLayerState, ngrams: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """As ``V4DecoderLayer.forward``; with ``hc_shifted``, ``pre_in [T, m]`` is the pre-mix the
-        sub-layer before computed, and the third result is this layer's last pre-mix (else None)."""
+        sub-layer before computed, and the third result is this layer's last pre-mix (else None). An
+        Engram layer first gates its memory of ``ngrams [T, max_ngram]`` into the streams."""
+        if self.engram is not None:
+            assert ngrams is not None
+            streams = self.engram(streams, ngrams, ctx.backends["linear"])
         pre, post, comb = self.attn_hc.mixes(streams)
         h = self.input_layernorm(HyperConnection.collapse(pre_in if self.shifted else pre, streams))
         if shares:
@@ -239,6 +255,9 @@ def v41_layer_target(d: V41Dims, rest: str, prefix: str, tensors: dict[str, torc
         if found[1].shape[0] == 2 * d.head_dim:  # gated (C2): [wkv; wgate]
             return found[0], _half(found[1], int(rest.endswith("wgate.weight")))
         return found if rest.endswith("wkv.weight") else None  # C1 has no gate
+    if rest in ("engram.q_weight", "engram.k_weight", "engram.wkv.weight"):
+        return whole({"engram.q_weight": "engram.q_weight", "engram.k_weight": "engram.k_weight",
+                      "engram.wkv.weight": "engram.wkv_weight"}[rest])
     if rest.startswith("ffn.shared_experts."):
         leaf = rest[len("ffn.shared_experts."):]
         if leaf == "w2.weight":
@@ -267,12 +286,15 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         self.captured_layers: tuple[int, ...] = ()
         self.captured_hidden: dict[int, torch.Tensor] = {}
         self.d = d = V41Dims(hf_config)
+        self.ngram_history: NgramHistory | None = None
         self.vocab_size = d.vocab
         self._dtype, self._device = dtype, device
         self.embed_tokens = nn.Embedding(d.vocab, d.hidden, dtype=dtype, device=device)
         self.rotary_main = V4Rotary(d.rope_main, d.rope_dim, max_positions, device)
         self.rotary_compress = V4Rotary(d.rope_compress, d.rope_dim, max_positions, device)
-        self.layers = nn.ModuleList(V41DecoderLayer(d, i, self._rotary(i), dtype, device) for i in range(d.layers))
+        engrams = self._engram_layers(d.engram, dtype, device) if d.engram is not None else {}
+        self.layers = nn.ModuleList(V41DecoderLayer(d, i, self._rotary(i), dtype, device, engrams.get(i))
+                                    for i in range(d.layers))
         self.hc_head = None if d.hc_shifted else HyperHead(d, device)
         self.norm = V4RMSNorm(d.hidden, d.eps, device)
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, dtype=dtype, device=device))
@@ -285,12 +307,29 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         for row, layer in enumerate(self.layers):
             layer.mlp.stats = self.router_stats[row]
 
+    def _engram_layers(self, spec: EngramSpec, dtype: torch.dtype, device: torch.device) -> dict[int, EngramLayer]:
+        """The Engram layers and the n-gram history (``engram.py``)."""
+        d = self.d
+        lookup = None
+        if spec.compressed_vocab is not None:
+            assert spec.folder is not None
+            lookup = read_tokenizer_lookup(Path(spec.folder), spec.compressed_vocab)
+        pad = spec.pad_token if lookup is None else int(lookup[spec.pad_token])
+        self.ngram_history = NgramHistory(spec.max_ngram, pad, lookup)
+        primes = table_primes(spec.layer_ids, spec.max_ngram - 1, spec.heads, spec.vocab)
+        hash_vocab = spec.compressed_vocab or d.vocab
+        return {i: EngramLayer(i, d.hidden, d.hc_mult, primes[i], spec.head_dim,
+                               hash_multipliers(i, spec.max_ngram, hash_vocab), d.eps, dtype, device)
+                for i in spec.layer_ids}
+
     def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
         for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
             layer.self_attn.bind(cache, self.layers[self.d.kv_source[i]].self_attn)
         ring = self.layers[0].self_attn.ring
         assert ring is not None
         self.max_backtrack = ring.shape[1] - self.d.window
+        if self.ngram_history is not None:  # one row of compressed ids per state slot
+            self.ngram_history.bind(ring.shape[0], self.max_backtrack, ring.device)
 
     def build_mtp_layers(self) -> None:
         """Refused: V4.1's DSpark layers are not built yet (docs/status.md, issue 32)."""
@@ -308,6 +347,10 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
             pre[:, 0] = 1.0
         shared = view = None
         cross = CrossLayerState()
+        ngrams = None
+        if self.ngram_history is not None:
+            segments = _segments(ctx) if isinstance(step_rows, _DeviceRows) else step_rows
+            ngrams = self.ngram_history.ngrams(input_ids, segments)
         for i, layer in enumerate(self.layers):
             shares = i == self.d.yoco
             if shares and ctx.truncation_floor_host is not None:
@@ -316,7 +359,7 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                 if pre is not None and view.rows is not None:
                     pre = pre.index_select(0, view.rows)
             streams, shared, pre = layer(streams, pre, ctx.positions, input_ids, ctx, step_rows, shared, shares, view,
-                                         cross)
+                                         cross, ngrams)
         folded = HyperConnection.collapse(pre, streams) if pre is not None else self.hc_head(streams)
         return _all_rows(self.norm(folded), input_ids.shape[0], view)
 
@@ -332,6 +375,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                 out += [attn.index_query.q_b_weight, attn.index_query.weights_weight]
             if layer.mlp.shared_gate_up is not None:
                 out += [layer.mlp.shared_gate_up, layer.mlp.shared_down]
+            if layer.engram is not None:
+                out.append(layer.engram.wkv_weight)
         return [*out, self.embed_tokens.weight if self.lm_head is None else self.lm_head]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -357,6 +402,10 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                 dest = (_V41_TOP[name], tensors[_V41_TOP[name]])
             elif name.startswith("layers."):
                 _, idx, rest = name.split(".", 2)
+                engram = self.layers[int(idx)].engram if int(idx) < self.d.layers else None
+                if rest == "engram.embed.weight" and engram is not None:
+                    engram.set_table(tensor)  # kept as loaded: host memory, no copy (engram.py)
+                    continue
                 if int(idx) < self.d.layers:
                     dest = v41_layer_target(self.d, rest, f"layers.{idx}.", tensors)
             if dest is None:
@@ -369,6 +418,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
             logger.info("%s: %d vision tensors skipped (text-only model)", ARCH, skipped_vision)
         params = dict(self.named_parameters())
         missing = [n for n, p in params.items() if filled.get(n, 0) < p.numel()]
+        missing += [f"layers.{layer.layer}.engram.embed.weight" for layer in self.layers
+                    if layer.engram is not None and layer.engram.table is None]
         if missing:
             raise ValueError(f"checkpoint has no tensor for {ARCH} parameter {missing[0]!r}"
                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")

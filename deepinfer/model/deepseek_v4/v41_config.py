@@ -17,7 +17,7 @@ flat at the top level. What differs from V4 (``config.py``):
   the later index sources score only entries inside the candidate blocks the source layer picked.
 
 A key this class does not know is an error naming it (no silent fallback); so is a known feature this
-implementation does not run yet (``engram_layer_ids`` non-empty, ``quantization_config``).
+implementation does not run yet (``quantization_config``). Engram: ``engram.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.model.deepseek_v4.config import CSA, HCA, SLIDING, V4Dims
 
 ARCH = "DeepseekV41ForCausalLM"
+MODEL_FOLDER_KEY = "deepinfer_model_folder"  # set by ``model/loader.read_hf_config`` for V4.1 folders
 
 # text_config keys the reference reads (reference/deepinfer.md §11), plus the generic ones transformers writes.
 _TEXT_KEYS = frozenset({
@@ -62,6 +63,21 @@ class CandidateLimit:
     block_tokens: int
 
 
+@dataclass(frozen=True)
+class EngramSpec:
+    """Engram's config (``engram.py``): its layers, n-gram size, heads of ``head_dim`` per order, table
+    vocabulary, compressed vocabulary size (None: no tokenizer compression), raw pad id, model folder."""
+
+    layer_ids: list[int]
+    max_ngram: int
+    heads: int
+    head_dim: int
+    vocab: int
+    compressed_vocab: int | None
+    pad_token: int
+    folder: str | None
+
+
 def _nearest_sources(ids: list[int], layers: int, key: str) -> list[int]:
     """Each layer's nearest source at or before it (reference ``_source_map``); layers before the first
     source are their own."""
@@ -84,9 +100,6 @@ class V41Dims(V4Dims):
         if hf_config.get("quantization_config") or text.get("quantization_config"):
             raise ConfigError(f"config.json quantization_config: {ARCH} runs bf16/fp32 weights only here (the FP8/FP4 "
                               "formats are a later issue)")
-        if text.get("engram_layer_ids"):
-            raise ConfigError(f"config.json engram_layer_ids={text['engram_layer_ids']}: Engram is not implemented "
-                              f"for {ARCH} yet (docs/status.md, issue 32)")
         layers = int(text["num_hidden_layers"])
         nextn = int(text.get("num_nextn_predict_layers") or 0)
         ratios = list(text["compress_ratios"])
@@ -125,6 +138,26 @@ class V41Dims(V4Dims):
                                              "index_source_layer_ids")
         self.candidate = self._candidate(text)
         self._check_sharing()
+        self.engram = self._engram(text, hf_config)
+
+    def _engram(self, text: dict[str, Any], hf_config: dict[str, Any]) -> EngramSpec | None:
+        layer_ids = list(text.get("engram_layer_ids") or [])
+        if not layer_ids:
+            return None
+        if any(not 0 <= i < self.yoco for i in layer_ids):
+            raise ConfigError(f"config.json engram_layer_ids={layer_ids}: Engram layers must be YoCo producers "
+                              f"(layers before {self.yoco}, reference/deepinfer.md §6)")
+        max_ngram = int(text["engram_max_ngram_size"])
+        if max_ngram < 2:
+            raise ConfigError("config.json engram_max_ngram_size must be at least 2")
+        compressed = text.get("engram_compressed_vocab_size")
+        folder = hf_config.get(MODEL_FOLDER_KEY)
+        if compressed and folder is None:
+            raise ConfigError("config.json engram_compressed_vocab_size: tokenizer compression needs the model folder "
+                              "(its tokenizer.json)")
+        return EngramSpec(layer_ids, max_ngram, int(text["engram_n_heads"]), int(text["engram_head_dim"]),
+                          int(text["engram_vocab_size"]), int(compressed) if compressed else None,
+                          int(text["engram_pad_token_id"]), None if folder is None else str(folder))
 
     def _candidate(self, text: dict[str, Any]) -> CandidateLimit | None:
         source = text.get("candidate_source_layer_id")
