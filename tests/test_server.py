@@ -160,6 +160,7 @@ def test_health_is_503_until_the_model_is_loaded(tiny_llama_tok_dir: Path) -> No
 def test_models_lists_the_served_name(client: openai.OpenAI) -> None:
     models = client.models.list()
     assert [m.id for m in models.data] == [NAME]
+    assert models.data[0].model_extra["max_model_len"] == 512  # the engine's (ENGINE's note)
 
 
 def test_completions_greedy_equal_llm_generate(client: openai.OpenAI, offline: LLM) -> None:
