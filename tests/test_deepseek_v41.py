@@ -449,7 +449,7 @@ def test_tokenizer_compression_merges_normalized_tokens(tmp_path):
 
 def test_engram_with_tokenizer_compression_loads_from_the_folder(tmp_path):
     """``engram_compressed_vocab_size`` makes the model read the folder's tokenizer.json (a wrong size is
-    an error naming the key), and its n-grams are compressed ids."""
+    an error naming the key), its n-grams are compressed ids, and its tables are memory maps of the file."""
     model = build_v41(tmp_path, **ENGRAM, vocab_size=VOCAB)
     _tokenizer_json(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -459,8 +459,13 @@ def test_engram_with_tokenizer_compression_loads_from_the_folder(tmp_path):
         v41_llm(tmp_path)
     config["text_config"]["engram_compressed_vocab_size"] = 6
     (tmp_path / "config.json").write_text(json.dumps(config))
-    save_file(reference_tensors(model), str(tmp_path / "model.safetensors"))
+    tensors = reference_tensors(model)
+    tensors["layers.0.engram.embed.weight"] = tensors["layers.0.engram.embed.weight"].bfloat16()
+    save_file(tensors, str(tmp_path / "model.safetensors"))
     llm = v41_llm(tmp_path)
+    table = llm.engine.model.layers[0].engram.table
+    # memory-mapped in the checkpoint's dtype (the loader would have cast it to the model's float32)
+    assert table.dtype == torch.bfloat16 and torch.equal(table, tensors["layers.0.engram.embed.weight"])
     history = llm.engine.model.ngram_history
     assert history.lookup.tolist() == [0, 1, 2, 3, 3, 3, 4, 5, 5, 4] and history.pad == 2
     out = llm.generate([[3, 4, 5, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),

@@ -23,9 +23,10 @@ As the reference defines it (``v4_modules/engram*.py``, ``hugging_face/config.py
 Tables: the reference shards each layer's table rows (padded to a multiple of ``lcm(256,
 engram_parallel_size)``) evenly over the engram-parallel group (``engram_parallel_size``, default
 ``cp · dp``) and fetches rows across ranks by hash (DeepEP's ``EngramBuffer``); tables stay in host
-memory unless ``DEEPINFER_ENGRAM_FORCE_GPU_STORAGE``. Here one process holds every row: the table is
-kept as the checkpoint tensor the loader hands over (no copy into a parameter; host memory), and each
-step gathers only its rows and moves them to the device.
+memory unless ``DEEPINFER_ENGRAM_FORCE_GPU_STORAGE``. Here one process holds every row: the table is a
+read-only memory map of the checkpoint file (``mmap_safetensor``; pages are read when a step touches
+their rows, in the checkpoint's dtype), or, without the model folder, the tensor the loader hands over;
+never a parameter, never on the device. Each step gathers only its rows and moves them to the device.
 
 Per request, a ring of the last compressed ids (indexed by position, like the attention rings, so a
 rollback is the length going back) lives in model-owned int32 state of the request's state slot.
@@ -33,7 +34,9 @@ rollback is the length going back) lives in model-owned int32 state of the reque
 
 from __future__ import annotations
 
+import json
 import math
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -45,6 +48,31 @@ from deepinfer.errors import ConfigError
 
 _PAD_TOKEN = "<｜▁pad▁｜>"
 _CLAMP = 1e-6  # the reference's Engram clamp_value
+
+
+_NUMPY_OF = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, torch.bfloat16),
+             "F8_E4M3": (np.uint8, torch.float8_e4m3fn), "I64": (np.int64, None), "I32": (np.int32, None)}
+
+
+def mmap_safetensor(folder: Path, name: str) -> torch.Tensor | None:
+    """Tensor ``name`` of the folder's safetensors files as a read-only memory map (None if absent)."""
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size))
+        info = header.get(name)
+        if info is None:
+            continue
+        if info["dtype"] not in _NUMPY_OF:
+            raise ValueError(f"weight {name!r}: dtype {info['dtype']} is not supported for an Engram table")
+        np_dtype, view = _NUMPY_OF[info["dtype"]]
+        start, _ = info["data_offsets"]
+        array = np.memmap(file, dtype=np_dtype, mode="r", offset=8 + size + start, shape=tuple(info["shape"]))
+        with warnings.catch_warnings():  # read-only by design: the table is never written
+            warnings.simplefilter("ignore", UserWarning)
+            tensor = torch.from_numpy(array)
+        return tensor if view is None else tensor.view(view)
+    return None
 
 
 def next_prime(n: int) -> int:

@@ -17,7 +17,7 @@ top-k only), YoCo and state rings, with V4.1's differences (reference/deepinfer.
 
 Weights load under the reference's tensor names (``hugging_face/names.py``): V4's upstream names with
 ``attn.kv_norm`` (V4: ``attn.norm``), ``attn.indexer.{wk,k_norm}``, no compressor ``ape``, and
-``engram.{q_weight,k_weight,wkv.weight,embed.weight}`` (the table is kept as loaded); a missing
+``engram.{q_weight,k_weight,wkv.weight,embed.weight}`` (the table memory-mapped); a missing
 or extra tensor is an error naming it. DSpark layers (``mtp.{i}.*``) are not loaded yet: they are
 skipped with a warning (the ``dspark`` drafter needs the DSpark issue's ring context). Image tensors
 (``vision_pipeline.*``, ``image_*``, ``ffn.gate.bias_vl``) belong to the vision side this text model
@@ -44,6 +44,7 @@ from deepinfer.model.deepseek_v4.engram import (
     EngramLayer,
     NgramHistory,
     hash_multipliers,
+    mmap_safetensor,
     read_tokenizer_lookup,
     table_primes,
 )
@@ -385,8 +386,9 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         tensors = module_tensors(self)
         filled: dict[str, int] = {}
         skipped_mtp = skipped_vision = 0
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
+        folder = None if self.d.engram is None or self.d.engram.folder is None else Path(self.d.engram.folder)
+        for stored_name, tensor in weights:
+            name = stored_name.removeprefix("model.")
             if name.startswith("mtp."):
                 skipped_mtp += 1
                 continue
@@ -404,7 +406,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                 _, idx, rest = name.split(".", 2)
                 engram = self.layers[int(idx)].engram if int(idx) < self.d.layers else None
                 if rest == "engram.embed.weight" and engram is not None:
-                    engram.set_table(tensor)  # kept as loaded: host memory, no copy (engram.py)
+                    mapped = None if folder is None else mmap_safetensor(folder, stored_name)
+                    engram.set_table(tensor if mapped is None else mapped)  # host memory, never a parameter
                     continue
                 if int(idx) < self.d.layers:
                     dest = v41_layer_target(self.d, rest, f"layers.{idx}.", tensors)
