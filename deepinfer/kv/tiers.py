@@ -191,11 +191,20 @@ class KVTiers:
             if queued:
                 n += 1
                 continue
-            best = max((store.contains(keys[n:]) for store in self.stores), default=0)
+            best = max((self._contains(store, keys[n:]) for store in self.stores), default=0)
             if best == 0:
                 break
             n += best
         return n
+
+    @staticmethod
+    def _contains(store: KVStore, keys: Sequence[bytes]) -> int:
+        """``store.contains(keys)``; a store that raises holds nothing (logged)."""
+        try:
+            return store.contains(keys)
+        except Exception:  # a store must not raise (KVStore.contains): nothing is promoted from it
+            logger.exception("KV store %r raised in contains; treated as holding nothing", store.name)
+            return 0
 
     def load(self, block_hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Load the blocks ``block_hashes`` into device blocks ``block_ids``, in order, stopping at the
@@ -221,9 +230,15 @@ class KVTiers:
             return queued
         buffer = torch.empty(self.codec.nbytes, dtype=torch.uint8, pin_memory=self._cuda)
         for depth, store in enumerate(self.stores):
-            if store.load(key, buffer):
-                for upper in self.stores[:depth]:
-                    upper.save(key, buffer)
+            try:
+                found = store.load(key, buffer)
+                if found:
+                    for upper in self.stores[:depth]:
+                        upper.save(key, buffer)
+            except Exception:  # a store must not raise (KVStore.load): a miss, never a failed step
+                logger.exception("KV store %r raised in load; treated as a miss", store.name)
+                continue
+            if found:
                 return buffer
         return None
 

@@ -51,7 +51,8 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _llm(folder: Path, kv_store: str | None, *, blocks: int, tmp: Path | None = None, **overrides: Any) -> LLM:
+def _llm(folder: Path, kv_store: str | None, *, blocks: int, tmp: Path | None = None,
+         more_plugins: dict[str, Any] | None = None, **overrides: Any) -> LLM:
     """An engine whose device cache holds ``blocks`` blocks of 16 tokens (sized from the model's bytes)."""
     probe = LLM(folder, kv_cache_bytes=1 << 22, block_size=BLOCK, max_model_len=128, **overrides)
     pool = probe.engine.pool
@@ -60,7 +61,7 @@ def _llm(folder: Path, kv_store: str | None, *, blocks: int, tmp: Path | None = 
     state = sum(t.numel() * t.element_size() for layer in pool.layers for t in layer) - per_block * pool.num_blocks
     probe.shutdown()
     plugins = {"kv_store": {"enabled": True, "host_bytes": 1 << 24,
-                            "disk_dir": str(tmp) if tmp is not None else None}}
+                            "disk_dir": str(tmp) if tmp is not None else None}, **(more_plugins or {})}
     return LLM(folder, kv_cache_bytes=state + per_block * (blocks + 1), block_size=BLOCK, max_model_len=128,
                cache={"kv_store": kv_store}, plugins=plugins, **overrides)
 
@@ -84,13 +85,14 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
 
 
-def _evict_then_hit(folder: Path, kv_store: str, tmp: Path | None = None, **overrides: Any) -> dict[str, Any]:
+def _evict_then_hit(folder: Path, kv_store: str, tmp: Path | None = None,
+                    more_plugins: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
     """Prompt A (prefix + tail), then unrelated prompts that evict every cached block of A, then prompt B
     (the same prefix, another tail): B's prefix must come back from the tiers."""
     prefix = _tokens(PREFIX, 1)
     a, b = prefix + _tokens(9, 2), prefix + _tokens(13, 3)
     fillers = [_tokens(70, 10 + i) for i in range(3)]
-    llm = _llm(folder, kv_store, blocks=12, tmp=tmp, **overrides)
+    llm = _llm(folder, kv_store, blocks=12, tmp=tmp, more_plugins=more_plugins, **overrides)
     first = _generate(llm, [a])
     for filler in fillers:
         _generate(llm, [filler])
@@ -118,6 +120,15 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_each_tier(llama_dir: P
     tiers = run["stats"]["kv_tiers"]
     assert tiers["promoted_blocks"] == PREFIX // BLOCK and tiers["promoted_tokens"] == PREFIX
     assert tiers["demoted_blocks"] > 0 and tiers["load_failures"] == 0
+    assert run["stats"]["kv_blocks_free"] == run["stats"]["kv_blocks_total"]
+
+
+def test_tiers_under_the_overlapped_executor(llama_dir: Path) -> None:
+    """The overlapped executor (plugins/scheduling: the forward on a worker thread) demotes and promotes
+    the same blocks with the same tokens."""
+    run = _evict_then_hit(llama_dir, "host", more_plugins={"scheduling": {"enabled": True}})
+    assert run["got"] == run["want"]
+    assert run["stats"]["kv_tiers"]["promoted_blocks"] == PREFIX // BLOCK
     assert run["stats"]["kv_blocks_free"] == run["stats"]["kv_blocks_total"]
 
 
@@ -191,8 +202,42 @@ def test_corrupt_block_files_are_misses_and_the_tokens_stay_right(llama_dir: Pat
     assert tiers["load_failures"] == 1 and tiers["disk"]["errors"] == 1
 
 
-def test_aborts_and_preemptions_with_tiers_leak_no_block(llama_dir: Path) -> None:
-    llm = _llm(llama_dir, "host", blocks=10, max_num_seqs=6)
+def test_a_store_that_raises_mid_promotion_is_a_miss_and_leaks_nothing(llama_dir: Path) -> None:
+    """The third block's load raises (a broken store): the promotion stops after two blocks, the rest is
+    computed, the tokens are right and every block comes back."""
+    prefix = _tokens(PREFIX, 1)
+    a, b = prefix + _tokens(9, 2), prefix + _tokens(13, 3)
+    llm = _llm(llama_dir, "host", blocks=12)
+    _generate(llm, [a])
+    for i in range(3):
+        _generate(llm, [_tokens(70, 10 + i)])
+    llm.engine.kv_tiers.flush()
+    store = llm.engine.kv_tiers.stores[0]
+    load, calls = store.load, []
+
+    def broken(key: bytes, out: torch.Tensor) -> bool:
+        calls.append(key)
+        if len(calls) == 3:
+            raise OSError("device unplugged")
+        return load(key, out)
+
+    store.load = broken
+    counts = _count_computed(llm)
+    got = _generate(llm, [b])
+    stats = llm.get_stats()
+    llm.shutdown()
+    fresh = LLM(llama_dir, kv_cache_bytes=1 << 22, block_size=BLOCK, max_model_len=128)
+    assert got == _generate(fresh, [b])
+    fresh.shutdown()
+    assert counts[0] == len(b) - 2 * BLOCK
+    assert stats["kv_tiers"]["promoted_blocks"] == 2 and stats["kv_tiers"]["load_failures"] == 1
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("executor", ["sync", "overlap"])
+def test_aborts_and_preemptions_with_tiers_leak_no_block(llama_dir: Path, executor: str) -> None:
+    overlap = {"scheduling": {"enabled": True}} if executor == "overlap" else None
+    llm = _llm(llama_dir, "host", blocks=10, max_num_seqs=6, more_plugins=overlap)
     engine = llm.engine
     rng = random.Random(4)
     shared = _tokens(32, 7)
@@ -211,7 +256,9 @@ def test_aborts_and_preemptions_with_tiers_leak_no_block(llama_dir: Path) -> Non
     stats = llm.get_stats()
     llm.shutdown()
     assert finished == {r.request_id for r in requests}
-    assert stats["preemptions"] > 0 and stats["kv_tiers"]["promoted_blocks"] > 0
+    assert stats["preemptions"] > 0 and stats["kv_tiers"]["demoted_blocks"] > 0
+    if executor == "sync":  # this schedule promotes; the overlapped one's timing keeps its prefixes on the device
+        assert stats["kv_tiers"]["promoted_blocks"] > 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
