@@ -4,15 +4,16 @@ ids unchanged with it."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
 from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
 from deepinfer_cpu.paged_attention import compiler
-from tiny_models import assert_cached_logits_match, save_tiny
+from tiny_models import assert_cached_logits_match, record_logits, save_tiny
 
-from deepinfer import LLM
+from deepinfer import LLM, SamplingParams
 
 pytestmark = [pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN"),
               pytest.mark.usefixtures("one_torch_thread")]
@@ -76,3 +77,33 @@ def test_auto_takes_onednn_on_cpu_and_logits_match_transformers(tiny_llama) -> N
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (3, 11, 20)]
     assert_cached_logits_match(llm, model, prompts, decode_steps=8)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no AVX512-BF16-class CPU")
+def test_bfloat16_end_to_end_logits_within_bf16_tolerance(tiny_llama) -> None:
+    """``model.dtype=bfloat16`` on CPU (oneDNN's bf16 GEMMs, the core's attention): every step's logits
+    (prefill and cached decode) within bf16 rounding of float32 transformers on the same weights — no further
+    from it than transformers' own bfloat16 run, with a margin, and within 8 bf16 steps of the largest logit."""
+    model, folder = tiny_llama
+    model_bf16 = copy.deepcopy(model).to(torch.bfloat16)
+    llm = LLM(folder, dtype="bfloat16", block_size=16, kv_cache_bytes=1 << 22, plugins={"cpu": {"enabled": True}})
+    assert llm.engine.runner.backends["linear"].name == "onednn"
+    steps = record_logits(llm)
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (4, 13)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=7, ignore_eos=True), use_tqdm=False)
+    rows: dict[str, list[torch.Tensor]] = {}
+    for ids, logits in steps:
+        for rid, row in zip(ids, logits, strict=True):
+            rows.setdefault(rid, []).append(row)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ours = torch.stack(rows[out.request_id])
+        full = torch.tensor([prompt + out.outputs[0].token_ids[:6]])
+        with torch.no_grad():
+            ref = model(full).logits[0, len(prompt) - 1:]
+            theirs = model_bf16(full).logits[0, len(prompt) - 1:].float()
+        step = 2 ** -8 * ref.abs().max().item()  # bf16 keeps 8 significant bits
+        err, their_err = (ours - ref).abs(), (theirs - ref).abs()
+        assert err.max().item() <= 8 * step
+        assert err.mean().item() <= 2 * their_err.mean().item() + step / 4
+    llm.shutdown()

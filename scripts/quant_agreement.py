@@ -1,0 +1,112 @@
+"""How far low-precision SmolLM2 runs stray from the float32 one (issue 36 item 2; docs/benchmarks.md).
+
+For each of ``--modes`` (``bf16``: ``model.dtype=bfloat16``; ``int8`` / ``q4_1``: ``model.quantization``) and
+real chat prompts:
+
+* free-running greedy: each run generates ``--tokens`` tokens per prompt (EOS ignored); the token match rate
+  is the fraction of positions whose token equals the float32 run's, and the first divergence is reported;
+* teacher-forced on the float32 run's sequences: the engine's own full next-token distributions
+  (``LLM.teacher_force`` with ``top_k`` = vocabulary) at the generated positions, against float32's: argmax
+  agreement and the mean KL(p_fp32 ‖ p_mode) in nats.
+
+    python scripts/quant_agreement.py --modes bf16 int8 q4_1 --tokens 128 --output agreement.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write one sentence about the ocean.",
+    "Explain in two sentences why the sky is blue.",
+    "Give me three tips for staying focused while studying.",
+    "Write a short poem about autumn leaves.",
+    "What is the difference between a list and a tuple in Python?",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do I make a simple tomato pasta sauce?",
+]
+
+MODES: dict[str, dict[str, Any]] = {
+    "fp32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"dtype": "float32", "quantization": "int8"},
+    "q4_1": {"dtype": "float32", "quantization": "q4_1"},
+}
+
+
+def build(mode: str) -> LLM:
+    return LLM("smollm2-135m-instruct", plugins={"cpu": {"enabled": True}}, **MODES[mode])
+
+
+def generate(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def distributions(llm: LLM, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
+    """Per sequence, the float64 log-probabilities ``[generated, vocab]`` predicting each generated token."""
+    vocab = llm.engine.model.vocab_size
+    out = []
+    for seq, start, forced in zip(sequences, starts, llm.teacher_force(sequences, top_k=vocab), strict=True):
+        rows = slice(start - 1, len(seq) - 1)
+        logits = torch.empty(rows.stop - rows.start, vocab, dtype=torch.float64)
+        logits.scatter_(1, forced.top_ids[rows], forced.top_logits[rows].double())
+        out.append(torch.log_softmax(logits, dim=-1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--modes", nargs="+", default=["bf16", "int8", "q4_1"], choices=sorted(set(MODES) - {"fp32"}))
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--output")
+    args = ap.parse_args()
+
+    started = time.time()
+    ref = build("fp32")
+    params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    chats = ref.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
+    prompts = [list(o.prompt_token_ids) for o in chats]
+    ref_out = [list(o.outputs[0].token_ids) for o in chats]
+    sequences = [p + o for p, o in zip(prompts, ref_out, strict=True)]
+    starts = [len(p) for p in prompts]
+    ref_logp = distributions(ref, sequences, starts)
+    ref.shutdown()
+
+    report: dict[str, Any] = {"tokens": args.tokens, "prompts": PROMPTS, "modes": {}}
+    for mode in args.modes:
+        llm = build(mode)
+        outs = generate(llm, prompts, args.tokens)
+        logp = distributions(llm, sequences, starts)
+        llm.shutdown()
+        equal = [sum(a == b for a, b in zip(o, r, strict=True)) for o, r in zip(outs, ref_out, strict=True)]
+        first = [next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), args.tokens)
+                 for o, r in zip(outs, ref_out, strict=True)]
+        argmax = sum(int((lp.argmax(-1) == rp.argmax(-1)).sum()) for lp, rp in zip(logp, ref_logp, strict=True))
+        kl = torch.cat([(rp.exp() * (rp - lp)).sum(-1) for lp, rp in zip(logp, ref_logp, strict=True)])
+        positions = sum(len(o) for o in ref_out)
+        report["modes"][mode] = {
+            "token_match_rate": sum(equal) / positions,
+            "identical_sequences": sum(f == args.tokens for f in first),
+            "first_divergence": first,
+            "teacher_forced_argmax_agreement": argmax / positions,
+            "mean_kl_nats": float(kl.mean()),
+            "max_kl_nats": float(kl.max()),
+        }
+        print(mode, json.dumps(report["modes"][mode]), flush=True)
+    report["seconds"] = time.time() - started
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
