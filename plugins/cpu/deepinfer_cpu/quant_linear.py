@@ -8,8 +8,8 @@ output rows at a time, for every input row of the call):
 * ``int8`` (backend ``cpu_int8``): symmetric int8 with one float32 scale per output row,
   ``scale = max|w_row| / 127`` — a quarter of the float32 bytes.
 * ``q4_1`` (backend ``cpu_q4_1``): llama.cpp's Q4_1 layout, blocks of 32 inputs with a float32 step ``d`` and
-  minimum ``m`` each (``w = d·q + m``, ``q`` in 0..15, ``d = (max - min) / 15``) — 5 bits per weight here
-  (float32 ``d``/``m``; llama.cpp stores float16 ones). The LM head (the weight with ``vocab_size`` rows) is
+  minimum ``m`` each (``w = d·q + m``, ``q`` in 0..15, ``d = (max - min) / 15``) — 6 bits per weight here
+  (float32 ``d``/``m``; llama.cpp's float16 ones make 5). The LM head (the weight with ``vocab_size`` rows) is
   kept in 8-bit blocks of 32 (llama.cpp's Q8_0: ``d = max|w| / 127``), as llama.cpp's Q4_1 files keep it; a
   model with another GEMM weight of exactly ``vocab_size`` rows gets that one in 8 bits too (more precise,
   never less).
