@@ -471,3 +471,41 @@ def test_engram_with_tokenizer_compression_loads_from_the_folder(tmp_path):
     out = llm.generate([[3, 4, 5, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("features", ["all", "engram"])
+def test_preemption_prefix_hits_and_aborts_leave_nothing_behind(tmp_path, features):
+    """Every feature on (Engram too): a tight cache (preemptions), then a second wave of the same prompts,
+    each twice (prefix hits, exact replay in 16-token chunks) with every third request aborted after one
+    step. The requests that finish have the greedy ids of a roomy run, the aborted ones a prefix of them,
+    and every block and state slot is back."""
+    from test_deepseek_v4 import _blocks_budget
+
+    build_v41(tmp_path, **({} if features == "all" else ENGRAM))
+    batch = prompts([30, 17, 25, 8, 40, 22, 13, 35], seed=8)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    roomy = [o.outputs[0].token_ids for o in v41_llm(tmp_path).generate(batch, params, use_tqdm=False)]
+    budget = _blocks_budget(v41_llm(tmp_path), 16)
+    llm = make_llm(tmp_path, cache={"kv_cache_bytes": budget}, max_model_len=96, max_num_batched_tokens=16)
+    first = [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    assert first == roomy
+    assert llm.get_stats()["preemptions"] > 0
+    engine = llm.engine
+    hits_before = engine.kv.hit_tokens
+    order = [i for i in range(len(batch)) for _ in range(2)]
+    reqs = [engine.make_request(batch[i], params) for i in order]
+    for req in reqs:
+        engine.add(req)
+    engine.step()
+    aborted = reqs[0::3]
+    for req in aborted:
+        engine.abort(req.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.hit_tokens > hits_before
+    for req, i in zip(reqs, order, strict=True):
+        assert req.output_token_ids == roomy[i][:len(req.output_token_ids)]
+        assert req.finish_reason == ("abort" if any(req is r for r in aborted) else "length")
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert not engine.kv.slots and len(engine.kv.free_slots) == engine.num_state_slots - 1

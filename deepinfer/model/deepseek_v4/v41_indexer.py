@@ -85,6 +85,8 @@ def candidate_blocks(scores: torch.Tensor, limit: CandidateLimit) -> torch.Tenso
     """The candidate source's picks ``[rows, topk_blocks]`` (−1: none): blocks of ``limit.block_size``
     entries scored by their best entry, the block of the last complete entry forced first."""
     rows, count = scores.shape
+    if count == 0:  # no entry yet (a request shorter than the ratio): no block
+        return torch.full((rows, limit.topk_blocks), -1, dtype=torch.int64, device=scores.device)
     size = limit.block_size
     nblocks = -(-count // size)
     padded = scores.new_full((rows, nblocks * size), float("-inf"))
