@@ -59,13 +59,18 @@ def check_invariance(llm: LLM, vocab: int, prompt_len: int, compositions: list[t
         assert lp == alone_lp, f"composition {k}: logprobs differ bitwise"
 
 
+def repeating_target(vocab: int) -> list[int]:
+    """The speculation tests' target prompt: 12 random ids twice, then the first 6 again."""
+    half = neighbour_ids(1000, 12, vocab)
+    return half + half + half[:6]
+
+
 def check_fixed_speculation(llm: LLM, vocab: int, compositions: list[tuple[list[int], int, int]],
                             target_tokens: int) -> None:
     """Deterministic speculative decoding (``fixed`` plan, ``ngram`` drafts): a target whose prompt
     repeats itself (so drafts are found) gets bitwise the tokens and logprobs it gets alone, greedy and
     seeded-sampled, in every composition."""
-    half = neighbour_ids(1000, 12, vocab)
-    target = half + half + half[:6]
+    target = repeating_target(vocab)
     for params in (SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
                    SamplingParams(temperature=0.8, seed=77, max_tokens=12, logprobs=3, ignore_eos=True)):
         alone = generate_among(llm, target, params, [], neighbour_tokens=target_tokens)

@@ -10,6 +10,7 @@ CUDA in bfloat16 with ``auto`` backends (the lead's H200)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -257,18 +258,28 @@ def test_cuda_logprobs_bitwise_equal_in_every_batch(model: str, request: pytest.
 
 
 @pytest.mark.gpu
-def test_cuda_fixed_speculation_keeps_outputs_bitwise_equal_in_every_batch(tiny_llama: Path) -> None:
+def test_cuda_fixed_speculation_keeps_outputs_bitwise_equal_in_every_batch(tiny_llama: Path, tmp_path: Path) -> None:
     """Deterministic speculative decoding on CUDA (issue 28 item 4): bfloat16, the mode on, the ``fixed``
-    plan with ``ngram`` drafts on a prompt that repeats itself (some drafts accepted): the target's tokens
-    and logprobs, greedy and seeded-sampled, are bitwise those it gets alone, in every batch."""
-    from batch_invariance import check_fixed_speculation
+    plan: the target's tokens and logprobs, greedy and seeded-sampled, are bitwise those it gets alone, in
+    every batch. The random model does not copy its prompt's repetition, so ``ngram`` would find no
+    drafts; the ``oracle`` drafter knows its greedy reply (recorded first, without speculation) and
+    corrupts a fifth of the drafts, so drafts are accepted and rejected."""
+    from batch_invariance import check_fixed_speculation, repeating_target
 
-    from deepinfer import LLM
+    from deepinfer import LLM, SamplingParams
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    llm = LLM(tiny_llama, **ENGINE, dtype="bfloat16", device="cuda", kernels={"batch_invariant": True},
-              plugins={**ON, "spec_decode": {"enabled": True, "drafter": "ngram", "plan": "fixed", "max_draft": 4}})
+    engine = {**ENGINE, "dtype": "bfloat16", "device": "cuda", "kernels": {"batch_invariant": True}}
+    target = repeating_target(256)
+    llm = LLM(tiny_llama, **engine, plugins=ON)
+    reply = llm.generate([target], SamplingParams(temperature=0, max_tokens=13, ignore_eos=True), use_tqdm=False)
+    llm.shutdown()
+    oracle = tmp_path / "oracle.jsonl"
+    oracle.write_text(json.dumps({"token_ids": target + list(reply[0].outputs[0].token_ids)}) + "\n")
+    llm = LLM(tiny_llama, **engine, plugins={**ON, "spec_decode": {"enabled": True, "drafter": "oracle",
+                                                                  "oracle_file": str(oracle), "plan": "fixed",
+                                                                  "max_draft": 4}})
     try:
         check_fixed_speculation(llm, 256, COMPOSITIONS, TARGET_TOKENS)
     finally:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.interfaces import DraftInputs, DraftProposal
-from deepinfer.ops import Purpose, uniform
+from deepinfer.ops import Purpose, to_device, uniform
 
 SMOOTHING = 0.1
 
@@ -56,9 +56,9 @@ class OracleDrafter:
             return history[:, -1:].expand(batch, k).clone()
         if self._table is None or self._table.device != dev:
             longest = max(len(seq) for seq in self.sequences)
-            self._table = torch.tensor([[*seq] + [-2] * (longest - len(seq)) for seq in self.sequences],
-                                       dtype=torch.int64, device=dev)
-            self._lengths = torch.tensor([len(seq) for seq in self.sequences], dtype=torch.int64, device=dev)
+            # Built on first use, inside a step: copied without waiting for the device.
+            self._table = to_device([[*seq] + [-2] * (longest - len(seq)) for seq in self.sequences], torch.int64, dev)
+            self._lengths = to_device([len(seq) for seq in self.sequences], torch.int64, dev)
         table, lengths = self._table, self._lengths
         assert lengths is not None
         if table.shape[1] < width:
