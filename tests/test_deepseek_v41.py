@@ -509,3 +509,12 @@ def test_preemption_prefix_hits_and_aborts_leave_nothing_behind(tmp_path, featur
     stats = llm.get_stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert not engine.kv.slots and len(engine.kv.free_slots) == engine.num_state_slots - 1
+
+
+def test_dummy_weights_generate(tmp_path):
+    """``load_format=dummy`` (the shaped benchmark config's way): a V4.1 folder with only config.json runs."""
+    (tmp_path / "config.json").write_text(json.dumps(v41_config()))
+    llm = v41_llm(tmp_path, load_format="dummy")
+    out = llm.generate([prompts([12], seed=4)[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

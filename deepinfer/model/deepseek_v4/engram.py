@@ -188,7 +188,7 @@ class EngramLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, ngrams: torch.Tensor, ctx_linear: object) -> torch.Tensor:
         """``streams [T, m, H]`` after the gate, for the n-gram ids ``ngrams [T, max]``."""
-        assert self.table is not None, f"layer {self.layer}: Engram table not loaded"
+        assert self.table is not None, f"layer {self.layer}: no Engram table (load_format=dummy does not make one)"
         rows = engram_rows(ngrams, self.multipliers, self.primes, self.offsets)
         # Host gather of this step's rows only (the table stays where the checkpoint put it).
         embeds = self.table.index_select(0, rows.flatten().to(self.table.device))
