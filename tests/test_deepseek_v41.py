@@ -518,3 +518,17 @@ def test_dummy_weights_generate(tmp_path):
     out = llm.generate([prompts([12], seed=4)[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_indexer_row_blocks_change_nothing(tmp_path, monkeypatch):
+    """The indexer scores prefill rows in blocks bounded like the V4 reference op's (here 2–3 rows a
+    block): the same greedy ids, logits within 1e-5 × max, as unblocked."""
+    from deepinfer.model.layers import reference_deepseek_v4
+
+    build_v41(tmp_path)
+    whole = _logits_by_request(v41_llm(tmp_path, max_num_batched_tokens=64), MIXED, 4)
+    monkeypatch.setattr(reference_deepseek_v4, "PREFILL_SCORE_ELEMENTS", 8 * 40 * 3)
+    blocked = _logits_by_request(v41_llm(tmp_path, max_num_batched_tokens=64), MIXED, 4)
+    for a, b in zip(blocked, whole, strict=True):
+        assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
+        assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()

@@ -24,7 +24,7 @@ from deepinfer.model.deepseek_v4.config import V4Dims
 from deepinfer.model.deepseek_v4.norm import V4RMSNorm
 from deepinfer.model.deepseek_v4.rotary import V4Rotary
 from deepinfer.model.deepseek_v4.v41_config import CandidateLimit
-from deepinfer.model.layers.reference_deepseek_v4 import gather_entries
+from deepinfer.model.layers.reference_deepseek_v4 import gather_entries, row_block
 
 
 class IndexKeys(nn.Module):
@@ -117,15 +117,17 @@ def select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: Forw
               else torch.full((q.shape[0], limit.topk_blocks), -1, dtype=torch.int64, device=q.device))
     starts = ctx.query_start_loc_host
     for i in range(len(ctx.seq_lens_host)):
-        lo, hi = starts[i], starts[i + 1]
-        if hi == lo:
-            continue
-        scores = index_scores(q[lo:hi], weights[lo:hi], keys, ctx.block_tables[i], ctx.positions[lo:hi],
-                              ctx.seq_lens_host[i] // ratio, ratio, scale)
-        if picked is not None and limit is not None:
-            picked[lo:hi] = candidate_blocks(scores, limit)
-        if role == "limited":
-            assert candidates is not None and limit is not None
-            scores = restrict_to_candidates(scores, candidates[lo:hi], limit.block_tokens // ratio)
-        out[lo:hi] = top_entries(scores, topk)
+        count = ctx.seq_lens_host[i] // ratio
+        # Blocks of query rows bound the [rows, heads, count] score tensor, as the V4 reference op does.
+        step = row_block(q.shape[1] * max(count, 1))
+        for lo in range(starts[i], starts[i + 1], step):
+            hi = min(starts[i + 1], lo + step)
+            scores = index_scores(q[lo:hi], weights[lo:hi], keys, ctx.block_tables[i], ctx.positions[lo:hi],
+                                  count, ratio, scale)
+            if picked is not None and limit is not None:
+                picked[lo:hi] = candidate_blocks(scores, limit)
+            if role == "limited":
+                assert candidates is not None and limit is not None
+                scores = restrict_to_candidates(scores, candidates[lo:hi], limit.block_tokens // ratio)
+            out[lo:hi] = top_entries(scores, topk)
     return out, picked
