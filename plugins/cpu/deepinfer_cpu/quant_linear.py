@@ -7,9 +7,9 @@ output rows at a time, for every input row of the call):
 
 * ``int8`` (backend ``cpu_int8``): symmetric int8 with one float32 scale per output row,
   ``scale = max|w_row| / 127`` — a quarter of the float32 bytes.
-* ``q4_1`` (backend ``cpu_q4_1``): llama.cpp's Q4_1 layout, blocks of 32 inputs with a float32 step ``d`` and
-  minimum ``m`` each (``w = d·q + m``, ``q`` in 0..15, ``d = (max - min) / 15``) — 6 bits per weight here
-  (float32 ``d``/``m``; llama.cpp's float16 ones make 5). The LM head (the weight with ``vocab_size`` rows) is
+* ``q4_1`` (backend ``cpu_q4_1``): llama.cpp's Q4_1 layout, blocks of 32 inputs with a float16 step ``d`` and
+  minimum ``m`` each (``w = d·q + m``, ``q`` in 0..15, ``d = (max - min) / 15``) — 5 bits per weight, the
+  bytes of a GGUF Q4_1 tensor. The LM head (the weight with ``vocab_size`` rows) is
   kept in 8-bit blocks of 32 (llama.cpp's Q8_0: ``d = max|w| / 127``), as llama.cpp's Q4_1 files keep it; a
   model with another GEMM weight of exactly ``vocab_size`` rows gets that one in 8 bits too (more precise,
   never less).
@@ -76,7 +76,7 @@ class Int8Weight:
 class Q41Weight:
     """llama.cpp's Q4_1: ``w[n, 32b + j] = d[n, b] · q + m[n, b]``, ``q`` the low nibble of ``qs[n, 16b + j]``
     for ``j < 16``, the high nibble of ``qs[n, 16b + j - 16]`` otherwise; ``qs`` uint8 ``[N, K / 2]``,
-    ``d`` and ``m`` float32 ``[N, K / 32]``."""
+    ``d`` and ``m`` float16 ``[N, K / 32]``."""
 
     qs: torch.Tensor
     d: torch.Tensor
@@ -87,7 +87,7 @@ class Q41Weight:
         n, blocks = self.d.shape
         packed = self.qs.view(n, blocks, BLOCK // 2)
         q = torch.cat([packed & 15, packed >> 4], dim=-1).float()
-        return (q * self.d.unsqueeze(-1) + self.m.unsqueeze(-1)).view(n, blocks * BLOCK)
+        return (q * self.d.float().unsqueeze(-1) + self.m.float().unsqueeze(-1)).view(n, blocks * BLOCK)
 
 
 def quantize_int8(weight: torch.Tensor, group: int | None = None) -> Int8Weight:
@@ -104,17 +104,22 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> Int8Weight:
 
 
 def quantize_q4_1(weight: torch.Tensor) -> Q41Weight:
-    """Q4_1 of ``weight [N, K]`` (``K`` a multiple of 32): per block ``m = min``, ``d = (max - min) / 15``,
-    ``q = round((w - m) / d)`` in 0..15; a constant block gets ``d = 0``."""
+    """Q4_1 of ``weight [N, K]`` (``K`` a multiple of 32): per block ``m = min`` and ``d = (max - min) / 15``,
+    both rounded to float16, ``q = round((w - m) / d)`` in 0..15 with the rounded ones; a constant block gets
+    ``d = 0``. Values beyond float16's range are refused."""
     n, k = weight.shape
     if k % BLOCK:
         raise ValueError(f"q4_1 quantization needs an input width divisible by {BLOCK}, got {k}")
     w = weight.detach().float().reshape(n, k // BLOCK, BLOCK)
     low, high = w.amin(dim=-1), w.amax(dim=-1)
-    d = (high - low) / 15.0
-    q = torch.round((w - low.unsqueeze(-1)) / torch.where(d > 0, d, 1.0).unsqueeze(-1)).clamp_(0, 15).to(torch.uint8)
+    d, m = ((high - low) / 15.0).half(), low.half()
+    if not (torch.isfinite(d).all() and torch.isfinite(m).all()):
+        raise ValueError("q4_1 quantization needs weights within float16's range (|w| <= 65504)")
+    step = d.float()
+    q = torch.round((w - m.float().unsqueeze(-1)) / torch.where(step > 0, step, 1.0).unsqueeze(-1))
+    q = q.clamp_(0, 15).to(torch.uint8)
     qs = q[..., : BLOCK // 2] | (q[..., BLOCK // 2:] << 4)
-    return Q41Weight(qs.reshape(n, k // 2).contiguous(), d.contiguous(), low.contiguous())
+    return Q41Weight(qs.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous())
 
 
 def quantized_linear(x: torch.Tensor, weight: Int8Weight | Q41Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -60,8 +60,8 @@ def test_formats_bound_their_error_and_round_trip() -> None:
     q4 = quantize_q4_1(weight)
     assert q4.qs.dtype == torch.uint8 and q4.qs.shape == (16, 32) and q4.d.shape == (16, 2)
     blocks = weight.view(16, 2, 32)
-    d = (blocks.amax(-1) - blocks.amin(-1)) / 15
-    assert ((q4.dequantize() - weight).view(16, 2, 32).abs() <= d.unsqueeze(-1) / 2 + 1e-6).all()
+    d = (blocks.amax(-1) - blocks.amin(-1)) / 15  # plus float16 rounding of the step and minimum
+    assert ((q4.dequantize() - weight).view(16, 2, 32).abs() <= d.unsqueeze(-1) * 0.51 + 2e-3).all()
     # Quantizing the rounded values again gives the same codes.
     assert torch.equal(quantize_int8(int8.dequantize()).q, int8.q)
     assert torch.equal(quantize_q4_1(q4.dequantize()).qs, q4.qs)
@@ -73,15 +73,14 @@ def test_q4_1_recovers_a_gguf_style_block_exactly() -> None:
     gen = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 16, (8, 4, 32), generator=gen)
     codes[..., 5], codes[..., 20] = 0, 15
-    d = (torch.rand(8, 4, generator=gen) * 0.01 + 1e-3).half().float()  # float16 steps and minima, as stored
-    m = (torch.randn(8, 4, generator=gen) * 0.05).half().float()
-    stored = (codes * d.unsqueeze(-1) + m.unsqueeze(-1)).view(8, 128)
+    d = (torch.rand(8, 4, generator=gen) * 0.01 + 1e-3).half()  # float16 steps and minima, as stored
+    m = (torch.randn(8, 4, generator=gen) * 0.05).half()
+    stored = (codes * d.float().unsqueeze(-1) + m.float().unsqueeze(-1)).view(8, 128)
     q4 = quantize_q4_1(stored)
     packed = q4.qs.view(8, 4, 16)
     assert torch.equal(torch.cat([packed & 15, packed >> 4], dim=-1).long(), codes)
-    assert torch.equal(q4.m, m)
-    torch.testing.assert_close(q4.d, d, rtol=1e-6, atol=0)
-    torch.testing.assert_close(q4.dequantize(), stored, rtol=0, atol=1e-7)
+    assert torch.equal(q4.d, d) and torch.equal(q4.m, m)
+    assert torch.equal(q4.dequantize(), stored)
 
 
 def test_backend_keeps_rounded_weights_follows_writes_and_leaves_temporaries() -> None:
@@ -151,8 +150,8 @@ def test_runs_the_kernels_cannot_serve_fail_at_start_up(tmp_path: Path) -> None:
 
 def test_q4_1_holds_the_smollm2_gguf_own_blocks() -> None:
     """On the real SmolLM2 checkpoint (converted from its Q4_1 GGUF to float32), ``q4_1`` re-derives the
-    file's own blocks: the same 4-bit codes and, to float32 rounding, the same float16 steps and minima; the
-    LM head (the GGUF's Q8_0 ``token_embd``) comes back as the same int8 codes and steps."""
+    file's own blocks byte for byte (4-bit codes, float16 steps and minima); the LM head (the GGUF's Q8_0
+    ``token_embd``) comes back as the same int8 codes and, to float32 rounding, the same steps."""
     import numpy as np
     from gguf import GGUFReader
     from safetensors import safe_open
@@ -170,10 +169,8 @@ def test_q4_1_holds_the_smollm2_gguf_own_blocks() -> None:
     blocks = torch.from_numpy(raw["blk.0.ffn_down.weight"].reshape(576, 48, 20).copy())  # d, m (fp16), 16 bytes
     q4 = quantize_q4_1(down)
     assert torch.equal(q4.qs.view(576, 48, 16), blocks[..., 4:])
-    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
-    m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
-    torch.testing.assert_close(q4.d, d, rtol=1e-6, atol=0)
-    assert torch.equal(q4.m, m)
+    assert torch.equal(q4.d.view(torch.uint8).view(576, 48, 2), blocks[..., 0:2])  # the file's float16 bytes
+    assert torch.equal(q4.m.view(torch.uint8).view(576, 48, 2), blocks[..., 2:4])
 
     head = torch.from_numpy(raw["token_embd.weight"].reshape(49152, 18, 34).copy())  # d (fp16), 32 int8
     q8 = quantize_int8(embed, 32)

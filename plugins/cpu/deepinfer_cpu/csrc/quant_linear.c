@@ -5,7 +5,7 @@
  *          one scale per output row; group = 32: llama.cpp's Q8_0 blocks).
  *   q4_1:  blocks of 32 inputs along k, as llama.cpp's Q4_1: w[n, 32 b + j] = d[n, b] * q + mn[n, b] with q the
  *          low nibble of qs[n, 16 b + j] for j < 16 and the high nibble of qs[n, 16 b + j - 16] for j >= 16;
- *          qs uint8 [N, K / 2], d and mn float32 [N, K / 32].
+ *          qs uint8 [N, K / 2], d and mn float16 [N, K / 32] (5 bits per weight, as in a GGUF file).
  *
  * Each OpenMP task takes ROWS output rows: it expands their weights to float32 once into a small buffer (L1),
  * then runs every input row against them, so the quantized weight is read from memory once per call and
@@ -28,11 +28,11 @@ static void expand_int8_row(const int8_t *q, const float *scale, int64_t K, int6
     }
 }
 
-static void expand_q4_1_row(const uint8_t *qs, const float *d, const float *mn, int64_t K, float *dst) {
+static void expand_q4_1_row(const uint8_t *qs, const _Float16 *d, const _Float16 *mn, int64_t K, float *dst) {
     for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t *src = qs + 16 * b;
         float *out = dst + 32 * b;
-        const float scale = d[b], low = mn[b];
+        const float scale = (float)d[b], low = (float)mn[b];
 #pragma omp simd
         for (int j = 0; j < 16; ++j) {
             out[j] = scale * (float)(src[j] & 15) + low;
@@ -99,7 +99,7 @@ int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const f
     return failed;
 }
 
-int linear_q4_1_f32(const float *x, const uint8_t *qs, const float *d, const float *mn, const float *bias,
+int linear_q4_1_f32(const float *x, const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const float *bias,
                     float *out, int64_t M, int64_t N, int64_t K, int threads) {
     int failed = 0;
     const int64_t blocks = K / 32;
