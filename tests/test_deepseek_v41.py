@@ -165,14 +165,20 @@ def _logits_by_request(llm, batch: list[list[int]], max_new: int) -> list[torch.
 
 
 def test_features_off_equals_v4(tmp_path):
-    """With hc_shifted off, every layer its own source, no candidate limit and a top-k holding every
-    entry, V4.1 gives the V4 model's logits (its C1 layers are V4's ratio-1 HCA layers)."""
+    """With hc_shifted off, every layer its own source, no candidate limit, a top-k holding every entry
+    and V4's per-head query norm put back, V4.1 gives the V4 model's logits (its C1 layers are V4's
+    ratio-1 HCA layers); without that norm they differ (the reference's V4.1 has none)."""
     build_v41(tmp_path / "v41", **OFF)
     v4_folder_of(tmp_path / "v41", tmp_path / "v4")
-    ours = _logits_by_request(v41_llm(tmp_path / "v41", max_num_batched_tokens=32), MIXED, 12)
+    llm = v41_llm(tmp_path / "v41", max_num_batched_tokens=32)
+    for layer in llm.engine.model.layers:  # V4's per-head query norm, which the reference's V4.1 drops
+        layer.self_attn.q_norm = True
+    ours = _logits_by_request(llm, MIXED, 12)
     theirs = _logits_by_request(make_llm(tmp_path / "v4", max_model_len=256, max_num_batched_tokens=32), MIXED, 12)
     for a, b in zip(ours, theirs, strict=True):
         assert (a - b).abs().max().item() <= 1e-6 * b.abs().max().item()
+    plain = _logits_by_request(v41_llm(tmp_path / "v41", max_num_batched_tokens=32), MIXED, 12)
+    assert not torch.allclose(plain[0], theirs[0], rtol=1e-3, atol=1e-3)
 
 
 class FromScratch:

@@ -3,7 +3,8 @@
 Built from V4's parts (``config.py`` → ``v41_config.py`` for the facts): V4's norms, rope, MoE (learned
 top-k only), YoCo and state rings, with V4.1's differences (reference/deepinfer.md §6, §8, §11):
 
-- attention: a layer of ``compress_ratios`` 0 is sliding-window only; 1 or 2 (C1/C2) adds compressed
+- attention: no per-head query RMSNorm (the reference's ``use_qnorm: False``; V4 has one); a layer of
+  ``compress_ratios`` 0 is sliding-window only; 1 or 2 (C1/C2) adds compressed
   entries (``Compressor`` without overlap or position bias; C1 has no gate) and a projected indexer
   (``v41_indexer.py``) whose top-k entries each query sees besides its window;
 - cross-layer sharing: a KV consumer has no compressor and no indexer keys; it reads its source's
@@ -99,6 +100,9 @@ class V41Attention(nn.Module):
             self.compressor.index_keys.rotary = rotary
         self.index_query = IndexQuery(d, **kw) if d.owns_topk(layer) else None
         self.scale = d.head_dim ** -0.5
+        # V4 normalizes each query head (unweighted RMSNorm); the reference runs V4.1 without it
+        # (``hugging_face/config.py``: ``use_qnorm: False``). An attribute so a test can match V4.
+        self.q_norm = False
         self.ring: torch.Tensor | None = None
         self.kv_paged: torch.Tensor | None = None  # the KV source's entries and indexer keys (bind)
         self.index_paged: torch.Tensor | None = None
@@ -133,7 +137,9 @@ class V41Attention(nn.Module):
         d, gemm = self.d, ctx.backends["linear"]
         q_latent, kv = gemm.linear(x, self.qkv_a_weight).split([d.q_lora, d.head_dim], dim=-1)
         q_latent = self.q_a_norm(q_latent)
-        q = unweighted_rms_norm(gemm.linear(q_latent, self.q_b_weight).view(-1, d.heads, d.head_dim), d.eps)
+        q = gemm.linear(q_latent, self.q_b_weight).view(-1, d.heads, d.head_dim)
+        if self.q_norm:
+            q = unweighted_rms_norm(q, d.eps)
         q = self.rotary.rotate(q, positions)
         kv = self.rotary.rotate(self.kv_norm(kv), positions)
         selected = None
