@@ -11,7 +11,8 @@ sees text tokens and a finish, not the end-of-sequence token).
 For ``tool_choice`` ``required`` or a named function the recipe reports the output constraint
 ``tool_call_required`` (the prompt already opened the tool-call block); ``tool_call_grammar`` turns its
 tool list into an xgrammar EBNF grammar of that markup, so the model can only write well-formed calls of
-the declared functions with their declared parameter names.
+the declared functions with their declared parameter names. For ``response_format`` it reports ``json``
+(with the schema); in thinking mode that grammar starts after ``</think>``.
 
 Models without a reply parser (every other tokenizer) keep the raw text as the content.
 """
@@ -148,15 +149,26 @@ class ChatPrompt:
         rules = {"temperature": options.temperature, "top_p": options.top_p}
         return {k: float(v) for k, v in rules.items() if v is not None}
 
-    def tool_constraint(self) -> dict[str, Any] | None:
-        """``SamplingParams.structured`` enforcing the recipe's ``tool_call_required`` constraint (None when
-        the recipe reports no such constraint: ``auto`` and ``none`` are not constrained)."""
+    def constraint(self) -> tuple[str, dict[str, Any]] | None:
+        """The recipe's output constraint as ``SamplingParams`` fields, with the request field it comes
+        from: ``("tools", {"structured": {"ebnf": ...}})`` for ``tool_call_required`` (the DSML grammar),
+        ``("response_format", ...)`` for ``json`` (its schema; any JSON value when it gives none). In
+        thinking mode the grammar starts after ``</think>`` (``so_args`` with that trigger), so the reasoning
+        stays free. None when the recipe reports no constraint we enforce: ``tool_call`` (``auto``) is left
+        free, as the recipe leaves it to the backend."""
         if self.request is None:
             return None
         constraint = self.request.inference_options.output_constraint
-        if constraint is None or constraint.kind != "tool_call_required":
+        if constraint is None or constraint.kind not in ("tool_call_required", "json"):
             return None
-        return {"ebnf": tool_call_grammar(json.loads(constraint.schema))}
+        if constraint.kind == "tool_call_required":
+            field, kind, schema = "tools", "ebnf", tool_call_grammar(json.loads(constraint.schema))
+        else:
+            field, kind, schema = "response_format", "json", constraint.schema or "{}"
+        if not self.thinking:
+            return field, {"structured": {"ebnf" if kind == "ebnf" else "json_schema": schema}}
+        end_think = self.recipe_tokenizer.encode(self.recipe.SpecialToken.ThinkingEnd.default_str())
+        return field, {"so_args": {"schema_type": kind, "schema": schema, "trigger_token_ids": list(end_think)}}
 
     def reply_stream(self, *, skip_ids: frozenset[int], stop: Sequence[str] = ()) -> ReplyStream | None:
         """A fresh parser of one choice's reply (None without the recipe)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from test_deepseek_text import DUMMY_V4, EOS, THINK
+from test_deepseek_text import DUMMY_V4, END_THINK, EOS, THINK
 from test_server import ServerThread
 
 from deepinfer import LLM, SamplingParams
@@ -169,6 +169,30 @@ def test_n_parsed_choices_stream_with_an_index_and_logprobs_each(served, client,
     assert parts == {0: ["Add.", "4."], 1: ["Add.", "4."]} and logprobs == [len(golden)] * 2
 
 
+def test_response_format_goes_through_the_recipe_and_starts_after_the_thinking(served, client, tok) -> None:
+    srv, rec = served
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"]}
+    body = {"model": NAME, "messages": QUESTION, "max_tokens": 48,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}
+    rec.golden = forced(tok, '{"answer": 4}')
+    status, got = srv.post("/v1/chat/completions", body)
+    assert status == 200 and json.loads(got["choices"][0]["message"]["content"]) == {"answer": 4}
+    assert "adhere to the following schema" in tok.decode(rec.prompts[-1])  # the recipe's prompt asks for it
+    assert json.loads(rec.params[-1].structured["json_schema"]) == schema
+
+    thinking = {**body, "chat_template_kwargs": {"thinking": True}}
+    rec.golden = forced(tok, 'Two and {two}.</think>{"answer": 4}')  # the reasoning is free, not JSON
+    status, got = srv.post("/v1/chat/completions", thinking)
+    message = got["choices"][0]["message"]
+    assert status == 200 and message["reasoning_content"] == "Two and {two}."
+    assert json.loads(message["content"]) == {"answer": 4}
+    assert rec.params[-1].so_args["trigger_token_ids"] == [END_THINK] and rec.params[-1].structured is None
+    rec.golden = forced(tok, "Two and two.</think>four")  # not JSON after the thinking: refused
+    status, got = srv.post("/v1/chat/completions", thinking)
+    rec.golden = None
+    assert status == 500 and "refused the sampled token" in got["error"]["message"]
+
+
 def test_reasoning_effort_turns_thinking_on_with_the_recipes_sampling_rule(served, client) -> None:
     _, rec = served
     client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=2, temperature=0.0, top_p=0.5,
@@ -266,6 +290,8 @@ BAD_TOOLS = [
      "tool_choice"),
     ("required, no tools", {"tool_choice": "required"}, "tool_choice"),
     ("bad choice", {"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ("required in thinking mode", {"tools": [WEATHER], "tool_choice": "required",
+                                   "chat_template_kwargs": {"thinking": True}}, "tool_choice"),
 ]
 
 

@@ -510,7 +510,10 @@ def _chat_options(body: ChatRequest, native: bool) -> tuple[dict[str, Any], dict
                 options["tool_choice"] = choice if isinstance(choice, str) else choice.model_dump()
         if body.reasoning_effort is not None:
             options["reasoning_effort"] = body.reasoning_effort
-        return options, {"temperature": body.temperature, "top_p": body.top_p}
+        fields = {"temperature": body.temperature, "top_p": body.top_p}
+        if body.response_format is not None and body.response_format.type != "text":
+            fields["response_format"] = body.response_format.model_dump(exclude_none=True)
+        return options, fields
     if body.reasoning_effort is not None:
         raise bad_request("reasoning_effort needs a model whose replies are parsed for reasoning "
                           "(tokenizer='deepseek-v4')", "reasoning_effort")
@@ -525,16 +528,24 @@ def _chat_options(body: ChatRequest, native: bool) -> tuple[dict[str, Any], dict
 
 def _chat_sampling(body: ChatRequest, params: SamplingParams, chat: ChatPrompt
                    ) -> tuple[SamplingParams, str | None, str]:
-    """``params`` under the chat's rules: deepseek-recipe's resolved temperature / top_p and its
-    ``tool_call_required`` constraint; or, without the recipe, a forced function's parameter schema.
+    """``params`` under the chat's rules: deepseek-recipe's resolved temperature / top_p and its output
+    constraint (``tool_call_required``, ``json``); or, without the recipe, a forced function's parameter schema.
     Returns the params, the forced function's name (None: no forced call) and the field a grammar came from."""
     grammar_param = "response_format"
     tools_grammar = None
     forced = None
     if chat.parses_replies:
-        params = replace(params, **chat.sampling_rules())
-        tools_grammar = chat.tool_constraint()
-    elif body.tool_choice not in (None, "none") and body.tools:
+        # The recipe read response_format too (its prompt asks for JSON): its constraint replaces ours.
+        params = replace(params, structured=None, **chat.sampling_rules())
+        constraint = chat.constraint()
+        if constraint is not None:
+            grammar_param, fields = constraint
+            try:
+                params = replace(params, **fields)
+            except ValueError as exc:
+                raise bad_request(f"{grammar_param}: {exc}", grammar_param, f"invalid_{grammar_param}") from exc
+        return params, None, grammar_param
+    if body.tool_choice not in (None, "none") and body.tools:
         function = body.forced_function()
         if function is None:
             raise bad_request("tool_choice 'required' with several tools needs a model with a tool-call format "
@@ -555,11 +566,15 @@ def _chat_sampling(body: ChatRequest, params: SamplingParams, chat: ChatPrompt
 
 def _rejected_field(message: str, body: ChatRequest) -> str:
     """The field a chat-encoding refusal is about: deepseek-recipe names a tool's bad schema ("Invalid schema
-    for function ...") and a ``tool_choice`` naming no declared function ("no function named ...")."""
+    for function ..."), a ``tool_choice`` naming no declared function ("no function named ...") or one that
+    thinking mode does not support, and a bad ``response_format``."""
     if body.tools and "invalid schema for function" in message.lower():
         return "tools"
-    if body.tool_choice is not None and "no function named" in message.lower():
+    lowered = message.lower()
+    if body.tool_choice is not None and ("no function named" in lowered or "tool_choice" in lowered):
         return "tool_choice"
+    if body.response_format is not None and ("response_format" in lowered or "json_schema" in lowered):
+        return "response_format"
     return "messages"
 
 
