@@ -211,7 +211,8 @@ def test_prefill_and_cached_decode_equal_from_scratch(tmp_path, features):
 
 def test_cache_specs_allocate_only_source_layers(tmp_path):
     """Layer 3 reads layer 2's entries and indexer keys: its spec has no paged part, the pool's bytes
-    per block count only the sources, and bound layer 3 aliases layer 2's tensors."""
+    per block count only the sources, and bound layer 3 aliases layer 2's tensors. An Engram layer's
+    window (the replay planners' reach back) counts its n-grams' n − 1 earlier tokens."""
     build_v41(tmp_path)
     llm = v41_llm(tmp_path)
     model = llm.engine.model
@@ -224,6 +225,10 @@ def test_cache_specs_allocate_only_source_layers(tmp_path):
     a2, a3 = model.layers[2].self_attn, model.layers[3].self_attn
     assert a3.kv_paged is a2.kv_paged and a3.index_paged is a2.index_paged
     assert a3.compressor is None and a3.index_query is None
+    assert [s.window for s in specs] == [8] * 5
+    engram_specs = DeepseekV41ForCausalLM(v41_config(**ENGRAM), dtype=torch.float32, device=torch.device("cpu"),
+                                          max_positions=64).cache_specs()
+    assert [s.window for s in engram_specs] == [10, 10, 8, 8, 8]  # Engram layers reach 2 more tokens back
 
 
 def test_cross_layer_sharing_equals_recomputing_with_tied_weights(tmp_path):

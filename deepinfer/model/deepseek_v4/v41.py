@@ -115,7 +115,11 @@ class V41Attention(nn.Module):
             paged = [CompressedPart(self.ratio, d.head_dim), CompressedPart(self.ratio, d.index_dim)]
             rings.append(RingPart(self.compressor.ring_span(), 2 * self.compressor.series))
         kind = "compressed" if self.ratio else "sliding"
-        return HybridLayerSpec(tuple(paged), tuple(rings), kind, d.window, max(self.ratio, 1), role)
+        # For replay planners the window is the layer's reach back: an Engram layer also reads the n − 1
+        # tokens before each one (its n-grams), so exact replay starts that much earlier.
+        engram = d.engram is not None and self.layer in d.engram.layer_ids
+        reach = d.window + (d.engram.max_ngram - 1 if engram and d.engram is not None else 0)
+        return HybridLayerSpec(tuple(paged), tuple(rings), kind, reach, max(self.ratio, 1), role)
 
     def bind(self, cache: tuple[torch.Tensor, ...], source: V41Attention | None) -> None:
         """Bind this layer's own tensors; a KV consumer's entries and keys are ``source``'s."""
