@@ -22,9 +22,10 @@ from deepinfer.server.choices import choice_seed
 pytestmark = pytest.mark.usefixtures("clean_deepinfer_env", "one_torch_thread")
 
 NAME = "tiny-llama"
-# Over two 16-token blocks, so choices 1..n-1 find at least two full blocks in the prefix cache.
+# Two full 16-token blocks and a partial one: choices 1..n-1 find the two full blocks in the prefix cache.
 PROMPT = ("The history of the printing press begins in the fifteenth century, when movable type and oil-based "
-          "inks changed how books were made across Europe, and")
+          "inks changed how books were made across Europe, and within a few decades printers in many cities "
+          "were")
 SEED = 1234
 
 
@@ -56,7 +57,8 @@ def test_n_choices_equal_single_requests_with_the_derived_seeds(server, client) 
                                     logprobs=2)
     hits = engine_stats(server)["prefix_cache_hit_tokens"] - before
     prompt_tokens = got.usage.prompt_tokens
-    assert hits >= 2 * (prompt_tokens // 16) * 16  # choices 1 and 2 took the prompt's full blocks from choice 0
+    full_blocks = (prompt_tokens - 1) // 16  # the last prompt token is always computed (its logits are needed)
+    assert full_blocks == 2 and hits >= 2 * full_blocks * 16  # choices 1 and 2 took them from choice 0
     assert [c.index for c in got.choices] == [0, 1, 2]
     assert got.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in got.choices)
     for i, choice in enumerate(got.choices):
