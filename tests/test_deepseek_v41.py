@@ -149,8 +149,8 @@ MIXED = prompts([5, 23, 40, 17], seed=1)
 
 
 def v41_llm(folder: Path, **kw: object):
-    """``make_llm`` with ``max_model_len`` given: the engine reads ``max_position_embeddings`` at the top
-    level of config.json, and V4.1 keeps it under ``text_config``."""
+    """``make_llm`` with a short ``max_model_len`` (the tiny cache holds 256 tokens a request, not the
+    512 of ``text_config.max_position_embeddings``)."""
     return make_llm(folder, max_model_len=256, **kw)
 
 
@@ -523,9 +523,11 @@ def test_preemption_prefix_hits_and_aborts_leave_nothing_behind(tmp_path, featur
 
 
 def test_dummy_weights_generate(tmp_path):
-    """``load_format=dummy`` (the shaped benchmark config's way): a V4.1 folder with only config.json runs."""
-    (tmp_path / "config.json").write_text(json.dumps(v41_config()))
-    llm = v41_llm(tmp_path, load_format="dummy")
+    """``load_format=dummy`` (the shaped benchmark config's way): a V4.1 folder with only config.json runs,
+    its context length read from ``text_config``."""
+    (tmp_path / "config.json").write_text(json.dumps(v41_config(max_position_embeddings=192)))
+    llm = make_llm(tmp_path, load_format="dummy")
+    assert llm.engine.max_model_len == 192
     out = llm.generate([prompts([12], seed=4)[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -83,6 +83,10 @@ def read_hf_config(folder: Path) -> dict:
     if config.get("model_type") == "deepseek_v41":
         # DeepSeek-V4.1's Engram compresses ids with the folder's own tokenizer.json (deepseek_v4/engram.py).
         config["deepinfer_model_folder"] = str(folder)
+        # Its text model's facts sit under text_config; the engine reads the context length at the top.
+        text = config.get("text_config")
+        if isinstance(text, dict) and "max_position_embeddings" in text:
+            config.setdefault("max_position_embeddings", text["max_position_embeddings"])
     return config
 
 
