@@ -545,3 +545,53 @@ def test_indexer_row_blocks_change_nothing(tmp_path, monkeypatch):
     for a, b in zip(blocked, whole, strict=True):
         assert a.argmax(-1).tolist() == b.argmax(-1).tolist()
         assert (a - b).abs().max().item() <= 1e-5 * b.abs().max().item()
+
+
+def _truncated_prefill(llm, mode: str | None, table: list[int], slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill a 70-token prompt in chunks [0, 40) and [40, 70) with YoCo truncation ``mode`` (None: off)
+    at floor 61; the second chunk's hidden rows and logits."""
+    model, prompt = llm.engine.model, torch.tensor(prompts([70], seed=5)[0])
+    for start, end in ((0, 40), (40, 70)):
+        ctx = request_ctx(llm.engine.runner.backends, start, end, table, slot)
+        if mode is not None:
+            ctx.truncation_floor_host, ctx.truncation_compact_host = [61], [mode == "compact"]
+        with torch.inference_mode():
+            hidden = model.forward(prompt[start:end], ctx)
+            logits = model.compute_logits(hidden, ctx)
+    return hidden, logits
+
+
+@pytest.mark.parametrize("features", ["all", "engram"])
+def test_yoco_truncation_compact_and_mask_agree_on_kept_rows(tmp_path, features):
+    """YoCo prefill truncation with every feature on: the consumers (layers 2–4) read candidates picked by
+    a producer (layer 1) and the shifted pre-mix of the producers, both narrowed to the kept rows in compact
+    mode: compact and mask agree on every row past the floor, compact's dropped rows are zeros, and the
+    truncation is real (off differs)."""
+    build_v41(tmp_path, **({} if features == "all" else ENGRAM))
+    llm = v41_llm(tmp_path)
+    kept = slice(61 - 40, 30)
+    mask_hidden, mask = _truncated_prefill(llm, "mask", [1, 2, 3, 4, 5], 1)
+    compact_hidden, compact = _truncated_prefill(llm, "compact", [6, 7, 8, 9, 10], 2)
+    _, off = _truncated_prefill(llm, None, [11, 12, 13, 14, 15], 3)
+    assert torch.allclose(mask[kept], compact[kept], atol=1e-5, rtol=0)
+    assert compact_hidden[:kept.start].abs().max() == 0 and mask_hidden[:kept.start].abs().max() > 0
+    assert (off[kept] - mask[kept]).abs().max() > 1e-3
+
+
+def test_yoco_truncation_modes_generate_alike_and_free_every_block(tmp_path):
+    """Engine level (``plugins.attention``'s bounded replay planner, keep 9 tokens, 32-token chunks): compact
+    and mask give the same greedy tokens, logprobs within 1e-5, and every block comes back."""
+    build_v41(tmp_path)
+    batch = prompts([70, 45, 9], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+    outs = {}
+    for mode in ("mask", "compact"):
+        llm = v41_llm(tmp_path, max_num_batched_tokens=32,
+                      plugins={"attention": {"enabled": True, "replay": {"mode": mode, "keep_tokens": 9}}})
+        outs[mode] = llm.generate(batch, params, use_tqdm=False)
+        stats = llm.get_stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    for a, b in zip(outs["mask"], outs["compact"], strict=True):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids
+        assert max(abs(x[t] - y[t]) for t, x, y in zip(ca.token_ids, ca.logprobs, cb.logprobs, strict=True)) < 1e-5

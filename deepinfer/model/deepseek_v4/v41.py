@@ -366,9 +366,7 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
             shares = i == self.d.yoco
             if shares and ctx.truncation_floor_host is not None:
                 assert not isinstance(step_rows, _DeviceRows)
-                view = _consumer_view(ctx, step_rows, input_ids)
-                if pre is not None and view.rows is not None:
-                    pre = pre.index_select(0, view.rows)
+                view = _consumer_view(ctx, step_rows, input_ids)  # the layer narrows the streams and pre-mixes
             streams, shared, pre = layer(streams, pre, ctx.positions, input_ids, ctx, step_rows, shared, shares, view,
                                          cross, ngrams)
         folded = HyperConnection.collapse(pre, streams) if pre is not None else self.hc_head(streams)
