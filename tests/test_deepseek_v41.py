@@ -595,3 +595,47 @@ def test_yoco_truncation_modes_generate_alike_and_free_every_block(tmp_path):
         ca, cb = a.outputs[0], b.outputs[0]
         assert ca.token_ids == cb.token_ids
         assert max(abs(x[t] - y[t]) for t, x, y in zip(ca.token_ids, ca.logprobs, cb.logprobs, strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize("stated", [False, True], ids=["per-request", "on-device"])
+def test_rolling_back_drafts_gives_bitwise_the_same_logits(tmp_path, stated):
+    """Every feature on, Engram too: feed 5 draft tokens past a 30-token prefix, roll back (recompute
+    from the prefix's end), then feed the true 4 tokens: their logits equal, bit for bit, those of a run
+    that never saw the drafts — in the same blocks, state slot and n-gram ring, or fresh ones."""
+    build_v41(tmp_path, **ENGRAM)
+    llm = v41_llm(tmp_path, cache={"max_backtrack": 6})
+    model, backends = llm.engine.model, llm.engine.runner.backends
+    prompt, drafts, true = (torch.tensor(prompts([n], seed=s)[0]) for n, s in ((30, 9), (5, 10), (4, 11)))
+    with torch.inference_mode():
+        def run(table: list[int], slot: int, feed_drafts: bool) -> torch.Tensor:
+            model.forward(prompt, request_ctx(backends, 0, 30, table, slot, stated))
+            if feed_drafts:
+                model.forward(drafts[:1], request_ctx(backends, 30, 31, table, slot, stated))
+                model.forward(drafts[1:], request_ctx(backends, 31, 35, table, slot, stated))
+            ctx = request_ctx(backends, 30, 34, table, slot, stated)
+            return model.compute_logits(model.forward(true, ctx), ctx)
+
+        clean = run([1, 2, 3], 1, feed_drafts=False)
+        rolled = run([4, 5, 6], 2, feed_drafts=True)
+        rolled_same = run([1, 2, 3], 1, feed_drafts=True)
+    assert torch.equal(clean, rolled)
+    assert torch.equal(clean, rolled_same)
+
+
+@pytest.mark.parametrize("plan", ["fixed", "varlen"])
+def test_speculative_decoding_leaves_greedy_ids_unchanged(tmp_path, plan):
+    """Speculative decoding (the ``oracle`` drafter proposing the known continuation with 30% of drafts
+    corrupted): verification steps update the compressors, the n-gram ring and the top-k on device rows
+    and rejected drafts roll back; greedy ids equal the plain run's, every block back."""
+    from spec_setup import spec_plugins, write_oracle_file
+
+    build_v41(tmp_path, **ENGRAM)
+    batch = prompts([30, 17, 25, 8], seed=12)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in v41_llm(tmp_path).generate(batch, params, use_tqdm=False)]
+    spec = spec_plugins("oracle", plan, oracle_file=write_oracle_file(tmp_path, batch, plain), oracle_corruption=0.3)
+    llm = v41_llm(tmp_path, plugins=spec, cache={"max_backtrack": 5})
+    assert [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)] == plain
+    stats = llm.get_stats()
+    assert stats["spec_decode"]["verify_steps"] > 0 and stats["spec_decode"]["mean_acceptance_length"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
