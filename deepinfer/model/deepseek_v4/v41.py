@@ -293,6 +293,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
 
     def __init__(self, hf_config: dict[str, Any], *, dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> None:
+        # Not V4's __init__ (it builds V4 layers): V4.1 builds its own under V4's attribute names, so V4's
+        # cache, router-statistics and MTP-interface methods apply unchanged.
         nn.Module.__init__(self)
         self.captured_layers: tuple[int, ...] = ()
         self.captured_hidden: dict[int, torch.Tensor] = {}
