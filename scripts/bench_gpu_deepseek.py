@@ -1,8 +1,10 @@
 """Decode speed of an 8-layer DeepSeek-V2-Lite-shaped dummy V3 model on one GPU (issues 3 and 10), of
 the V4-shaped dummy model of ``scripts/deepseek_v4_shaped.json`` (``--shape v4``), or of the
-Llama-3-8B-shaped dense dummy model of ``scripts/llama3_8b_shaped.json`` (``--shape llama8b``, issue 29).
+Llama-3-8B-shaped dense dummy model of ``scripts/llama3_8b_shaped.json`` (``--shape llama8b``, issue 29), or
+the DeepSeek-V4.1-Flash-shaped one of ``scripts/deepseek_v41_shaped.json`` (``--shape v41``, issue 32; no
+transformers run: transformers has no V4.1).
 
-    python scripts/bench_gpu_deepseek.py [--shape v2lite|v4|llama8b] [--batch 1 16 64 256] [--plugins attention moe]
+    python scripts/bench_gpu_deepseek.py [--shape v2lite|v4|v41|llama8b] [--batch 1 16 64 256] [--plugins attention moe]
         [--eager] [--kv-dtype auto|fp8] [--output bench.json] [--profile-out prof.txt] [--no-transformers]
         [--length-spread 63]
 
@@ -32,7 +34,8 @@ under uniform top-6 routing, 64 * (1 - (1 - 6/64)^B), plus the latent KV of the 
 the copy bandwidth measured here (``dst.copy_(src)`` of 2 GiB, bytes read + written). For ``--shape v4``
 the weight bytes are counted from the built model's parameters the same way (routed experts scaled by
 the expected distinct fraction, the embedding by B rows, MTP layers excluded), and the KV bytes are the
-sliding-window ring plus the compressed entries and indexer keys of the mean context. For ``--shape
+sliding-window ring plus the compressed entries and indexer keys of the mean context (``--shape v41``:
+every compressed layer reads its entries, shared or its own; index sources also read the indexer keys). For ``--shape
 llama8b`` likewise from the built model's parameters, with the K and V of every layer's KV heads over
 the mean context. The same method as vLLM's anchor (``../shared/tools/vllm/run_vllm.py``), so the two
 results compare directly.
@@ -66,12 +69,19 @@ CONFIG = {
 }
 V4_CONFIG = json.loads((Path(__file__).parent / "deepseek_v4_shaped.json").read_text())
 LLAMA_CONFIG = json.loads((Path(__file__).parent / "llama3_8b_shaped.json").read_text())
-SHAPES = {"v2lite": CONFIG, "v4": V4_CONFIG, "llama8b": LLAMA_CONFIG}
+V41_CONFIG = json.loads((Path(__file__).parent / "deepseek_v41_shaped.json").read_text())
+SHAPES = {"v2lite": CONFIG, "v4": V4_CONFIG, "v41": V41_CONFIG, "llama8b": LLAMA_CONFIG}
 PROMPT_LEN, NEW = 128, 64
+
+
+def text_of(config: dict) -> dict:
+    """The text model's keys: V4.1's ``text_config``, or the config itself."""
+    return config.get("text_config", config)
 
 
 def distinct_experts(config: dict, batch: int) -> float:
     """Expected distinct routed experts per layer that ``batch`` uniform top-k tokens touch (0: dense)."""
+    config = text_of(config)
     if "n_routed_experts" not in config:
         return 0.0
     e, k = config["n_routed_experts"], config["num_experts_per_tok"]
@@ -83,7 +93,7 @@ def model_step_bytes(model: torch.nn.Module, config: dict, batch: int, ctx: floa
     model's parameters (routed experts ``w13``/``w2`` scaled by the distinct fraction, the input
     embedding by ``batch`` rows unless it is also the LM head, MTP layers excluded) plus the KV."""
     distinct = distinct_experts(config, batch)
-    fraction = distinct / config["n_routed_experts"] if distinct else 1.0
+    fraction = distinct / text_of(config)["n_routed_experts"] if distinct else 1.0
     tied = getattr(model, "lm_head", None) is None
     weights = 0.0
     for name, param in model.named_parameters():
@@ -102,6 +112,8 @@ def model_step_bytes(model: torch.nn.Module, config: dict, batch: int, ctx: floa
 def kv_bytes_per_request(config: dict, ctx: float) -> float:
     """bf16 KV bytes one request at context ``ctx`` reads per decode step (V4 rings and compressed
     entries, or a dense model's K and V heads)."""
+    if "text_config" in config:
+        return v41_kv_bytes_per_request(config["text_config"], ctx)
     if "compress_ratios" not in config:
         head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
         return config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * ctx * 2
@@ -113,6 +125,20 @@ def kv_bytes_per_request(config: dict, ctx: float) -> float:
             kv_per_request += ctx / ratio * config["head_dim"] * 2
         if ratio == 4:  # CSA layers also keep indexer keys
             kv_per_request += ctx / ratio * config["index_head_dim"] * 2
+    return kv_per_request
+
+
+def v41_kv_bytes_per_request(text: dict, ctx: float) -> float:
+    """V4.1: every layer's window ring; every compressed layer its entries (its own or its KV source's);
+    every index source the indexer keys of its entries."""
+    sources = set(text.get("index_source_layer_ids", range(text["num_hidden_layers"])))
+    kv_per_request = 0.0
+    for layer, ratio in enumerate(text["compress_ratios"][: text["num_hidden_layers"]]):
+        kv_per_request += min(ctx, text["sliding_window"]) * text["head_dim"] * 2
+        if ratio:
+            kv_per_request += ctx / ratio * text["head_dim"] * 2
+            if layer in sources:
+                kv_per_request += ctx / ratio * text["index_head_dim"] * 2
     return kv_per_request
 
 
@@ -166,7 +192,7 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
     from deepinfer import LLM, SamplingParams
     from deepinfer.bench.anchor import run_anchor
 
-    vocab = config["vocab_size"]
+    vocab = text_of(config)["vocab_size"]
     t = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda",
               kernels={"force_balanced_routing": True, "cuda_graphs": cuda_graphs, "compile": compile_mode,
@@ -333,7 +359,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="v2lite",
                         help="v2lite: the 8-layer V2-Lite-shaped V3 model; v4: scripts/deepseek_v4_shaped.json; "
-                             "llama8b: scripts/llama3_8b_shaped.json")
+                             "v41: scripts/deepseek_v41_shaped.json; llama8b: scripts/llama3_8b_shaped.json")
     parser.add_argument("--kv-dtype", default="auto", help="cache.kv_dtype (auto or fp8)")
     parser.add_argument("--max-prefill-tokens", type=int, default=32768,
                         help="cap on scheduler.max_num_batched_tokens (prefill chunk)")
@@ -369,7 +395,7 @@ def main() -> None:
                                               args.max_prefill_tokens, "inductor" if args.compile else "off",
                                               args.gemm, args.length_spread)
     torch.cuda.empty_cache()
-    if not args.no_transformers and config is not LLAMA_CONFIG:
+    if not args.no_transformers and config is not LLAMA_CONFIG and config is not V41_CONFIG:
         try:
             result["transformers"] = bench_transformers(config, args.batch, args.repeats)
         except Exception as exc:
