@@ -86,8 +86,9 @@ def reference_tensors(model: DeepseekV41ForCausalLM) -> dict[str, torch.Tensor]:
             if gate:
                 out[p + "attn.compressor.wgate.weight"] = gate[0]
             out[p + "attn.compressor.norm.weight"] = comp.norm.weight
-            out[p + "attn.indexer.wk.weight"] = comp.index_keys.wk_weight
-            out[p + "attn.indexer.k_norm.weight"] = comp.index_keys.k_norm.weight
+        if attn.index_keys is not None:
+            out[p + "attn.indexer.wk.weight"] = attn.index_keys.wk_weight
+            out[p + "attn.indexer.k_norm.weight"] = attn.index_keys.k_norm.weight
         if attn.index_query is not None:
             out[p + "attn.indexer.wq_b.weight"] = attn.index_query.q_b_weight
             out[p + "attn.indexer.weights_proj.weight"] = attn.index_query.weights_weight
@@ -231,20 +232,30 @@ def test_cache_specs_allocate_only_source_layers(tmp_path):
     assert [s.window for s in engram_specs] == [10, 10, 8, 8, 8]  # Engram layers reach 2 more tokens back
 
 
-def test_cross_layer_sharing_equals_recomputing_with_tied_weights(tmp_path):
-    """Layer 3 sharing layer 2's KV and index keys (both YoCo consumers, so both compressors read the
-    shared hidden) gives the logits of a model where layer 3 computes its own from tied weights."""
-    shared = build_v41(tmp_path / "shared", index_source_layer_ids=[0, 1, 2, 3, 4])
+@pytest.mark.parametrize("index_k", ["shared", "own"])
+def test_cross_layer_sharing_equals_recomputing_with_tied_weights(tmp_path, index_k):
+    """Layer 3 reads layer 2's entries (both YoCo consumers, so both compressors read the shared hidden),
+    and its index keys too (``shared``) or projects its own keys of them (``own``: an index-K source inside
+    layer 2's KV segment): the logits of a model where layer 3 computes everything itself from tied weights.
+    Its cache spec holds only what it owns."""
+    maps = {"index_source_layer_ids": [0, 1, 2, 3, 4],
+            "index_k_source_layer_ids": [0, 1, 2, 4] if index_k == "shared" else [0, 1, 2, 3, 4]}
+    shared = build_v41(tmp_path / "shared", **maps)
     tensors = reference_tensors(shared)
-    for leaf in ("attn.compressor.wkv.weight", "attn.compressor.norm.weight", "attn.indexer.wk.weight",
-                 "attn.indexer.k_norm.weight"):
+    tied = ["attn.compressor.wkv.weight", "attn.compressor.norm.weight"]
+    if index_k == "shared":
+        tied += ["attn.indexer.wk.weight", "attn.indexer.k_norm.weight"]
+    for leaf in tied:
         tensors[f"layers.3.{leaf}"] = tensors[f"layers.2.{leaf}"].clone()
     own = tmp_path / "own"
     own.mkdir()
     save_file(tensors, str(own / "model.safetensors"))
     (own / "config.json").write_text(json.dumps(v41_config(index_source_layer_ids=[0, 1, 2, 3, 4],
+                                                           index_k_source_layer_ids=[0, 1, 2, 3, 4],
                                                            kv_source_layer_ids=[0, 1, 2, 3, 4])))
-    a = _logits_by_request(v41_llm(tmp_path / "shared", max_num_batched_tokens=32), MIXED, 8)
+    llm = v41_llm(tmp_path / "shared", max_num_batched_tokens=32)
+    assert len(llm.engine.model.cache_specs()[3].paged) == (0 if index_k == "shared" else 1)
+    a = _logits_by_request(llm, MIXED, 8)
     b = _logits_by_request(v41_llm(own, max_num_batched_tokens=32), MIXED, 8)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
@@ -373,7 +384,7 @@ def test_missing_or_extra_tensor_fails_naming_it(tmp_path):
         change(broken)
         save_file(broken, str(folder / "model.safetensors"))
         (folder / "config.json").write_text(config)
-        name = ("layers.4.self_attn.compressor.index_keys.wk_weight" if case == "missing"
+        name = ("layers.4.self_attn.index_keys.wk_weight" if case == "missing"
                 else "layers.3.attn.indexer.wk.weight")
         with pytest.raises(ValueError, match=name.replace(".", r"\.")):
             v41_llm(folder)
@@ -393,7 +404,7 @@ def test_dspark_tensors_are_skipped_with_a_warning(tmp_path, caplog):
     ({**ENGRAM, "engram_layer_ids": [3]}, "engram_layer_ids"),
     ({"some_new_key": 1}, "some_new_key"),
     ({"compress_ratios": [0, 4, 1, 1, 1]}, "compress_ratios"),
-    ({"index_k_source_layer_ids": [0, 1, 2, 3, 4]}, "index_k_source_layer_ids"),
+    ({"kv_source_layer_ids": [0, 1, 2, 3, 4], "index_k_source_layer_ids": [0, 1, 2, 4]}, "index_k_source_layer_ids"),
     ({"kv_source_layer_ids": [0, 2, 4]}, "kv_source_layer_ids"),
 ])
 def test_unsupported_config_is_an_error_naming_the_key(change, key):

@@ -26,6 +26,8 @@ exact replay, YoCo truncation) go request by request on the host lists.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -59,10 +61,11 @@ class Compressor(nn.Module):
         self.norm = V4RMSNorm(width, d.eps, device=device)
         self.paged: torch.Tensor | None = None
         self.ring: torch.Tensor | None = None
-        # V4.1 (``v41_indexer.IndexKeys``): the indexer keys of each entry from its normed, unroped value,
-        # written to ``index_paged`` at the entry's row.
-        self.index_keys: nn.Module | None = None
-        self.index_paged: torch.Tensor | None = None
+        # V4.1 (``v41_indexer.IndexKeys``): each writer's indexer keys of every new entry, from its normed,
+        # unroped value, written to the writer's paged tensor at the entry's row (the KV source's own keys,
+        # then those of index-K sources that read this layer's entries). Not submodules: each key projection
+        # belongs to its own layer.
+        self.index_writers: list[tuple[Callable[[torch.Tensor, torch.Tensor], torch.Tensor], torch.Tensor]] = []
 
     def ring_span(self) -> int:
         """Positions an entry reads back: its window, and the previous one with overlap."""
@@ -140,19 +143,22 @@ class Compressor(nn.Module):
         probs = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         normed = self.norm((kv * probs).sum(dim=1))
         entries = rotary.rotate(normed, positions)
-        if self.index_keys is None:
+        if not self.index_writers:
             return entries
-        return torch.cat([entries, self.index_keys(normed, positions).to(entries.dtype)], dim=-1)
+        keys = [keys_of(normed, positions).to(entries.dtype) for keys_of, _ in self.index_writers]
+        return torch.cat([entries, *keys], dim=-1)
 
     def _store(self, flat: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write entry rows ``rows`` (with their indexer keys appended, V4.1) at ``targets`` of ``flat``."""
-        if self.index_keys is None:
+        """Write entry rows ``rows`` (with the index writers' keys appended, V4.1) at ``targets`` of ``flat``."""
+        if not self.index_writers:
             flat.index_copy_(0, targets, rows)
             return
-        assert self.index_paged is not None, "indexer key cache not bound"
         flat.index_copy_(0, targets, rows[:, : self.width].to(flat.dtype))
-        keys = self.index_paged.view(-1, self.index_paged.shape[-1])
-        keys.index_copy_(0, targets, rows[:, self.width:].to(keys.dtype))
+        start = self.width
+        for _, paged in self.index_writers:
+            keys = paged.view(-1, paged.shape[-1])
+            keys.index_copy_(0, targets, rows[:, start:start + keys.shape[1]].to(keys.dtype))
+            start += keys.shape[1]
 
     def _pool(self, rows: torch.Tensor, w0: int, w1: int, first_window: int, rotary: V4Rotary) -> torch.Tensor:
         """Entries ``[w0, w1)`` from the projections of windows ``[first_window, w1)``."""

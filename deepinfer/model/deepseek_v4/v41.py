@@ -7,10 +7,12 @@ top-k only), YoCo and state rings, with V4.1's differences (reference/deepinfer.
   ``compress_ratios`` 0 is sliding-window only; 1 or 2 (C1/C2) adds compressed
   entries (``Compressor`` without overlap or position bias; C1 has no gate) and a projected indexer
   (``v41_indexer.py``) whose top-k entries each query sees besides its window;
-- cross-layer sharing: a KV consumer has no compressor and no indexer keys; it reads its source's
-  paged entries and keys (its cache spec holds only its sliding ring, so the KV pool allocates entries
-  only for source layers); a top-k consumer has no indexer query and reuses its source's top-k of the
-  same step; the candidate-block limit restricts the index sources after the candidate source;
+- cross-layer sharing: a KV consumer has no compressor and reads its source's paged entries; an
+  index-K consumer has no key projection and reads its source's keys (its source projects the keys of
+  its KV source's new entries, in that compressor's step); a layer's cache spec holds paged parts only for
+  what it owns, so the KV pool allocates entries and keys only for source layers; a top-k consumer has
+  no indexer query and reuses its source's top-k of the same step; the candidate-block limit restricts
+  the index sources after the candidate source;
 - ``hc_shifted``: every sub-layer reads the streams through the pre-mix of the sub-layer before it (the
   first through stream 0 alone) and the model ends with the last sub-layer's pre-mix (no ``hc_head``);
 - Engram (``engram.py``): at ``engram_layer_ids`` the n-gram memory is gated into the streams before the
@@ -96,8 +98,10 @@ class V41Attention(nn.Module):
         if d.owns_kv(layer):
             self.compressor = Compressor(d, d.head_dim, self.ratio, overlap=False, ape=False, gated=self.ratio > 1,
                                          **kw)
-            self.compressor.index_keys = IndexKeys(d, **kw)
-            self.compressor.index_keys.rotary = rotary
+        self.index_keys: IndexKeys | None = None
+        if d.owns_index_k(layer):
+            self.index_keys = IndexKeys(d, **kw)
+            self.index_keys.rotary = rotary
         self.index_query = IndexQuery(d, **kw) if d.owns_topk(layer) else None
         self.scale = d.head_dim ** -0.5
         # V4 normalizes each query head (unweighted RMSNorm); the reference runs V4.1 without it
@@ -108,12 +112,15 @@ class V41Attention(nn.Module):
         self.index_paged: torch.Tensor | None = None
 
     def cache_spec(self, role: str) -> HybridLayerSpec:
-        """The sliding ring; a KV source also its compressor ring and its paged entries and indexer keys."""
+        """The sliding ring; a KV source also its compressor ring and paged entries; an index-K source its
+        paged indexer keys."""
         d = self.d
         rings, paged = [RingPart(d.window, d.head_dim)], []
         if self.compressor is not None:
-            paged = [CompressedPart(self.ratio, d.head_dim), CompressedPart(self.ratio, d.index_dim)]
+            paged.append(CompressedPart(self.ratio, d.head_dim))
             rings.append(RingPart(self.compressor.ring_span(), 2 * self.compressor.series))
+        if self.index_keys is not None:
+            paged.append(CompressedPart(self.ratio, d.index_dim))
         kind = "compressed" if self.ratio else "sliding"
         # For replay planners the window is the layer's reach back: an Engram layer also reads the n − 1
         # tokens before each one (its n-grams), so exact replay starts that much earlier.
@@ -121,17 +128,27 @@ class V41Attention(nn.Module):
         reach = d.window + (d.engram.max_ngram - 1 if engram and d.engram is not None else 0)
         return HybridLayerSpec(tuple(paged), tuple(rings), kind, reach, max(self.ratio, 1), role)
 
-    def bind(self, cache: tuple[torch.Tensor, ...], source: V41Attention | None) -> None:
-        """Bind this layer's own tensors; a KV consumer's entries and keys are ``source``'s."""
+    def bind(self, cache: tuple[torch.Tensor, ...], kv_source: V41Attention, index_k_source: V41Attention) -> None:
+        """Bind this layer's own tensors (``cache_spec``'s order: paged, then rings); a KV consumer reads
+        ``kv_source``'s entries, an index-K consumer ``index_k_source``'s keys. An index-K source registers
+        its key projection with its KV source's compressor, which writes the keys of every new entry."""
+        parts = list(cache)
+        entries = parts.pop(0) if self.compressor is not None else None
+        keys = parts.pop(0) if self.index_keys is not None else None
+        self.ring = parts[0]
         if self.compressor is not None:
-            entries, keys, self.ring, ring = cache
-            self.compressor.paged, self.compressor.index_paged, self.compressor.ring = entries, keys, ring
-            self.kv_paged, self.index_paged = entries, keys
+            self.compressor.paged, self.compressor.ring = entries, parts[1]
+            self.compressor.index_writers = []
+        if not self.ratio:
+            return
+        self.kv_paged = entries if self.compressor is not None else kv_source.kv_paged
+        if self.index_keys is not None:
+            assert keys is not None and kv_source.compressor is not None, f"layer {self.layer}: KV source unbound"
+            kv_source.compressor.index_writers.append((self.index_keys, keys))
+            self.index_paged = keys
         else:
-            (self.ring,) = cache
-            if self.ratio:
-                assert source is not None and source.kv_paged is not None, f"layer {self.layer}: KV source unbound"
-                self.kv_paged, self.index_paged = source.kv_paged, source.index_paged
+            self.index_paged = index_k_source.index_paged
+        assert self.kv_paged is not None and self.index_paged is not None, f"layer {self.layer}: sources unbound"
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, source: torch.Tensor, ctx: ForwardContext,
                 step_rows: StepRows, source_rows: tuple[ForwardContext, StepRows] | None,
@@ -226,8 +243,8 @@ _V41_ATTN = {
     "attn.wo_b.weight": "self_attn.o_b_weight",
     "attn.attn_sink": "self_attn.sinks",
     "attn.compressor.norm.weight": "self_attn.compressor.norm.weight",
-    "attn.indexer.wk.weight": "self_attn.compressor.index_keys.wk_weight",
-    "attn.indexer.k_norm.weight": "self_attn.compressor.index_keys.k_norm.weight",
+    "attn.indexer.wk.weight": "self_attn.index_keys.wk_weight",
+    "attn.indexer.k_norm.weight": "self_attn.index_keys.k_norm.weight",
     "attn.indexer.wq_b.weight": "self_attn.index_query.q_b_weight",
     "attn.indexer.weights_proj.weight": "self_attn.index_query.weights_weight",
     "attn_norm.weight": "input_layernorm.weight",
@@ -336,8 +353,9 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                 for i in spec.layer_ids}
 
     def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
-        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):
-            layer.self_attn.bind(cache, self.layers[self.d.kv_source[i]].self_attn)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches, strict=True)):  # sources come first
+            layer.self_attn.bind(cache, self.layers[self.d.kv_source[i]].self_attn,
+                                 self.layers[self.d.index_k_source[i]].self_attn)
         ring = self.layers[0].self_attn.ring
         assert ring is not None
         self.max_backtrack = ring.shape[1] - self.d.window

@@ -12,7 +12,8 @@ flat at the top level. What differs from V4 (``config.py``):
   sub-layer computed; the model ends with the last one instead of an ``hc_head``.
 - Cross-layer sharing: ``kv_source_layer_ids``, ``index_k_source_layer_ids`` (default: the KV sources)
   and ``index_source_layer_ids`` name the source layers; every layer reads from the nearest source at or
-  before it (``kv_source``, ``index_k_source``, ``index_source``: one entry per layer).
+  before it (``kv_source``, ``index_k_source``, ``index_source``: one entry per layer). An index-K source
+  projects keys of its KV source's entries with its own ``wk``/``k_norm``.
 - ``candidate_source_layer_id``, ``candidate_topk_blocks``, ``candidate_block_size``: from that layer on,
   the later index sources score only entries inside the candidate blocks the source layer picked.
 
@@ -177,29 +178,32 @@ class V41Dims(V4Dims):
         return CandidateLimit(source, blocks, size, tokens)
 
     def _check_sharing(self) -> None:
-        """The reference's topology checks: sharing stays within compressed layers of one ratio; top-k
-        segments lie inside index-K segments, which lie inside KV segments; no KV segment crosses the YoCo
-        boundary. Index-K sharing must equal KV sharing here (index keys are projected in the KV source)."""
-        if self.index_k_source != self.kv_source:
-            raise ConfigError("config.json index_k_source_layer_ids: index-K sharing different from KV sharing "
-                              f"(kv_source_layer_ids) is not supported for {ARCH}")
-        for name, sources in (("kv_source_layer_ids", self.kv_source),
-                              ("index_source_layer_ids", self.index_source)):
+        """The reference's topology checks (``cross_layer.py``): sharing stays within compressed layers of
+        one ratio; top-k segments lie inside index-K segments, which lie inside KV segments (a finer
+        segment's source reads the coarser segment's source); no KV segment crosses the YoCo boundary."""
+        maps = (("kv_source_layer_ids", self.kv_source), ("index_k_source_layer_ids", self.index_k_source),
+                ("index_source_layer_ids", self.index_source))
+        for name, sources in maps:
             for layer, src in enumerate(sources):
                 if src != layer and (self.ratios[layer] == 0 or self.ratios[src] != self.ratios[layer]):
                     raise ConfigError(f"config.json {name}: layer {layer} reads layer {src}, but sharing needs "
                                       "compressed layers of the same ratio")
-        for layer, src in enumerate(self.index_source):
-            if src != layer and self.kv_source[layer] != self.kv_source[src]:
-                raise ConfigError(f"config.json index_source_layer_ids: layer {layer} shares top-k with layer {src} "
-                                  "across a KV segment (kv_source_layer_ids)")
-        if self.kv_source[self.yoco] != self.yoco or self.index_source[self.yoco] != self.yoco:
-            raise ConfigError(f"config.json kv_source_layer_ids/index_source_layer_ids: layer {self.yoco} (the first "
-                              "YoCo consumer) must be its own source")
+        for (fine_name, fine), (coarse_name, coarse) in ((maps[1], maps[0]), (maps[2], maps[1])):
+            for layer, src in enumerate(fine):
+                if src != layer and coarse[layer] != coarse[src]:
+                    raise ConfigError(f"config.json {fine_name}: layer {layer} reads layer {src} across a segment of "
+                                      f"{coarse_name}")
+        if any(sources[self.yoco] != self.yoco for _, sources in maps):
+            raise ConfigError(f"config.json kv_source_layer_ids/index_k_source_layer_ids/index_source_layer_ids: layer "
+                              f"{self.yoco} (the first YoCo consumer) must be its own source")
 
     def owns_kv(self, layer: int) -> bool:
-        """Whether ``layer`` computes (and caches) its compressed entries and indexer keys."""
+        """Whether ``layer`` computes (and caches) its compressed entries."""
         return bool(self.ratios[layer]) and self.kv_source[layer] == layer
+
+    def owns_index_k(self, layer: int) -> bool:
+        """Whether ``layer`` projects (and caches) indexer keys of its KV source's entries."""
+        return bool(self.ratios[layer]) and self.index_k_source[layer] == layer
 
     def owns_topk(self, layer: int) -> bool:
         """Whether ``layer`` scores its own top-k (else it reads its index source's)."""
