@@ -2,7 +2,7 @@
 the V4-shaped dummy model of ``scripts/deepseek_v4_shaped.json`` (``--shape v4``), or of the
 Llama-3-8B-shaped dense dummy model of ``scripts/llama3_8b_shaped.json`` (``--shape llama8b``, issue 29), or
 the DeepSeek-V4.1-Flash-shaped one of ``scripts/deepseek_v41_shaped.json`` (``--shape v41``, issue 32; no
-transformers run: transformers has no V4.1).
+transformers run: transformers has no V4.1; run it with ``--eager``: V4.1 steps cannot be captured).
 
     python scripts/bench_gpu_deepseek.py [--shape v2lite|v4|v41|llama8b] [--batch 1 16 64 256] [--plugins attention moe]
         [--eager] [--kv-dtype auto|fp8] [--output bench.json] [--profile-out prof.txt] [--no-transformers]

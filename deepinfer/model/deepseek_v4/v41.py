@@ -65,8 +65,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class CrossLayerState:
-    """What one forward's source layers hand later layers: each index source's top-k, the candidate
-    blocks, and (after a compact YoCo boundary) the rows they were computed for."""
+    """What one forward's source layers hand later layers: each index source's top-k and the candidate
+    blocks, per row of the step (narrowed to the kept rows at a compact YoCo boundary)."""
 
     topk: dict[int, torch.Tensor] = field(default_factory=dict)
     candidates: torch.Tensor | None = None
@@ -367,6 +367,9 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         raise ValueError(f"{ARCH}: DSpark/MTP layers are not supported yet (num_nextn_predict_layers is ignored)")
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{ARCH}: its indexer, candidate blocks and Engram n-grams read the step's per-request "
+                               "host lists, which a CUDA graph replay does not refresh; set kernels.cuda_graphs=false")
         # ``device_rows`` looked up through the package, as V4's forward does (tests swap it there).
         step_rows = _DeviceRows.of(ctx) if v4_package.device_rows(ctx, self.max_backtrack + 1) else _segments(ctx)
         x = self.embed_tokens(input_ids)
