@@ -19,7 +19,7 @@ from tiny_models import assert_cached_logits_match, randomize, record_logits
 from deepinfer import SamplingParams
 from deepinfer.errors import ConfigError
 from deepinfer.kv.pools import bytes_per_block
-from deepinfer.model.deepseek_v4 import engram, hyper, v41_indexer
+from deepinfer.model.deepseek_v4 import engram, hyper, v41_attention, v41_indexer
 from deepinfer.model.deepseek_v4.v41 import DeepseekV41ForCausalLM
 from deepinfer.model.deepseek_v4.v41_config import CandidateLimit, V41Dims
 
@@ -276,7 +276,7 @@ def test_top_k_consumer_reuses_the_source_top_k(tmp_path, monkeypatch):
     monkeypatch.setattr(backend, "sink_attention", spy)
     calls = []
     real = v41_indexer.select
-    monkeypatch.setattr("deepinfer.model.deepseek_v4.v41.select", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(v41_attention, "select", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     llm.generate([prompts([20], seed=5)[0]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     assert len(calls) == 3  # layers 1, 2 and 4
     assert seen[0] is None and seen[3] is seen[2] and seen[4] is not seen[2]
