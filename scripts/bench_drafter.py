@@ -13,7 +13,8 @@ until EOS or ``--max-tokens``; outputs must be token-identical across configurat
 (median of ``--repeats``), the engine's acceptance statistics (mean acceptance length, acceptance by
 position, calibrated ECE), and at batch 1 the median wall time of one engine step (a plain decode step
 against a verify + draft step). Every configuration runs the ``cpu`` plugin's GEMMs (``--core-gemm``:
-the core's torch GEMM instead) and, with ``--overlap``, the ``scheduling`` plugin's overlapped executor.
+the core's torch GEMM instead; ``--device cuda``: the ``attention`` plugin's backends and CUDA graphs) and,
+with ``--overlap``, the ``scheduling`` plugin's overlapped executor.
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--core-gemm", action="store_true")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="cuda: the attention plugin's backends and CUDA graphs instead of the cpu plugin")
     ap.add_argument("--overlap", action="store_true", help="every configuration on the overlapped executor")
     ap.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache per engine (three live at once)")
     ap.add_argument("--weights", type=Path, default=None, help="the drafter (default: the file beside --work)")
@@ -87,15 +90,19 @@ def main() -> None:
         prompts = json.loads((args.work / "replies-held-out.json").read_text())["prompts"]
     weights = args.weights or args.work.with_suffix(".safetensors")
     extra = set_flags_to_tree([f"spec_decode.{item}" for item in args.spec]).get("spec_decode", {})
-    plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
+    if args.device == "cuda":
+        plugins = {"attention": {"enabled": True}}
+    else:
+        plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
     if args.overlap:
         plugins["scheduling"] = {"enabled": True}  # scheduler.executor auto: overlap
     counts = args.prompts_per_batch or [8 if b == 1 else 2 * b for b in args.batches]
     report: dict = {"model": args.model, "weights": str(weights), "spec": extra, "max_tokens": args.max_tokens,
-                    "threads": args.threads, "overlap": args.overlap, "date": time.strftime("%Y-%m-%d"), "batches": {}}
+                    "threads": args.threads, "overlap": args.overlap, "device": args.device,
+                    "date": time.strftime("%Y-%m-%d"), "batches": {}}
     for batch, count in zip(args.batches, counts, strict=True):
         work = prompts[:count]
-        llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1),
+        llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1), device=args.device,
                         kv_cache_bytes=args.kv_cache_mb << 20, max_model_len=2048)
                 for name, cfg in _configs(weights, plugins, extra).items() if name == "off" or name in args.configs}
         for llm in llms.values():  # warm-up: first-call costs (packing, calibration) out of the timings
@@ -104,18 +111,23 @@ def main() -> None:
         steps: dict[str, list[float]] = {n: [] for n in llms}
         reference = None
         tokens = 0
+        off_reference: dict[str, int] = {}
         for _ in range(args.repeats):
             for name, llm in llms.items():
                 dt, outs, step_times = _run(llm, work, batch, args.max_tokens)
                 if reference is None:
                     reference, tokens = outs, sum(len(o) for o in outs)
-                assert outs == reference, f"{name} at batch {batch}: outputs differ from the first configuration"
+                differ = sum(o != r for o, r in zip(outs, reference, strict=True))
+                if args.device == "cpu":
+                    assert not differ, f"{name} at batch {batch}: outputs differ from the first configuration"
+                # fp32 on the GPU: a prefix-cache hit or another batch shape can flip a near tie
+                off_reference[name] = off_reference.get(name, 0) + differ
                 seconds[name].append(dt)
                 steps[name].extend(step_times)
         row = {"prompts": count, "output_tokens": tokens}
         for name, llm in llms.items():
             med = statistics.median(seconds[name])
-            row[name] = {"tok_s": tokens / med, "seconds": seconds[name],
+            row[name] = {"tok_s": tokens / med, "seconds": seconds[name], "outputs_differing": off_reference[name],
                          "median_step_ms": 1e3 * statistics.median(steps[name])}
             stats = llm.get_stats()
             if stats.get("spec_decode"):

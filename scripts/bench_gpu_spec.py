@@ -4,6 +4,7 @@ acceptance rates, under the synchronous and the overlapped executor.
 
     python scripts/bench_gpu_spec.py [--batch 1 16 64 128] [--acceptance 0.5 0.7 0.9] [--repeats 3]
         [--new-tokens 128] [--executors sync overlap] [--dtype bfloat16|float32] [--output spec.json]
+        [--profile B [--profile-only]]
 
 Model and routing as ``scripts/bench_gpu_deepseek.py`` (``load_format="dummy"``, bf16 or fp32, forced
 balanced routing, the ``attention`` and ``moe`` plugins). Workload per batch ``B`` and repeat: ``B``
@@ -153,6 +154,36 @@ def measure(llm, batches: list[int], repeats: int, new_tokens: int, replies: dic
     return rows
 
 
+def profile_steps(llm, batch: int, new_tokens: int, out: Path) -> None:
+    """``torch.profiler`` over 12 steady decode steps at ``batch`` (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
+    for prompt in _prompts(batch, 0, "full"):
+        engine.add(engine.make_request(prompt, params))
+    for _ in range(5):  # prefill, then 4 decode steps: drafts, calibration and pauses under way
+        engine.step()
+    torch.cuda.synchronize()
+    steps = 12
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    while engine.has_unfinished():
+        engine.step()
+    averages = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in averages)
+    table = averages.table(sort_by="self_device_time_total", row_limit=30)
+    out.write_text(f"batch {batch}: {steps} steps, wall {1e3 * wall / steps:.2f} ms per step, device kernels "
+                   f"{device_us / 1e3 / steps:.2f} ms per step\n{table}\n")
+    print(out.read_text().splitlines()[0], flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 128])
@@ -165,6 +196,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="float32: verified rows in other batch shapes leave the recorded greedy path far less often")
     ap.add_argument("--output", type=Path)
+    ap.add_argument("--profile", type=int, default=None, metavar="B", help="profile 12 decode steps at batch B")
+    ap.add_argument("--profile-only", action="store_true", help="with --profile: no timed runs")
     args = ap.parse_args()
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
               "config": CONFIG, "args": vars(args) | {"output": str(args.output)},
@@ -188,11 +221,17 @@ def main() -> None:
                 llm = _build(folder, max(args.batch), executor, spec, args.dtype)
                 print(f"{name}: built in {time.perf_counter() - t:.1f} s", flush=True)
                 rates = [None] if plan is None else args.acceptance
-                report["runs"][name] = measure(llm, args.batch, args.repeats, args.new_tokens, replies, rates)
+                if args.profile is not None:
+                    if plan is not None:
+                        llm.engine.speculator.drafter.inner.corruption = 1.0 - args.acceptance[0]
+                    where = args.output.parent if args.output else Path(".")
+                    profile_steps(llm, args.profile, args.new_tokens, where / f"profile-{executor}-{plan or 'off'}.txt")
+                if not args.profile_only:
+                    report["runs"][name] = measure(llm, args.batch, args.repeats, args.new_tokens, replies, rates)
                 _free(llm)
                 if args.output:
                     args.output.write_text(json.dumps(report, indent=1, default=str))
-    for executor in args.executors:
+    for executor in args.executors if not args.profile_only else ():
         for batch in args.batch:
             off = report["runs"][f"{executor}/off"][f"{batch}/None"]["decode_tok_s_median"]
             cells = [f"off {off:.0f}"]

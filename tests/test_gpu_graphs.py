@@ -4,7 +4,8 @@
   Llama (Triton paged attention) and a tiny DeepSeek-V3 (Triton MLA and MoE), in fp32 so the
   comparison is tight; also under speculative decoding and the overlapped executor.
 - DeepSeek-V4 (per-request state slots) decode steps replay graphs too, equal to eager, and so do its
-  verification steps under speculative decoding (``oracle`` and ``mtp`` drafters).
+  verification steps under speculative decoding (``oracle`` and ``mtp`` drafters); so do ``dspark``'s,
+  whose target layers' features the graphs keep.
 - The router statistics of replayed steps count the step's tokens, not the bucket's padding rows.
 - Sampling and verification on the device draw from the target distribution (chi-square against the
   exact distribution computed on CPU).
@@ -218,6 +219,27 @@ def test_follow_up_rows_under_overlap_replay_graphs_equal_eager_without_a_sync(f
     _compare(eager, _run(llm, prompts))
     assert sum(follow_ups) > len(follow_ups) / 2, "requests did not follow their steps in flight"
     assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("executor", ["sync", "overlap"])
+def test_dspark_steps_replay_graphs_equal_eager(folder: Path, executor: str) -> None:
+    """``dspark`` has the model capture its target layers before the graphs are captured, so the graphs
+    keep those features and its engine's decode and verification steps replay (they ran eagerly before);
+    greedy tokens equal eager decoding without speculation, under the overlapped executor with no sync."""
+    prompts = _prompts(9)
+    eager_llm = _llm(folder, graphs=False)
+    eager = _run(eager_llm, prompts)
+    eager_llm.shutdown()
+    plugins: dict[str, Any] = {"spec_decode": {"enabled": True, "drafter": "dspark", "dspark_weights": "random",
+                                               "plan": "fixed", "max_draft": 3}}
+    if executor == "overlap":
+        plugins["scheduling"] = {"enabled": True, "sync_guard": True}
+    llm = _llm(folder, graphs=True, plugins=plugins)
+    used = _graph_buckets_used(llm)
+    _compare(eager, _run(llm, prompts))
+    assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
+    assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
     llm.shutdown()
 
 

@@ -23,8 +23,8 @@ updates its state on device tensors only in decode and verification steps (V4:
 ``Compressor._update_rows``, for up to ``cache.max_backtrack + 1`` query tokens per request, which the
 spec_decode plugin's ``max_backtrack ≥ max_draft + 1`` covers), so both replay graphs. Layer features
 the model keeps in ``captured_hidden`` when the graphs are built (``captured_layers``: V4's final streams
-for its MTP drafter) are kept per graph and handed back after each replay (``keeps``); features asked
-for later (dspark's ``capture_hidden``) are not, and such steps run eagerly.
+for its MTP drafter, dspark's target layers — the engine builds the drafter first) are kept per graph and
+handed back after each replay (``keeps``); features asked for later are not, and such steps run eagerly.
 """
 
 from __future__ import annotations

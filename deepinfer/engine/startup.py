@@ -28,7 +28,7 @@ from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ReplayStart, Scheduler
 from deepinfer.engine.speculation import Speculator
 from deepinfer.errors import ConfigError, ModelLoadError
-from deepinfer.interfaces import CacheLayout, EngineInfo, RunRequirements
+from deepinfer.interfaces import CacheLayout, Drafter, EngineInfo, RunRequirements, VerificationPlan
 from deepinfer.kv.blocks import KVCacheManager
 from deepinfer.kv.fp8 import kv_storage_dtype
 from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_kv_dtype, num_blocks_for, state_bytes
@@ -171,8 +171,11 @@ class StartUp:
         # replay or truncate YoCo prefills (ARCHITECTURE §6, scheduler.ReplayStart).
         planner = host.select("deepinfer_replay_planners", cfg.cache.replay, "cache.replay")
         replay = ReplayStart(planner, self.info.layout, stateful=bool(self.num_state_slots))
+        # The drafter before the graphs: a drafter that has the model capture layer features (dspark) must
+        # do so before capture, so that the graphs keep them and its engine's steps replay.
+        drafting = self._drafting()
         graphs = self._decode_graphs()
-        self.runner, self.speculator = self._runner_and_speculator(graphs)
+        self.runner, self.speculator = self._runner_and_speculator(graphs, drafting)
         self.scheduler = Scheduler(self.kv, policy, max_num_seqs=cfg.scheduler.max_num_seqs,
                                    max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
                                    chunked_prefill=cfg.scheduler.chunked_prefill,
@@ -316,18 +319,27 @@ class StartUp:
             return []
         raise ConfigError(f"speculative.drafter='mtp': {missing}; choose drafter 'ngram' (or 'auto')")
 
-    def _runner_and_speculator(self, graphs: DecodeGraphs | None) -> tuple[ModelRunner, Speculator | None]:
-        """The drafter first (a drafter that calls the model's ``capture_hidden``, dspark, decides which
-        layers' features the runner keeps), then the runner, then the speculator over both."""
+    def _drafting(self) -> tuple[Drafter, VerificationPlan] | None:
+        """The drafter and the verification plan (None without speculative decoding). Built before the
+        runner and the graphs: a drafter that calls the model's ``capture_hidden`` (dspark) decides which
+        layers' features both keep."""
+        settings = self.spec_settings
+        if settings is None:
+            return None
+        factory = self.host.select("deepinfer_drafters", settings.drafter, "speculative.drafter")
+        plan = self.host.select("deepinfer_verification_plans", settings.plan, "speculative.plan")
+        return factory(model=self.model, info=self.info), plan
+
+    def _runner_and_speculator(self, graphs: DecodeGraphs | None, drafting: tuple[Drafter, VerificationPlan] | None
+                               ) -> tuple[ModelRunner, Speculator | None]:
+        """The runner, and the speculator over it and ``drafting`` (``_drafting``)."""
         settings = self.spec_settings
         stateful = bool(self.num_state_slots)
         block_size = self.config.cache.block_size
-        if settings is None:
+        if settings is None or drafting is None:
             return ModelRunner(self.model, self.backends, block_size, self.device, graphs=graphs,
                                stateful=stateful), None
-        factory = self.host.select("deepinfer_drafters", settings.drafter, "speculative.drafter")
-        plan = self.host.select("deepinfer_verification_plans", settings.plan, "speculative.plan")
-        drafter = factory(model=self.model, info=self.info)
+        drafter, plan = drafting
         # dspark reads the captured layers' features of the committed rows (CommittedRows.hidden); the mtp
         # drafter writes MTP cache rows for every committed token: both need each step's hidden states.
         hidden_layers = tuple(getattr(self.model, "captured_layers", ()))

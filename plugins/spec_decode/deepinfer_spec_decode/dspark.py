@@ -383,10 +383,13 @@ def build_network(model: Any, config: SpecDecodeConfig, num_targets: int, draft_
     if hidden % heads or (hidden // heads) % 2:
         raise ConfigError(f"plugins.spec_decode.dspark_num_heads ({heads}) must divide the hidden size ({hidden}) "
                           "into heads of an even size")
-    return DSparkNetwork(hidden, num_targets, model.vocab_size, num_layers=config.dspark_num_layers, heads=heads,
-                         intermediate=config.dspark_intermediate_size or 2 * hidden,
-                         markov_rank=config.dspark_markov_rank, dtype=weight.dtype, device=weight.device,
-                         draft_vocab_size=draft_vocab_size, separate_context=separate_context)
+    # Built on the CPU, then moved: the layers' default initialization (overwritten by the weights) must not
+    # draw from the CUDA generator, whose state an engine's CUDA-graph captures register.
+    network = DSparkNetwork(hidden, num_targets, model.vocab_size, num_layers=config.dspark_num_layers, heads=heads,
+                            intermediate=config.dspark_intermediate_size or 2 * hidden,
+                            markov_rank=config.dspark_markov_rank, dtype=weight.dtype, device=torch.device("cpu"),
+                            draft_vocab_size=draft_vocab_size, separate_context=separate_context)
+    return network.to(weight.device)
 
 
 def _read_file(path: str | Path, device: torch.device) -> dict[str, torch.Tensor]:
