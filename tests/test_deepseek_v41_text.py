@@ -55,3 +55,16 @@ def test_only_v41_folders_with_a_tokenizer_get_it(tmp_path):
     assert isinstance(deepseek_v41_tokenizer(folder, {"model_type": "deepseek_v41"}), DeepseekV41Tokenizer)
     assert deepseek_v41_tokenizer(folder, {"model_type": "deepseek_v4"}) is None
     assert deepseek_v41_tokenizer(tmp_path / "empty", {"model_type": "deepseek_v41"}) is None
+
+
+def test_the_engine_loads_a_v41_folders_tokenizer_with_the_v41_encoding(tmp_path):
+    """``model.tokenizer`` unset: a V4.1 folder's own tokenizer.json comes with the V4.1 chat encoding
+    (``load_tokenizer``, as the engine and the expert-parallel driver call it); other models get the plain
+    tokenizer of their folder."""
+    from deepinfer.engine.intake import load_tokenizer
+    from deepinfer.tokenizer import Tokenizer
+
+    folder = _folder(tmp_path / "m", with_system=True)
+    assert isinstance(load_tokenizer(None, folder, {"model_type": "deepseek_v41"}), DeepseekV41Tokenizer)
+    plain = load_tokenizer(None, folder, {"model_type": "deepseek_v4"})
+    assert isinstance(plain, Tokenizer) and not isinstance(plain, DeepseekV41Tokenizer)

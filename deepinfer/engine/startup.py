@@ -109,7 +109,7 @@ class StartUp:
         self.hf_config = read_hf_config(self.model_path)
         self.device = resolve_device(cfg.model.device)
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
-        self.tokenizer = load_tokenizer(cfg.model.tokenizer, self.model_path)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer, self.model_path, self.hf_config)
         self.eos_token_ids = eos_token_ids(self.model_path, self.hf_config, self.tokenizer)
         self.max_model_len = cfg.model.max_model_len or int(self.hf_config.get("max_position_embeddings", 8192))
         self.rank_experts = rank_experts(cfg, host)

@@ -40,6 +40,7 @@ from deepinfer.engine.startup import resolve_config
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import RankLoad, RequestRouter
 from deepinfer.model.assets import resolve_model_path
+from deepinfer.model.loader import read_hf_config
 from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.messages import StepReply, TokenDelta
 from deepinfer.parallel.sizes import parallel_sizes
@@ -116,7 +117,8 @@ class ParallelEngine:
         self.router: RequestRouter = self.host.select("deepinfer_request_routers", self.config.parallel.router,
                                                       "parallel.router")
         self.model_path = resolve_model_path(self.config.model.path)
-        self.tokenizer = load_tokenizer(self.config.model.tokenizer, self.model_path)  # refused before ranks start
+        # refused before ranks start
+        self.tokenizer = load_tokenizer(self.config.model.tokenizer, self.model_path, read_hf_config(self.model_path))
         self._group = _RankGroup()
         self._finalizer = weakref.finalize(self, _RankGroup.close, self._group)
         self._inbox: list[list[Request]] = [[] for _ in range(self.world)]
