@@ -26,3 +26,29 @@ def test_paused_requests_resume_drafting_on_shared_rounds():
         gaps = [b - a for a, b in zip(drafted[rid], drafted[rid][1:], strict=False)]
         assert all(g <= min(2 ** (i + 1), PAUSE_LIMIT) + 1 for i, g in enumerate(gaps))  # back-off, capped
         assert len(drafted[rid]) <= 2 + (rounds - start).bit_length() + (rounds - start) // PAUSE_LIMIT
+
+
+
+def test_a_new_request_starts_at_the_pause_its_predecessors_reached():
+    """Requests one after another (batch 1) whose drafts the plan never grants: the first backs off
+    1, 2, 4 … rounds; each later one starts at the pause the first reached (``plan_drafting`` calls
+    ``_start_paused`` for each sampling row), so it does not pay a ramp of probes — each a drafting step —
+    to learn it again. Once a round's plan grants a draft, new requests draft at once again."""
+    speculator = Speculator(drafter=None, plan=None, cost=None, max_draft=4, block_size=16)
+    drafted: dict[str, list[int]] = {}
+    for rid in ("a", "b", "c"):
+        drafted[rid] = []
+        for round_index in range(200):
+            speculator._start_paused(rid)
+            if not speculator.paused(rid):
+                drafted[rid].append(round_index)
+                speculator._note_grants([(rid, 4, 0)])  # offered 4 drafts, the plan granted none
+            speculator.plan_drafting(SchedulerOutput(), [])
+        speculator.forget(rid)
+    assert len(drafted["a"]) >= PAUSE_LIMIT.bit_length()  # the ramp: 1, 2, 4 … PAUSE_LIMIT
+    for rid in ("b", "c"):
+        gaps = [y - x for x, y in zip(drafted[rid], drafted[rid][1:], strict=False)]
+        assert drafted[rid] and all(g == PAUSE_LIMIT for g in gaps), (rid, drafted[rid])
+    speculator._note_grants([("d", 4, 2)])  # a round whose plan granted drafts
+    speculator._start_paused("e")
+    assert not speculator.paused("e")
