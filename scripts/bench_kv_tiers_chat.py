@@ -1,0 +1,120 @@
+"""A multi-turn chat workload whose working set exceeds the device KV cache: TTFT p50/p90 and throughput with
+no KV store, ``host``, and ``host+disk`` (issue 34), on SmolLM2 on the CPU.
+
+    python scripts/bench_kv_tiers_chat.py [--conversations 16] [--turns 3] [--system 512] [--user 256]
+        [--reply 16] [--device-blocks 11] [--threads 2] [--output out.json]
+
+``--conversations`` conversations share a ``--system``-token system prompt; each turn appends a
+``--user``-token message (random ids) to the conversation so far (system, earlier messages and the
+model's replies) and asks for a ``--reply``-token answer (greedy, EOS ignored). Turns go round-robin over
+the conversations, one request at a time, so each request finds the device cache as the others left it.
+The device cache holds ``--device-blocks`` blocks of 128 tokens (the default, 11, holds the longest
+request, about a tenth of the default workload's working set of 106 blocks: the system prompt plus every
+conversation's history). One engine per arm, all three alive at once (prefix caching on in each); every
+request runs in each arm in turn, the order rotating, so the shared machine's load changes hit the arms
+alike. TTFT is ``first_token_time - arrival_time`` of each request; throughput the reply tokens over the
+seconds the arm's ``generate`` calls took. The replies of every arm are checked to be the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.model.assets import resolve_model_path
+
+ARMS = {"none": None, "host": "host", "host+disk": "host+disk"}
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _engine(model: Path, store: str | None, args: argparse.Namespace, disk_dir: str, per_block: int) -> LLM:
+    return LLM(str(model), kv_cache_bytes=per_block * (args.device_blocks + 1), block_size=128,
+               max_model_len=args.device_blocks * 128, cache={"kv_store": store},
+               plugins={"kv_store": {"enabled": True, "host_bytes": 2 << 30, "disk_dir": disk_dir}})
+
+
+def run(model: Path, args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
+    """Every arm's engine at once; each request runs in every arm in turn (the order rotating), so the
+    shared machine's load changes hit the arms alike."""
+    probe = LLM(str(model), kv_cache_bytes=128 << 20, block_size=128, max_model_len=1024)
+    per_block = sum(t[0].numel() * t.element_size() for t in probe.engine.pool.paged)
+    probe.shutdown()
+    engines = {arm: _engine(model, store, args, disk_dir, per_block) for arm, store in ARMS.items()}
+    params = SamplingParams(temperature=0, max_tokens=args.reply, ignore_eos=True)
+    system = _tokens(args.system, 0)
+    history = {arm: [list(system) for _ in range(args.conversations)] for arm in ARMS}
+    replies: dict[str, list[list[int]]] = {arm: [] for arm in ARMS}
+    ttft: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    busy: dict[str, float] = dict.fromkeys(ARMS, 0.0)
+    computed: dict[str, int] = dict.fromkeys(ARMS, 0)
+    order = list(ARMS)
+    for turn in range(args.turns):
+        for c in range(args.conversations):
+            message = _tokens(args.user, 1000 * c + turn + 1)
+            order = order[1:] + order[:1]
+            for arm in order:
+                llm, prompt = engines[arm], history[arm][c]
+                prompt += message
+                hits = llm.get_stats()["prefix_cache_hit_tokens"]
+                start = time.perf_counter()
+                out = llm.generate([prompt], params, use_tqdm=False)[0]
+                busy[arm] += time.perf_counter() - start
+                computed[arm] += len(prompt) - (llm.get_stats()["prefix_cache_hit_tokens"] - hits)
+                ttft[arm].append(out.metrics.first_token_time - out.metrics.arrival_time)
+                replies[arm].append(out.outputs[0].token_ids)
+                prompt += out.outputs[0].token_ids
+    results: dict[str, Any] = {}
+    for arm, llm in engines.items():
+        stats = llm.get_stats()
+        llm.shutdown()
+        results[arm] = {"ttft_p50_ms": 1000 * statistics.median(ttft[arm]),
+                        "ttft_p90_ms": 1000 * _quantile(ttft[arm], 0.9),
+                        "reply_tok_per_s": len(replies[arm]) * args.reply / busy[arm], "busy_s": busy[arm],
+                        "computed_tokens": computed[arm], "prompt_tokens": stats["prompt_tokens"],
+                        "kv_tiers": stats.get("kv_tiers"), "ttft_ms": [1000 * t for t in ttft[arm]]}
+    working_set = len(system) + sum(len(h) - len(system) for h in history["none"])
+    return {"arms": results, "working_set_tokens": working_set,
+            "replies_equal": all(r == replies["none"] for r in replies.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conversations", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--system", type=int, default=512)
+    parser.add_argument("--user", type=int, default=256)
+    parser.add_argument("--reply", type=int, default=16)
+    parser.add_argument("--device-blocks", type=int, default=11)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = resolve_model_path("smollm2-135m-instruct")
+    with tempfile.TemporaryDirectory(prefix="deepinfer-kv-chat-") as disk_dir:
+        out: dict[str, Any] = {"workload": vars(args), **run(model, args, disk_dir)}
+    arms = out["arms"]
+    out["ttft_p50_ratio_none_over_host"] = arms["none"]["ttft_p50_ms"] / arms["host"]["ttft_p50_ms"]
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
