@@ -53,6 +53,7 @@ PREFILL_ROLE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a prefill-role process and two engines here: about 10 s on the 2-core VM
 def test_a_decode_engine_in_another_process_continues_like_a_single_engine(llama_dir: Path, tmp_path: Path) -> None:
     prompts = _prompts()
     work = [[p, params] for p, params in zip(prompts, PARAMS, strict=True)]

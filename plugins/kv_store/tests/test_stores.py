@@ -71,6 +71,7 @@ def test_disk_store_round_trips_and_a_second_store_on_the_directory_sees_the_blo
     assert one.stats()["misses"] == 1 and one.stats()["errors"] == 0
 
 
+@pytest.mark.slow  # two Python processes importing torch: about 8 s on the 2-core VM
 def test_two_processes_saving_the_same_blocks_on_one_directory_leave_every_file_whole(tmp_path: Path) -> None:
     script = textwrap.dedent(f"""
         import torch
