@@ -54,6 +54,8 @@ class CacheSection(_Section):
     prefix_caching: bool = True
     max_backtrack: Literal["auto"] | int = "auto"
     replay: str = "auto"
+    # External KV tiers under the prefix cache (kv/tiers.py): a store name, or a chain fastest first joined
+    # by "+" ("host+disk"), each offered by an enabled plugin (plugins.kv_store); None: none.
     kv_store: str | None = None
 
 
