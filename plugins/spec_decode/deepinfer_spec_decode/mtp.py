@@ -36,13 +36,18 @@ from deepinfer.interfaces import DraftInputs, DraftProposal
 from deepinfer.ops import Purpose, inverse_cdf, uniform
 
 
-def choose_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def choose_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  sampling: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """One draft per row of ``logits [B, V]`` (float32) for tokens at ``positions [B]``.
 
     Returns ``tokens [B]`` (int64), ``probs [B, V]`` the distribution each was drawn from (one-hot at
     the argmax for greedy rows, ``temperature`` ≤ 0) and ``confidence [B]`` the probability of the
-    draft under ``softmax(logits / T)`` (T = 1 for greedy rows)."""
+    draft under ``softmax(logits / T)`` (T = 1 for greedy rows). ``sampling`` False (the host knows that
+    no request samples, ``DraftInputs.sampling``): every row is greedy, so no draw and no ``probs`` (None):
+    a handful of kernels per draft position instead of the draw's hash, cumulative sum and one-hot."""
+    if not sampling:
+        tokens = logits.argmax(dim=-1)
+        return tokens, None, torch.softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / scale.unsqueeze(-1), dim=-1)
@@ -84,8 +89,9 @@ class MTPDrafter:
                 ctx = rows.chain(j - 1)
                 hidden = model.mtp_hidden(hidden, tokens[:, j - 1], ctx.positions, ctx)
             logits = model.mtp_logits(hidden, ctx)
-            draft, dist, conf = choose_drafts(logits, inputs.temperature, inputs.seeds, inputs.positions + 1 + j)
+            draft, dist, conf = choose_drafts(logits, inputs.temperature, inputs.seeds, inputs.positions + 1 + j,
+                                              inputs.sampling)
             tokens[:, j], confidence[:, j] = draft, conf
-            if probs is not None:
+            if probs is not None and dist is not None:
                 probs[:, j] = dist
         return DraftProposal(tokens, probs, confidence)

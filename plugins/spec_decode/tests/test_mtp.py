@@ -228,6 +228,17 @@ def test_choose_drafts_takes_the_argmax_or_draws_from_its_distribution():
     assert torch.equal(tokens, again)  # counter draws: the same seed and position give the same draft
 
 
+def test_choose_drafts_without_sampling_requests_equals_the_greedy_rows_of_the_full_path():
+    """When the host knows no request samples (``sampling=False``), drafts and confidences are bitwise
+    those of the full path's greedy rows, without a distribution."""
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(4)) * 3
+    zeros, seeds, positions = torch.zeros(6), torch.arange(6), torch.arange(6) + 20
+    tokens, probs, confidence = choose_drafts(logits, zeros, seeds, positions)
+    fast_tokens, fast_probs, fast_confidence = choose_drafts(logits, zeros, seeds, positions, sampling=False)
+    assert fast_probs is None and probs is not None
+    assert torch.equal(fast_tokens, tokens) and torch.equal(fast_confidence, confidence)
+
+
 def test_start_up_resolves_mtp_by_the_checkpoint(with_mtp, tmp_path):
     _, _, folder = with_mtp
     auto = LLM(folder, block_size=BLOCK, kv_cache_bytes=1 << 22, plugins=_spec(drafter="auto"))
