@@ -235,19 +235,14 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
     return result
 
 
-def profile_decode(llm, batch: int, out: Path, vocab: int, length_spread: int = 0) -> dict:
+def profile_steps(engine, warmup: int, steps: int):
+    """``torch.profiler``'s averages over ``steps`` engine steps after ``warmup`` ones, and their wall
+    seconds; the engine's requests then run to the end."""
     from torch.profiler import ProfilerActivity, profile
 
-    from deepinfer import SamplingParams
-
-    engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    for p in prompts(batch, 77, vocab, length_spread):
-        engine.add(engine.make_request(p, params))
-    for _ in range(3):  # prefill (one step: 16 x 128 tokens <= 4096) + 2 decode warm-up steps
+    for _ in range(warmup):
         engine.step()
     torch.cuda.synchronize()
-    steps = 8
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
@@ -256,7 +251,18 @@ def profile_decode(llm, batch: int, out: Path, vocab: int, length_spread: int = 
         wall = time.perf_counter() - t
     while engine.has_unfinished():
         engine.step()
-    avgs = prof.key_averages()
+    return prof.key_averages(), wall
+
+
+def profile_decode(llm, batch: int, out: Path, vocab: int, length_spread: int = 0) -> dict:
+    from deepinfer import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for p in prompts(batch, 77, vocab, length_spread):
+        engine.add(engine.make_request(p, params))
+    steps = 8  # after the prefill (one step: 16 x 128 tokens <= 4096) and 2 decode warm-up steps
+    avgs, wall = profile_steps(engine, 3, steps)
     try:
         table = avgs.table(sort_by="self_cuda_time_total", row_limit=25)
     except Exception:

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_gpu_deepseek import CONFIG, copy_bandwidth, step_bytes
+from bench_gpu_deepseek import CONFIG, copy_bandwidth, profile_steps, step_bytes
 
 PROMPT_LEN = 128
 
@@ -154,29 +154,16 @@ def measure(llm, batches: list[int], repeats: int, new_tokens: int, replies: dic
     return rows
 
 
-def profile_steps(llm, batch: int, new_tokens: int, out: Path) -> None:
+def profile_spec(llm, batch: int, new_tokens: int, out: Path) -> None:
     """``torch.profiler`` over 12 steady decode steps at ``batch`` (see the module docstring)."""
-    from torch.profiler import ProfilerActivity, profile
-
     from deepinfer import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True)
     for prompt in _prompts(batch, 0, "full"):
         engine.add(engine.make_request(prompt, params))
-    for _ in range(5):  # prefill, then 4 decode steps: drafts, calibration and pauses under way
-        engine.step()
-    torch.cuda.synchronize()
-    steps = 12
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - start
-    while engine.has_unfinished():
-        engine.step()
-    averages = prof.key_averages()
+    steps = 12  # after the prefill and 4 decode steps: drafts, calibration and pauses under way
+    averages, wall = profile_steps(engine, 5, steps)
     device_us = sum(e.self_device_time_total for e in averages)
     table = averages.table(sort_by="self_device_time_total", row_limit=30)
     out.write_text(f"batch {batch}: {steps} steps, wall {1e3 * wall / steps:.2f} ms per step, device kernels "
@@ -225,7 +212,7 @@ def main() -> None:
                     if plan is not None:
                         llm.engine.speculator.drafter.inner.corruption = 1.0 - args.acceptance[0]
                     where = args.output.parent if args.output else Path(".")
-                    profile_steps(llm, args.profile, args.new_tokens, where / f"profile-{executor}-{plan or 'off'}.txt")
+                    profile_spec(llm, args.profile, args.new_tokens, where / f"profile-{executor}-{plan or 'off'}.txt")
                 if not args.profile_only:
                     report["runs"][name] = measure(llm, args.batch, args.repeats, args.new_tokens, replies, rates)
                 _free(llm)
