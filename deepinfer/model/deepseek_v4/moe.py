@@ -48,13 +48,24 @@ class V4MoE(nn.Module):
         # (set on a rank) replacing the ``experts`` op.
         self.num_experts = e
         self.expert_ids = d.expert_ids if layer < d.layers else list(range(e))
-        self.w13 = nn.Parameter(torch.empty(len(self.expert_ids), 2 * inter, d.hidden, **kw))
-        self.w2 = nn.Parameter(torch.empty(len(self.expert_ids), d.hidden, inter, **kw))
+        self._init_experts(kw)
         self.expert_parallel: Any = None
         shared = inter * d.n_shared
         self.shared_gate_up = nn.Parameter(torch.empty(2 * shared, d.hidden, **kw)) if shared else None
         self.shared_down = nn.Parameter(torch.empty(d.hidden, shared, **kw)) if shared else None
         self.stats: torch.Tensor | None = None
+
+    def _init_experts(self, kw: dict[str, Any]) -> None:
+        """The routed experts' parameters: ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``
+        (``fp4_moe.V4Fp4MoE`` stores them packed instead)."""
+        e, inter, hidden = len(self.expert_ids), self.d.moe_inter, self.d.hidden
+        self.w13 = nn.Parameter(torch.empty(e, 2 * inter, hidden, **kw))
+        self.w2 = nn.Parameter(torch.empty(e, hidden, inter, **kw))
+
+    def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ctx: ForwardContext,
+               limit: float | None) -> torch.Tensor:
+        """``Σ_j weights[t, j] · expert_{ids[t, j]}(x[t])`` through the backend op ``experts``."""
+        return ctx.backends["experts"].experts(x, ids, weights, (self.w13, self.w2), swiglu_limit=limit)
 
     def route(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +98,7 @@ class V4MoE(nn.Module):
         if self.expert_parallel is not None:
             out = self.expert_parallel(x, ids, weights, ctx, swiglu_limit=limit)
         else:
-            out = ctx.backends["experts"].experts(x, ids, weights, (self.w13, self.w2), swiglu_limit=limit)
+            out = self.routed(x, ids, weights, ctx, limit)
         if self.shared_gate_up is not None:
             gemm = ctx.backends["linear"]
             gate, up = gemm.linear(x, self.shared_gate_up).chunk(2, dim=-1)

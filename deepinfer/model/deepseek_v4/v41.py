@@ -42,6 +42,7 @@ from deepinfer.model.deepseek_v4.engram import (
     read_tokenizer_lookup,
     table_primes,
 )
+from deepinfer.model.deepseek_v4.fp4_moe import V4Fp4MoE
 from deepinfer.model.deepseek_v4.hyper import HyperConnection, HyperHead
 from deepinfer.model.deepseek_v4.moe import V4MoE
 from deepinfer.model.deepseek_v4.norm import V4RMSNorm
@@ -65,7 +66,11 @@ class V41DecoderLayer(nn.Module):
         self.input_layernorm = V4RMSNorm(d.hidden, d.eps, device)
         self.post_attention_layernorm = V4RMSNorm(d.hidden, d.eps, device)
         self.self_attn = V41Attention(d, layer, rotary, dtype, device)
-        self.mlp = V4MoE(d, layer, "moe", dtype, device)
+        self.mlp = (V4Fp4MoE if d.expert_dtype == "fp4" else V4MoE)(d, layer, "moe", dtype, device)
+        # A drafter's feature layer (``DeepseekV41ForCausalLM.capture_hidden``) keeps its input streams, after
+        # the Engram memory (the reference stores the trunk the attention's pre-mix reads).
+        self.keep_input = False
+        self.kept_input: torch.Tensor | None = None
 
     def forward(self, streams: torch.Tensor, pre_in: torch.Tensor | None, positions: torch.Tensor,
                 input_ids: torch.Tensor, ctx: ForwardContext, step_rows: StepRows, shared: torch.Tensor | None,
@@ -77,6 +82,8 @@ class V41DecoderLayer(nn.Module):
         if self.engram is not None:
             assert ngrams is not None
             streams = self.engram(streams, ngrams, ctx.backends["linear"])
+        if self.keep_input:
+            self.kept_input = streams
         pre, post, comb = self.attn_hc.mixes(streams)
         h = self.input_layernorm(HyperConnection.collapse(pre_in if self.shifted else pre, streams))
         if shares:
@@ -156,6 +163,14 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         if self.ngram_history is not None:  # one row of compressed ids per state slot
             self.ngram_history.bind(ring.shape[0], self.max_backtrack, ring.device)
 
+    def capture_hidden(self, layer_ids: Sequence[int]) -> None:
+        """As V4's: each chosen layer's feature rows are the mean of the streams entering its attention
+        hyper-connection (after its Engram memory)."""
+        super().capture_hidden(layer_ids)
+        for i, layer in enumerate(self.layers):
+            layer.keep_input = self.capture_features and i in self.captured_layers
+            layer.kept_input = None
+
     def build_mtp_layers(self) -> None:
         """Refused: V4.1's DSpark layers are not built yet (docs/status.md, issue 32)."""
         raise ValueError(f"{ARCH}: DSpark/MTP layers are not supported yet (num_nextn_predict_layers is ignored)")
@@ -186,6 +201,11 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
                 view = _consumer_view(ctx, step_rows, input_ids)  # the layer narrows the streams and pre-mixes
             streams, shared, pre = layer(streams, pre, ctx.positions, input_ids, ctx, step_rows, shared, shares, view,
                                          cross, ngrams)
+            if layer.keep_input:  # its input was narrowed only if a consumer before it narrowed the streams
+                assert layer.kept_input is not None
+                self._capture_streams(i, layer.kept_input, input_ids.shape[0], view if i > self.d.yoco else None)
+                layer.kept_input = None
+        self._capture_streams(self.d.layers, streams, input_ids.shape[0], view)
         folded = HyperConnection.collapse(pre, streams) if pre is not None else self.hc_head(streams)
         return _all_rows(self.norm(folded), input_ids.shape[0], view)
 

@@ -5,7 +5,10 @@ V4's upstream names with ``attn.kv_norm`` (V4: ``attn.norm``), ``attn.indexer.{w
 parameter); a missing or extra tensor is an error naming it. DSpark layers (``mtp.{i}.*``) are skipped with
 a warning (the ``dspark`` drafter needs the DSpark issue's ring context); image tensors
 (``vision_pipeline.*``, ``image_*``, ``ffn.gate.bias_vl``) belong to the vision side this text model does
-not run, and are skipped with an info line.
+not run, and are skipped with an info line. With ``quantization_config.expert_dtype: fp4`` each routed
+expert is ``ffn.experts.{e}.w{1,2,3}.weight`` (packed e2m1, ``I8 [out, in/2]``) with ``.scale`` (``F8_E8M0
+[out, in/32]``), copied byte for byte into ``fp4_moe.V4Fp4MoE``'s stored tensors; a scale whose shape does
+not match its weight's is an error naming it.
 """
 
 from __future__ import annotations
@@ -50,6 +53,20 @@ _V41_TOP = {"embed.weight": "embed_tokens.weight", "norm.weight": "norm.weight",
 _VISION_ONLY = ("vision_pipeline.", "image_start", "image_end", "image_newline")
 
 
+_FP4_PARTS = ("mlp.w13_fp4", "mlp.w2_fp4", "mlp.w13_scale", "mlp.w2_scale")
+
+
+def fp4_stored_bytes(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An FP4 expert tensor's bytes as uint8, unchanged: ``X.weight`` packed e2m1 (``I8``/``U8``),
+    ``X.scale`` ue8m0 (``F8_E8M0``, or ``U8``). Any other dtype is an error naming the tensor."""
+    allowed = ((torch.int8, torch.uint8) if name.endswith(".weight")
+               else (torch.float8_e8m0fnu, torch.uint8))
+    if tensor.dtype not in allowed:
+        raise ValueError(f"weight {name!r} has dtype {tensor.dtype}; expert_dtype fp4 stores it as "
+                         f"{' or '.join(map(str, allowed))}")
+    return tensor.view(torch.uint8)
+
+
 def v41_layer_target(d: V41Dims, rest: str, prefix: str, tensors: dict[str, torch.Tensor]
                      ) -> tuple[str, torch.Tensor] | None:
     """``(parameter name, the view to fill)`` for a V4.1 per-layer name ``rest`` (after ``layers.L.``);
@@ -85,6 +102,15 @@ def v41_layer_target(d: V41Dims, rest: str, prefix: str, tensors: dict[str, torc
         if leaf in ("w1.weight", "w3.weight"):
             return view("mlp.shared_gate_up", lambda t: _half(t, int(leaf == "w3.weight")))
         return None
+    if rest.startswith("ffn.experts.") and d.expert_dtype == "fp4":
+        _, _, e, leaf = rest.split(".", 3)
+        which, _, kind = leaf.partition(".")
+        if which not in ("w1", "w2", "w3") or kind not in ("weight", "scale"):
+            return None
+        param = {"weight": "fp4", "scale": "scale"}[kind]
+        if which == "w2":
+            return view(f"mlp.w2_{param}", lambda t: t[int(e)])
+        return view(f"mlp.w13_{param}", lambda t: _half(t[int(e)], int(which == "w3")))
     if rest.startswith("ffn.experts."):
         _, _, e, leaf = rest.split(".", 3)
         if leaf == "w2.weight":
@@ -127,6 +153,8 @@ def load_v41_checkpoint(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[s
                 dest = v41_layer_target(model.d, rest, f"layers.{idx}.", tensors)
         if dest is None:
             raise ValueError(f"weight {name!r} does not belong to {ARCH}")
+        if dest[0].endswith(_FP4_PARTS):
+            tensor = fp4_stored_bytes(name, tensor)
         _copy(name, dest, tensor, filled)
     if skipped_mtp:
         logger.warning("%s: %d DSpark tensors (mtp.*) not loaded: DSpark heads are not supported yet", ARCH,

@@ -1,0 +1,160 @@
+"""DeepSeek-V4.1 with FP4 routed experts (``quantization_config.expert_dtype: fp4``) on tiny random configs:
+the checkpoint's packed e2m1 bytes and ue8m0 scales load as stored, and the model equals the same model with
+bf16/fp32 experts holding the dequantized weights (tolerance: exact — the dequantization is exact and the
+expert math is the reference backend's); bad scales or an unknown ``expert_dtype`` fail at load naming them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from test_deepseek_v41 import _logits_by_request, build_v41, reference_tensors, v41_config, v41_llm
+
+from deepinfer.errors import ConfigError
+from deepinfer.model.deepseek_v4.fp4_moe import V4Fp4MoE
+from deepinfer.model.deepseek_v4.moe import V4MoE
+from deepinfer.model.deepseek_v4.v41 import DeepseekV41ForCausalLM
+from deepinfer.model.layers import fp4
+from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+FP4 = {"expert_dtype": "fp4", "scale_fmt": "ue8m0"}
+
+
+def fp4_config(**quant: object) -> dict:
+    return {**v41_config(), "quantization_config": {**FP4, **quant}}
+
+
+def fp4_experts(tensors: dict[str, torch.Tensor], gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random FP4 experts under the reference's names: ``X.weight`` int8 packed e2m1 ``[out, in/2]`` and
+    ``X.scale`` F8_E8M0 ``[out, in/32]`` with scales 2^-6 .. 2^-2 for every routed expert weight ``X``."""
+    out = {}
+    for name, w in tensors.items():
+        if ".ffn.experts." not in name:
+            continue
+        rows, cols = w.shape
+        codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(121, 126, (rows, cols // 32), generator=gen, dtype=torch.uint8)
+        out[name] = fp4.pack_e2m1(codes).view(torch.int8)
+        out[name.removesuffix(".weight") + ".scale"] = scales.view(torch.float8_e8m0fnu)
+    return out
+
+
+def dequantized(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The FP4 checkpoint with every expert dequantized to float32 and no scales: the bf16 model's twin."""
+    out = {k: v for k, v in tensors.items() if not k.endswith(".scale")}
+    for name, w in tensors.items():
+        if ".ffn.experts." in name and name.endswith(".weight"):
+            out[name] = fp4.dequantize_e2m1(w, tensors[name.removesuffix(".weight") + ".scale"], 32,
+                                            dtype=torch.float32)
+    return out
+
+
+def write(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """``(fp4 tensors, folder of the FP4 checkpoint, folder of its dequantized twin)``."""
+    root = tmp_path_factory.mktemp("v41_fp4")
+    model = build_v41(root / "bf16")
+    tensors = reference_tensors(model)
+    tensors.update(fp4_experts(tensors, torch.Generator().manual_seed(1)))
+    return (tensors, write(root / "fp4", tensors, fp4_config()),
+            write(root / "dense", dequantized(tensors), v41_config()))
+
+
+def load(config: dict, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32
+         ) -> DeepseekV41ForCausalLM:
+    model = DeepseekV41ForCausalLM(config, dtype=dtype, device=torch.device("cpu"), max_positions=512)
+    model.load_weights(tensors.items())
+    return model
+
+
+def test_experts_load_as_stored_bytes(checkpoints):
+    """No float copy of the experts: each layer holds the checkpoint's bytes (uint8), 17/32 of a byte per
+    weight (half a byte plus a 1/32-byte scale), about 27% of bf16."""
+    tensors, _, _ = checkpoints
+    model = load(fp4_config(), tensors)
+    mlp = model.layers[1].mlp
+    assert isinstance(mlp, V4Fp4MoE) and not hasattr(mlp, "w13") and not hasattr(mlp, "w2")
+    e, inter, hidden = model.d.n_routed, model.d.moe_inter, model.d.hidden
+    assert torch.equal(mlp.w13_fp4[3, inter:], tensors["layers.1.ffn.experts.3.w3.weight"].view(torch.uint8))
+    assert torch.equal(mlp.w2_scale[5], tensors["layers.1.ffn.experts.5.w2.scale"].view(torch.uint8))
+    stored = sum(p.numel() for n, p in mlp.named_parameters() if "_fp4" in n or "_scale" in n)
+    assert all(p.dtype == torch.uint8 for n, p in mlp.named_parameters() if "_fp4" in n or "_scale" in n)
+    assert stored * 32 == 3 * e * inter * hidden * 17
+    assert stored / (3 * e * inter * hidden * 2) == pytest.approx(0.2656, abs=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp4_layer_equals_the_dense_layer_on_the_dequantized_weights(checkpoints, dtype):
+    """One MoE layer, 40 tokens: the FP4 path (tiles dequantized per active expert) equals the reference
+    backend on the dense dequantized weights, bitwise, in float32 and in bfloat16."""
+    tensors, _, _ = checkpoints
+    fp4_model = load(fp4_config(), tensors, dtype)
+    dense_model = load(v41_config(), dequantized(tensors), dtype)
+    fp4_mlp, dense_mlp = fp4_model.layers[2].mlp, dense_model.layers[2].mlp
+    assert type(dense_mlp) is V4MoE
+    w13, w2 = fp4_mlp.expert_tiles()
+    assert torch.equal(w13.dense(), dense_mlp.w13) and torch.equal(w2.dense(), dense_mlp.w2)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(40, fp4_model.d.hidden, generator=gen).to(dtype)
+    ids = torch.randint(0, fp4_model.d.vocab, (40,), generator=gen)
+    linear = SimpleNamespace(linear=lambda a, w, b=None: torch.nn.functional.linear(a, w, b))
+    ctx = SimpleNamespace(backends={"experts": TorchMoEBackend(), "linear": linear}, num_real_tokens=None)
+    got = fp4_mlp(x, ids, torch.arange(40), ctx)
+    want = dense_mlp(x, ids, torch.arange(40), ctx)
+    assert got.abs().max() > 0 and torch.equal(got, want)
+
+
+def test_fp4_model_generates_as_the_dequantized_model(checkpoints):
+    """Through the engine (chunked prefill, cached decode): equal logits at every step, 4 prompts."""
+    _, fp4_folder, dense_folder = checkpoints
+    batch = [[5 + i, 9, 17 + 2 * i, 3] * (3 + i) for i in range(4)]
+    got = _logits_by_request(v41_llm(fp4_folder), batch, 6)
+    want = _logits_by_request(v41_llm(dense_folder), batch, 6)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_scales_of_the_wrong_shape_fail_naming_the_tensor(checkpoints, tmp_path):
+    tensors, _, _ = checkpoints
+    name = "layers.3.ffn.experts.6.w1.scale"
+    bad = {**tensors, name: tensors[name][:, :1].contiguous()}
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        load(fp4_config(), bad)
+    # a bf16 expert weight in an FP4 checkpoint: the weight's dtype is wrong
+    wname = "layers.0.ffn.experts.1.w2.weight"
+    dense = {**tensors, wname: torch.zeros(tensors[wname].shape, dtype=torch.bfloat16)}
+    with pytest.raises(ValueError, match=wname.replace(".", r"\.") + ".*dtype"):
+        load(fp4_config(), dense)
+    # an FP4 expert without its scale: the model's parameter is left unfilled
+    missing = {k: v for k, v in tensors.items() if k != "layers.4.ffn.experts.0.w2.scale"}
+    with pytest.raises(ValueError, match=r"layers\.4\.mlp\.w2_scale"):
+        load(fp4_config(), missing)
+    # through the engine's loader too
+    with pytest.raises(ValueError, match=name.replace(".", r"\.")):
+        v41_llm(write(tmp_path / "bad", bad, fp4_config()))
+
+
+@pytest.mark.parametrize(("quant", "field"), [
+    ({"expert_dtype": "fp8"}, "quantization_config.expert_dtype"),
+    ({"expert_dtype": "nvfp4"}, "quantization_config.expert_dtype"),
+    ({"quant_method": "fp8"}, "quantization_config.quant_method"),
+    ({"scale_fmt": "e4m3"}, "quantization_config.scale_fmt"),
+    ({"group_size": 16}, "quantization_config.group_size"),
+])
+def test_unsupported_quantization_fails_naming_the_field(checkpoints, quant, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        DeepseekV41ForCausalLM(fp4_config(**quant), dtype=torch.float32, device=torch.device("cpu"),
+                               max_positions=512)
