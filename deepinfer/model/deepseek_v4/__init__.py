@@ -17,7 +17,8 @@ The residual is ``hc_mult`` streams ``[T, m, H]`` (the embedding copied m times)
 before the last RMSNorm and the LM head. ``bind_mtp_cache`` makes ``forward`` keep its final streams in
 ``captured_hidden[num_hidden_layers]`` (``captured_layers``), which the runner hands the MTP drafter as
 ``CommittedRows.hidden``; each MTP depth's cache (``mtp_cache_specs``) is one sliding-key ring in the
-request's state slot.
+request's state slot. ``capture_hidden`` instead keeps chosen layers' stream means (a ``dspark`` drafter's
+features, one row per token).
 """
 
 from __future__ import annotations
@@ -93,12 +94,29 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
     def _rotary(self, layer: int) -> V4Rotary:
         return self.rotary_main if self.d.layer_types[layer] == SLIDING else self.rotary_compress
 
+    # Whether ``captured_layers`` are drafter features (``capture_hidden``: one row per token) rather than the
+    # MTP layers' input (``bind_mtp_cache``: the final streams, flattened).
+    capture_features: bool = False
+
     def capture_hidden(self, layer_ids: Sequence[int]) -> None:
-        """Refused: V4's layers pass hyper-connection streams, not one residual row per token, so there
-        is no single feature row to capture for a drafter (``dspark``). (Its own MTP layers' input is
-        kept by ``bind_mtp_cache``.)"""
-        raise ValueError("DeepSeek-V4 cannot capture layer features for a drafter (its layers pass "
-                         "hyper-connection streams)")
+        """Keep, from the next ``forward`` on, each chosen layer's feature rows ``[T, hidden]`` in
+        ``captured_hidden`` for a drafter (``dspark``): the layers pass hyper-connection streams, so a
+        layer's feature is the mean of the ``hc_mult`` streams entering it (its attention input's residual
+        trunk, as the reference's ``dflash_input_store``); id ``num_hidden_layers``: the final streams'
+        mean. Replaces the MTP capture of ``bind_mtp_cache``."""
+        bad = [i for i in layer_ids if not 0 <= i <= len(self.layers)]
+        if bad:
+            raise ValueError(f"capture_hidden: layer ids {bad} are outside [0, {len(self.layers)}]")
+        self.captured_layers = tuple(layer_ids)
+        self.captured_hidden = {}
+        self.capture_features = bool(layer_ids)
+
+    def _capture_streams(self, layer: int, streams: torch.Tensor, num_tokens: int, view: _ConsumerView | None) -> None:
+        """Keep the feature rows of ``streams [T', m, H]`` entering ``layer`` when it is captured (``view``:
+        the YoCo consumer view when ``streams`` were narrowed to its rows)."""
+        if self.capture_features and layer in self.captured_layers:
+            rows = streams.float().mean(dim=1).to(self.embed_tokens.weight.dtype)
+            self.captured_hidden[layer] = _all_rows(rows, num_tokens, view)
 
     # ------------------------------------------------------------------------------------------ cache
 
@@ -136,13 +154,15 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
         streams = x.unsqueeze(1).expand(-1, self.d.hc_mult, -1).contiguous()
         shared = view = None
         for i, layer in enumerate(self.layers):
+            self._capture_streams(i, streams, input_ids.shape[0], view)  # view: set once a consumer narrowed them
             shares = bool(self.d.yoco) and i == self.d.yoco
             if shares and ctx.truncation_floor_host is not None:
                 assert not isinstance(step_rows, _DeviceRows)  # device_rows refuses truncated steps
                 view = _consumer_view(ctx, step_rows, input_ids)
             streams, shared = layer(streams, ctx.positions, input_ids, ctx, step_rows, shared, shares, view)
         hidden = self.norm(self.hc_head(streams))
-        if self.captured_layers:  # the MTP layers' input (bind_mtp_cache)
+        self._capture_streams(self.d.layers, streams, input_ids.shape[0], view)
+        if self.captured_layers and not self.capture_features:  # the MTP layers' input (bind_mtp_cache)
             self.captured_hidden[self.d.layers] = _all_rows(streams.flatten(1), input_ids.shape[0], view)
         return _all_rows(hidden, input_ids.shape[0], view)
 
@@ -159,6 +179,7 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
             layer.block.self_attn.bind(cache)
         self.captured_layers = (self.d.layers,)
         self.captured_hidden = {}
+        self.capture_features = False
 
     def build_mtp_layers(self) -> None:
         """Create the ``num_nextn_predict_layers`` MTP layers, unfilled, if there are none yet (dummy

@@ -39,6 +39,11 @@ class SpecDecodeConfig(BaseModel):
     the README's layout, or ``random`` (weights from the engine seed: acceptance near zero; for tests and
     mechanism benchmarks); ``dspark_auto_recipe`` overrides fields of the recipe ``auto`` trains with
     (``drafter_training.Recipe``: e.g. ``{"prompts": 200, "steps": 1000}``; part of the cache key).
+    ``dspark_n_routed_experts`` (0: dense blocks) and ``dspark_num_experts_per_tok`` make every block's MLP
+    a MoE as the reference's (its dense MLP the shared expert, plus that many routed experts of
+    ``dspark_intermediate_size``, the top ``dspark_num_experts_per_tok`` per row); ``dspark_target_attn_input``
+    (the reference's; only ``True``): the features are the residual entering each target layer's
+    attention, on a model with hyper-connections (DeepSeek-V4) the mean of its streams there.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -58,6 +63,9 @@ class SpecDecodeConfig(BaseModel):
     dspark_context_window: int = Field(default=16, ge=1)
     dspark_num_heads: int = Field(default=4, ge=1)
     dspark_intermediate_size: int | None = Field(default=None, ge=1)
+    dspark_n_routed_experts: int = Field(default=0, ge=0)
+    dspark_num_experts_per_tok: int | None = Field(default=None, ge=1)
+    dspark_target_attn_input: bool = True
     dspark_markov_rank: int = Field(default=32, ge=1)
     dspark_noise_token_id: int | None = Field(default=None, ge=0)
     dspark_confidence_temperature: float | list[float] = 1.0
@@ -80,6 +88,22 @@ class SpecDecodeConfig(BaseModel):
     def _ngram_range(self) -> SpecDecodeConfig:
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must be <= ngram_max ({self.ngram_max})")
+        return self
+
+    @model_validator(mode="after")
+    def _dspark_experts(self) -> SpecDecodeConfig:
+        experts, top_k = self.dspark_n_routed_experts, self.dspark_num_experts_per_tok
+        if experts and top_k is None:
+            raise ValueError(f"dspark_num_experts_per_tok must be set (1 to {experts}) when dspark_n_routed_experts "
+                             f"is {experts}")
+        if not experts and top_k is not None:
+            raise ValueError(f"dspark_num_experts_per_tok ({top_k}) needs dspark_n_routed_experts > 0 (MoE blocks)")
+        if top_k is not None and top_k > experts:
+            raise ValueError(f"dspark_num_experts_per_tok ({top_k}) must be at most dspark_n_routed_experts "
+                             f"({experts})")
+        if not self.dspark_target_attn_input:
+            raise ValueError("dspark_target_attn_input must be true: the features are the residual entering each "
+                             "target layer's attention (the reference supports attention-input targets only)")
         return self
 
     @model_validator(mode="after")

@@ -114,7 +114,7 @@ class DSparkBlock(nn.Module):
     projected target features, RoPE'd at their positions (``context_kv``)."""
 
     def __init__(self, hidden: int, heads: int, intermediate: int, *, separate_context: bool = True,
-                 **kw: Any) -> None:
+                 experts: int = 0, experts_per_token: int = 0, **kw: Any) -> None:
         super().__init__()
         self.heads = heads
         self.attn_norm = RMSNorm(hidden, EPS, **kw)
@@ -122,8 +122,10 @@ class DSparkBlock(nn.Module):
         self.ctx_kv = nn.Linear(hidden, 2 * hidden, bias=False, **kw) if separate_context else None
         self.o = nn.Linear(hidden, hidden, bias=False, **kw)
         self.mlp_norm = RMSNorm(hidden, EPS, **kw)
+        # The dense SwiGLU MLP; in a MoE block it is the shared expert (the reference's one shared MLP).
         self.gate_up = nn.Linear(hidden, 2 * intermediate, bias=False, **kw)
         self.down = nn.Linear(intermediate, hidden, bias=False, **kw)
+        self.moe = DSparkMoE(hidden, intermediate, experts, experts_per_token, **kw) if experts else None
 
     def heads_of(self, t: torch.Tensor) -> torch.Tensor:
         """``[..., S, H]`` → ``[..., heads, S, head_dim]``."""
@@ -151,8 +153,51 @@ class DSparkBlock(nn.Module):
         mask = torch.cat([visible, visible.new_ones(batch, k)], dim=1)[:, None, None, :]
         attn = F.scaled_dot_product_attention(q, key, value, attn_mask=mask)
         x = x + linear(attn.transpose(1, 2).reshape(batch, k, hidden), self.o.weight)
-        gate, up = linear(self.mlp_norm(x), self.gate_up.weight).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down.weight)
+        normed = self.mlp_norm(x)
+        gate, up = linear(normed, self.gate_up.weight).chunk(2, dim=-1)
+        out = linear(F.silu(gate) * up, self.down.weight)
+        if self.moe is not None:
+            out = out + self.moe(normed)
+        return x + out
+
+
+class DSparkMoE(nn.Module):
+    """The routed experts of a MoE block, routed as the reference's DeepSeek MoE (reference/deepinfer.md
+    §4, §11; ``deepseek_v4/moe.py``): scores ``sqrt(softplus(x · routerᵀ))`` in float32, the top
+    ``experts_per_token`` of ``score + router_bias`` (the selection-only correction bias), weights the
+    chosen scores over their sum (+1e-20); each expert a SwiGLU MLP of width ``intermediate``. The
+    block adds the shared expert (its dense MLP) to this output."""
+
+    def __init__(self, hidden: int, intermediate: int, experts: int, experts_per_token: int, **kw: Any) -> None:
+        super().__init__()
+        self.top_k = experts_per_token
+        self.router = nn.Linear(hidden, experts, bias=False, **kw)
+        self.router_bias = nn.Parameter(torch.zeros(experts, **kw), requires_grad=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden, **kw))
+        self.experts_down = nn.Parameter(torch.empty(experts, hidden, intermediate, **kw))
+        nn.init.normal_(self.experts_gate_up, std=hidden ** -0.5)
+        nn.init.normal_(self.experts_down, std=intermediate ** -0.5)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [N, H]`` → each row's experts ``[N, top_k]`` int64 and their weights ``[N, top_k]`` float32."""
+        scores = torch.sqrt(F.softplus(F.linear(x.float(), self.router.weight.float())))
+        ids = (scores + self.router_bias.float()).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., H]`` (the block's MLP input, after ``mlp_norm``) → the weighted routed experts' sum."""
+        flat = x.reshape(-1, x.shape[-1])
+        ids, weights = self.route(flat)
+        out = torch.zeros_like(flat)
+        # One GEMM pair per expert over its rows; the expert list is read on the host (a deliberate sync: the
+        # drafter runs eagerly, and a block has few rows).
+        for expert in ids.unique().tolist():
+            rows, choice = (ids == expert).nonzero(as_tuple=True)
+            gate, up = F.linear(flat[rows], self.experts_gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.experts_down[expert])
+            out = out.index_add(0, rows, y * weights[rows, choice].unsqueeze(-1).to(y.dtype))
+        return out.view_as(x)
 
 
 class MarkovHead(nn.Module):
@@ -177,13 +222,15 @@ class DSparkNetwork(nn.Module):
 
     def __init__(self, hidden: int, num_targets: int, vocab: int, *, num_layers: int, heads: int,
                  intermediate: int, markov_rank: int, dtype: torch.dtype, device: torch.device,
-                 draft_vocab_size: int | None = None, separate_context: bool = True) -> None:
+                 draft_vocab_size: int | None = None, separate_context: bool = True, experts: int = 0,
+                 experts_per_token: int = 0) -> None:
         super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.vocab = vocab
         self.main_proj = nn.Linear(hidden * num_targets, hidden, bias=False, **kw)
         self.main_norm = RMSNorm(hidden, EPS, **kw)
-        self.layers = nn.ModuleList(DSparkBlock(hidden, heads, intermediate, separate_context=separate_context, **kw)
+        self.layers = nn.ModuleList(DSparkBlock(hidden, heads, intermediate, separate_context=separate_context,
+                                                experts=experts, experts_per_token=experts_per_token, **kw)
                                     for _ in range(num_layers))
         self.norm = RMSNorm(hidden, EPS, **kw)
         reduced = draft_vocab_size is not None
@@ -268,7 +315,7 @@ def draft_block(logits: torch.Tensor, hidden: torch.Tensor, last_tokens: torch.T
     for i in range(k):
         embedding = markov.embed(previous)
         corrected = logits[:, i] + markov.head(embedding).float()
-        draft, dist, _ = choose_drafts(corrected, temperature, seeds, positions + 1 + i)
+        draft, dist, _ = choose_drafts(corrected, temperature, seeds, positions + 1 + i, report_probs)
         z = confidence_head.proj(torch.cat([hidden[:, i], embedding], dim=-1)).float().squeeze(-1)
         confidence[:, i] = torch.sigmoid((z / confidence_temperature[i]).clamp(-LOGIT_CLAMP, LOGIT_CLAMP))
         tokens[:, i] = network.to_target_ids(draft)
@@ -339,11 +386,16 @@ class DSparkDrafter:
 
 def pool_slots(model: Any) -> int:
     """Slots of the main pool (blocks × block size), read from the first paged cache bound to the model's
-    layers (``bind_cache``): the context cache is indexed by the main cache's slots."""
+    layers (``bind_cache``): the context cache is indexed by the main cache's slots. A paged cache is a
+    layer's ``kv_cache`` ``[blocks, block size, …]``, or on a hybrid pool (DeepSeek-V4) a compressor's
+    ``paged`` entries ``[blocks, block size / ratio, width]`` (one per ``ratio`` positions)."""
     for module in model.modules():
         cache = getattr(module, "kv_cache", None)
         if isinstance(cache, tuple | list) and cache and isinstance(cache[0], torch.Tensor) and cache[0].dim() >= 2:
             return cache[0].shape[0] * cache[0].shape[1]
+        paged, ratio = getattr(module, "paged", None), getattr(module, "ratio", None)
+        if isinstance(paged, torch.Tensor) and paged.dim() == 3 and isinstance(ratio, int):
+            return paged.shape[0] * paged.shape[1] * ratio
     raise ConfigError("plugins.spec_decode.drafter='dspark' needs the model's paged KV cache bound before the "
                       "drafter is built")
 
@@ -366,6 +418,9 @@ def check_config(config: SpecDecodeConfig, info: EngineInfo) -> None:
     if not layers or any(not 0 <= i <= info.num_layers for i in layers) or len(set(layers)) != len(layers):
         raise ConfigError(f"plugins.spec_decode.dspark_target_layer_ids must be distinct layer ids in "
                           f"[0, {info.num_layers}] (the model has {info.num_layers} layers), got {layers}")
+    if config.dspark_n_routed_experts and config.dspark_weights == "auto":
+        raise ConfigError("plugins.spec_decode.dspark_n_routed_experts: MoE blocks need dspark_weights 'random' or a "
+                          "file; 'auto' (deepinfer train-drafter) trains dense blocks only")
     noise = config.dspark_noise_token_id
     if noise is not None and noise >= info.vocab_size:
         raise ConfigError(f"plugins.spec_decode.dspark_noise_token_id ({noise}) must be below the vocabulary size "
@@ -388,7 +443,9 @@ def build_network(model: Any, config: SpecDecodeConfig, num_targets: int, draft_
     network = DSparkNetwork(hidden, num_targets, model.vocab_size, num_layers=config.dspark_num_layers, heads=heads,
                             intermediate=config.dspark_intermediate_size or 2 * hidden,
                             markov_rank=config.dspark_markov_rank, dtype=weight.dtype, device=torch.device("cpu"),
-                            draft_vocab_size=draft_vocab_size, separate_context=separate_context)
+                            draft_vocab_size=draft_vocab_size, separate_context=separate_context,
+                            experts=config.dspark_n_routed_experts,
+                            experts_per_token=config.dspark_num_experts_per_tok or 0)
     return network.to(weight.device)
 
 
