@@ -14,12 +14,14 @@ import torch
 from safetensors.torch import save_file
 from test_deepseek_v41 import _logits_by_request, build_v41, reference_tensors, v41_config, v41_llm
 
+from deepinfer import SamplingParams
 from deepinfer.errors import ConfigError
 from deepinfer.model.deepseek_v4.fp4_moe import V4Fp4MoE
 from deepinfer.model.deepseek_v4.moe import V4MoE
 from deepinfer.model.deepseek_v4.v41 import DeepseekV41ForCausalLM
 from deepinfer.model.layers import fp4
 from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
+from deepinfer.model.loader import init_dummy
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -158,3 +160,16 @@ def test_unsupported_quantization_fails_naming_the_field(checkpoints, quant, fie
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         DeepseekV41ForCausalLM(fp4_config(**quant), dtype=torch.float32, device=torch.device("cpu"),
                                max_positions=512)
+
+
+def test_dummy_weights_fill_the_stored_bytes(tmp_path):
+    """``load_format=dummy``: random codes under one scale near the dummy std; the model generates."""
+    (tmp_path / "config.json").write_text(json.dumps(fp4_config()))
+    llm = v41_llm(tmp_path, load_format="dummy")
+    outs = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 4
+    model = DeepseekV41ForCausalLM(fp4_config(), dtype=torch.float32, device=torch.device("cpu"), max_positions=512)
+    init_dummy(model, seed=0)
+    w13 = model.layers[0].mlp.expert_tiles()[0].dense()
+    assert 0.01 < w13.std().item() < 0.04 and len(w13.unique()) == 15  # every value of e2m1 (±0 are one)

@@ -213,7 +213,8 @@ def init_dummy(model: nn.Module, seed: int, std: float = 0.02) -> None:
     """Random weights on the parameters' own device, seeded by ``seed``: normal(0, std) matrices,
     zero biases, ones for norm scales (the other 1-D parameters). The stacked expert weights
     (``w13``/``w2`` of modules with ``expert_ids``) get each row from its own generator, seeded by
-    (``seed``, parameter, logical expert), so an expert shard holds what the full model holds."""
+    (``seed``, parameter, logical expert), so an expert shard holds what the full model holds. Integer
+    parameters (quantized bytes) are left to their module's ``fill_dummy(seed, std)``."""
     device = next(model.parameters()).device
     stacks = {f"{prefix}.{attr}": module.expert_ids for prefix, module in model.named_modules()
               if hasattr(module, "expert_ids") for attr in ("w13", "w2")}
@@ -224,9 +225,14 @@ def init_dummy(model: nn.Module, seed: int, std: float = 0.02) -> None:
                 for row, expert in enumerate(stacks[name]):
                     key = zlib.crc32(f"{seed}:{name}:{expert}".encode())
                     param[row].normal_(0.0, std, generator=torch.Generator(device=device).manual_seed(key))
+            elif not param.is_floating_point():
+                continue  # stored quantized bytes (FP4 experts): their module's ``fill_dummy`` below
             elif name.endswith("bias"):
                 param.zero_()
             elif param.dim() == 1:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, std, generator=gen)
+        for module in model.modules():
+            if hasattr(module, "fill_dummy"):
+                module.fill_dummy(seed, std)

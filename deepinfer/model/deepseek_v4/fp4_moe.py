@@ -16,6 +16,8 @@ backend reads FP4 experts yet. Expert parallelism and expert shards are refused.
 
 from __future__ import annotations
 
+import math
+import zlib
 from typing import Any
 
 import torch
@@ -84,6 +86,17 @@ class V4Fp4MoE(V4MoE):
         self.w13_scale = stored(e, 2 * inter, hidden // FP4_BLOCK)
         self.w2_fp4 = stored(e, hidden, inter // 2)
         self.w2_scale = stored(e, hidden, inter // FP4_BLOCK)
+
+    @torch.no_grad()
+    def fill_dummy(self, seed: int, std: float) -> None:
+        """Dummy weights (``load_format=dummy``, ``loader.init_dummy``): uniform random e2m1 codes (standard
+        deviation about 2.9) under the one ue8m0 scale that brings it nearest ``std``, seeded by (``seed``,
+        layer)."""
+        gen = torch.Generator(device=self.w13_fp4.device).manual_seed(zlib.crc32(f"{seed}:fp4:{self.layer}".encode()))
+        byte = 127 + round(math.log2(std / 2.9))
+        for packed, scales in ((self.w13_fp4, self.w13_scale), (self.w2_fp4, self.w2_scale)):
+            packed.random_(0, 256, generator=gen)
+            scales.fill_(byte)
 
     def expert_tiles(self, dtype: torch.dtype | None = None) -> tuple[ExpertTiles, ExpertTiles]:
         """``(w13, w2)`` as lazily dequantized tiles in ``dtype`` (default: the model's dtype)."""
