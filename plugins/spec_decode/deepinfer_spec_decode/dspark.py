@@ -1,8 +1,11 @@
 """``dspark``: the DSpark/DFlash block drafter (reference/deepinfer.md §4) for any model that can
-``capture_hidden`` (the Llama family, Gemma 3, DeepSeek-V3).
+``capture_hidden`` (the Llama family, Gemma 3, DeepSeek-V3, DeepSeek-V4 and V4.1).
 
 **Features.** The drafter has the main model capture the residual stream entering each layer of
-``dspark_target_layer_ids``; the runner keeps those features of every committed row, concatenated
+``dspark_target_layer_ids`` (``dspark_target_attn_input``: the attention input's residual, the reference's
+only choice); on DeepSeek-V4/V4.1, whose layers pass ``hc_mult`` hyper-connection streams, that is the
+mean of the streams entering the layer (V4.1: after its Engram memory), as the reference's
+``dflash_input_store``. The runner keeps those features of every committed row, concatenated
 (``CommittedRows.hidden``, ``[R, H · L]``).
 
 **Context cache** (the reference's ``update_main_cache``). Right after every step, on the device, each
@@ -18,11 +21,17 @@ that position is computed for real, so nothing is rolled back.
 **One pass for the block.** The block is the golden token followed by ``k − 1`` copies of
 ``dspark_noise_token_id``, embedded with the main model's embedding, at positions ``n − 1 … n + k − 2``
 (the golden token's own position first). In each of the drafter's blocks (pre-norm attention, then a
-SwiGLU MLP) every block row attends, without a causal mask, to the keys and values of the request's
+SwiGLU MLP, or a MoE: below) every block row attends, without a causal mask, to the keys and values of the request's
 last ``W = dspark_context_window`` committed rows (positions ``n − 1 − W … n − 2``, read from the
 cache through the request's block table; fewer at the start of a sequence) and to all ``k`` block rows,
 with RoPE at their absolute positions; then ``norm`` and the main model's shared LM head give float32
 logits for all ``k`` rows at once. Row ``i`` predicts draft ``i + 1``.
+
+**MoE blocks** (``dspark_n_routed_experts`` E > 0, ``dspark_num_experts_per_tok`` k_e; the reference's
+fields, routed as its DeepSeek MoE): a block's MLP output is its dense SwiGLU MLP (the shared expert) plus
+the routed experts' weighted sum; a row's scores are ``sqrt(softplus(x · routerᵀ))`` (float32), its
+experts the top k_e of ``score + router_bias`` (a selection-only bias), their weights the chosen scores
+over their sum; every expert is a SwiGLU MLP of width ``I``.
 
 **Markov correction and confidence** (sequential over the k positions, ``draft_block``): the logits
 of row ``i`` get ``markov_head.head(markov_head.embed(previous))`` added, where ``previous`` is the
@@ -50,7 +59,9 @@ context rows' k, v stacked; optional: without it the context rows go through the
 and the k, v rows of ``qkv``, the layout of drafters trained before the context window, which behave as
 they did with ``dspark_context_window: 1``), ``layers.{b}.o.weight [H, H]``,
 ``layers.{b}.mlp_norm.weight [H]``, ``layers.{b}.gate_up.weight [2I, H]`` (gate, up stacked),
-``layers.{b}.down.weight [H, I]``; ``norm.weight [H]``, ``markov_head.embed.weight [V, r]`` (``[Vd + 1,
+``layers.{b}.down.weight [H, I]``, and in MoE blocks ``layers.{b}.moe.router.weight [E, H]``,
+``layers.{b}.moe.router_bias [E]``, ``layers.{b}.moe.experts_gate_up [E, 2I, H]`` (gate, up stacked),
+``layers.{b}.moe.experts_down [E, H, I]``; ``norm.weight [H]``, ``markov_head.embed.weight [V, r]`` (``[Vd + 1,
 r]`` with a draft vocabulary), ``markov_head.head.weight [V or Vd, r]``, ``confidence_head.proj.weight
 [1, H + r]``, ``confidence_head.proj.bias [1]``, and with a draft vocabulary ``d2t [Vd]`` (int64, distinct
 target ids). ``auto`` reads the drafter ``deepinfer train-drafter`` trained for this target and recipe
@@ -58,15 +69,23 @@ target ids). ``auto`` reads the drafter ``deepinfer train-drafter`` trained for 
 the engine seed (acceptance then is near zero; for tests and mechanism benchmarks). ``save_weights``
 writes this layout.
 
-Where this differs from the reference (reference/deepinfer.md §4): the drafter layers are dense
-pre-norm blocks with multi-head attention (the reference's are full V4 decoder blocks: hyper-connections,
-MLA over an SWA ring, MoE with ``dspark_n_routed_experts`` / ``dspark_num_experts_per_tok``), so a
-checkpoint's DSpark heads do not load; each layer projects the context with its own ``ctx_kv`` (the
-reference: one fused ``main_kv_proj`` for all layers, a kv-norm and an MXFP8 ring); the context cache
-lives beside the KV pool (sized to its slots from the model's bound cache, outside the KV budget) instead
-of in per-request SWA rings; block keys are not written to the cache (they live one pass); the
-attention key range is not padded to 64; drafting runs eagerly, not in CUDA graphs; DeepSeek-V4 cannot
-capture target features yet; drafts for sampling requests use the temperature only (no top-k/top-p).
+Where this differs from the reference (reference/deepinfer.md §4): the drafter layers are pre-norm blocks
+with multi-head attention and a dense or MoE MLP (the reference's are full V4 decoder blocks:
+hyper-connections, MLA with one 512-d latent KV head, grouped low-rank output and sinks over an SWA ring);
+its MoE has one shared expert of the routed experts' width, no ``routed_scaling_factor`` (1), no SwiGLU
+clamp and no ``moe_intermediate_size`` of its own (``dspark_intermediate_size`` for every expert), and
+computes each routed expert with plain GEMMs (not the engine's ``experts`` op); so a V4.1 checkpoint's
+DSpark heads (``mtp.{i}.*``) do not load: of them only ``main_proj``, ``main_norm``, the final ``norm``,
+``markov_head.*`` and ``confidence_head.proj.weight`` (no bias there) have this layout's shapes, the blocks'
+attention and hyper-connection tensors have no counterpart here; ``auto`` (training) builds dense blocks
+only; ``dspark_target_attn_input`` must be true (as the reference asserts); each layer projects the context
+with its own ``ctx_kv`` (the reference: one fused ``main_kv_proj`` for all layers, a kv-norm and an MXFP8
+ring); the context cache lives beside the KV pool (sized to its slots from the model's bound cache, outside
+the KV budget) instead of in per-request SWA rings; block keys are not written to the cache (they live one
+pass); the attention key range is not padded to 64; drafting runs eagerly, not in CUDA graphs; V4.1's
+``dspark_target_layer_ids`` / ``dspark_noise_token_id`` / ``dspark_markov_rank`` in its ``config.json`` are
+not read (the plugin's fields apply); drafts for sampling requests use the temperature only (no
+top-k/top-p).
 """
 
 from __future__ import annotations
