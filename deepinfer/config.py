@@ -50,7 +50,9 @@ class CacheSection(_Section):
     block_size: int = Field(default=128, ge=1, le=4096)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     kv_cache_bytes: int | None = Field(default=None, ge=1)
-    kv_dtype: Literal["auto", "bf16", "fp8"] = "auto"
+    # fp8: MXFP8 rows (kv/fp8.py); fp4: V4.1's FP4 main-KV layout, a storage format only (kv/v41_formats.py),
+    # refused at start-up until an attention reads it
+    kv_dtype: Literal["auto", "bf16", "fp8", "fp4"] = "auto"
     prefix_caching: bool = True
     max_backtrack: Literal["auto"] | int = "auto"
     replay: str = "auto"

@@ -173,3 +173,10 @@ def test_dummy_weights_fill_the_stored_bytes(tmp_path):
     init_dummy(model, seed=0)
     w13 = model.layers[0].mlp.expert_tiles()[0].dense()
     assert 0.01 < w13.std().item() < 0.04 and len(w13.unique()) == 15  # every value of e2m1 (±0 are one)
+
+
+def test_fp4_kv_dtype_is_refused_at_start_up_naming_it(checkpoints):
+    """``cache.kv_dtype: fp4`` names V4.1's FP4 main-KV layout, a storage format only (kv/v41_formats.py)."""
+    _, fp4_folder, _ = checkpoints
+    with pytest.raises(ConfigError, match=r"cache\.kv_dtype='fp4'.*storage format only"):
+        v41_llm(fp4_folder, cache={"kv_dtype": "fp4"})

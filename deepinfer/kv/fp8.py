@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.errors import ConfigError
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 32
@@ -41,6 +43,9 @@ def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype paged KV rows are stored in for ``cache.kv_dtype`` (``auto``: the model's dtype)."""
     if kv_dtype == "auto":
         return model_dtype
+    if kv_dtype == "fp4":
+        raise ConfigError("cache.kv_dtype='fp4': DeepSeek-V4.1's FP4 main-KV layout (kv/v41_formats.py, 288 B a "
+                          "token) is a storage format only so far; no attention reads it. Use 'auto', 'bf16' or 'fp8'")
     if kv_dtype not in KV_DTYPES:
         raise ValueError(f"cache.kv_dtype={kv_dtype!r}: allowed values are 'auto', 'bf16', 'fp8'")
     return KV_DTYPES[kv_dtype]
