@@ -84,8 +84,11 @@ ring); the context cache lives beside the KV pool (sized to its slots from the m
 the KV budget) instead of in per-request SWA rings; block keys are not written to the cache (they live one
 pass); the attention key range is not padded to 64; drafting runs eagerly, not in CUDA graphs; V4.1's
 ``dspark_target_layer_ids`` / ``dspark_noise_token_id`` / ``dspark_markov_rank`` in its ``config.json`` are
-not read (the plugin's fields apply); drafts for sampling requests use the temperature only (no
-top-k/top-p).
+not read (the plugin's fields apply); under YoCo compact prefill truncation (V4/V4.1) the rows below a
+request's truncation floor have zero features in target layers past the YoCo boundary (the reference writes
+only the kept rows too, but its drafter window is the model's sliding window, which never reaches below the
+floor; ``dspark_context_window`` is free), so a longer window reaching there reads zero-feature rows (lower
+acceptance, still lossless); drafts for sampling requests use the temperature only (no top-k/top-p).
 """
 
 from __future__ import annotations
