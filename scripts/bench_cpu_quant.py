@@ -63,6 +63,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
+    ap.add_argument("--quant-dense-rows", type=int, default=None,
+                    help="plugins.cpu.quant_dense_rows (default: the plugin's)")
     ap.add_argument("--output")
     args = ap.parse_args()
     if args.threads:
@@ -73,7 +75,10 @@ def main() -> None:
     loads = []
     for round_ in range(args.rounds):
         for config in args.configs:
-            llm = LLM("smollm2-135m-instruct", plugins={"cpu": {"enabled": True}},
+            cpu: dict[str, Any] = {"enabled": True}
+            if args.quant_dense_rows is not None:
+                cpu["quant_dense_rows"] = args.quant_dense_rows
+            llm = LLM("smollm2-135m-instruct", plugins={"cpu": cpu},
                       max_num_seqs=max(args.batch), **CONFIGS[config])
             decode_steps(llm, 1, 16, 4, seed=0)  # warm-up: kernels built, packed weights in place
             for batch in args.batch:

@@ -16,6 +16,7 @@ class CPUConfig(BaseModel):
         "step) keep torch's matrix-vector product, which streams the plain weight at full bandwidth"))
     pack_rows: int = Field(16, ge=1, description=(
         "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))
-    quant_dense_rows: int = Field(64, ge=1, description=(
-        "under model.quantization, calls with at least this many rows (prompt chunks) run torch's float32 GEMM "
-        "on the weights rounded to the format; fewer rows run the quantized kernel"))
+    quant_dense_rows: int = Field(2, ge=1, description=(
+        "under model.quantization, calls with at least this many rows run oneDNN's float32 GEMM on the weights "
+        "rounded to the format; fewer rows (a batch-1 decode step) run the quantized kernel, which on this "
+        "project's 2-core AVX-512 VM lost to oneDNN from 8 rows on (docs/benchmarks.md)"))

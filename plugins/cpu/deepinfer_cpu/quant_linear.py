@@ -20,10 +20,11 @@ output rows at a time, for every input row of the call):
 
 ``prepare_weight`` returns the weight *rounded to its format* (its float32 values after quantization), so
 every other reader of the parameter — the embedding lookup of a tied LM head, calls that take torch's path —
-sees the same model the kernel computes with. Calls with at least ``dense_rows`` rows (prompt chunks) run
-torch's float32 GEMM on those rounded values: there the multiply, not the weight stream, dominates. The float32
-copy stays in memory beside the quantized one (the tied embedding table needs it), so these backends save
-memory bandwidth per step, not memory.
+sees the same model the kernel computes with. Calls with at least ``dense_rows`` rows run oneDNN's float32
+GEMM on those rounded values, packed once (the ``onednn`` backend; torch's ``F.linear`` without oneDNN): there
+the multiply, not the weight stream, dominates, and oneDNN's register-blocked GEMM outruns this kernel's
+expand-and-dot loop (docs/benchmarks.md). The float32 copy stays in memory beside the quantized one (the tied
+embedding table needs it), so these backends save memory bandwidth per step, not memory.
 
 Weights are keyed like ``onednn``'s packed copies (storage address, shape, strides, with a reference held); an
 in-place write to a weight re-quantizes it on the next call. A tensor that was never prepared (a temporary, or
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 
 from deepinfer.interfaces import BackendCapabilities
 from deepinfer_cpu.cbuild import CSRC, build_library, compiler
+from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
 
 BLOCK = 32  # inputs per Q4_1 / Q8_0 block
 FORMATS = ("int8", "q4_1")
@@ -159,7 +161,7 @@ class QuantizedGemmBackend:
 
     priority = 20  # above onednn (10): under model.quantization the quantizing backend is the one that fits
 
-    def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 64) -> None:
+    def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 2) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"model.quantization: no CPU kernel for {fmt!r}; choose one of {list(FORMATS)}")
         self.format = fmt
@@ -168,6 +170,8 @@ class QuantizedGemmBackend:
         self.head_rows = head_rows
         self.dense_rows = dense_rows
         self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
+        # min_rows=1: every call handed to it has dense_rows rows or more
+        self.dense = OneDNNGemmBackend(min_rows=1) if onednn_available() else None
         self._entries: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Entry] = {}
 
     def available(self) -> bool:
@@ -189,14 +193,18 @@ class QuantizedGemmBackend:
         quantized form is kept for ``linear``."""
         quantized = self.quantize(weight)
         rounded = quantized.dequantize().t().contiguous().t()
+        if self.dense is not None:
+            rounded = self.dense.prepare_weight(rounded)
         self._entries[self._key(rounded)] = _Entry(rounded, rounded._version, quantized)
         return rounded
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         entry = self._entries.get(self._key(weight))
-        if entry is None or rows >= self.dense_rows or x.dtype != torch.float32:
-            return F.linear(x, weight, bias)  # a temporary, or a prompt chunk: the multiply dominates
+        if entry is None or x.dtype != torch.float32:
+            return F.linear(x, weight, bias)  # a temporary: never quantized
+        if rows >= self.dense_rows:  # many rows: the multiply dominates
+            return F.linear(x, weight, bias) if self.dense is None else self.dense.linear(x, weight, bias)
         if entry.version != weight._version:  # written in place since: quantize the new values
             entry = _Entry(entry.weight, weight._version, self.quantize(weight))
             self._entries[self._key(weight)] = entry

@@ -91,7 +91,7 @@ def test_backend_keeps_rounded_weights_follows_writes_and_leaves_temporaries() -
     torch.testing.assert_close(weight.data, rounded, rtol=0, atol=1e-7)  # the parameter holds the rounded values
     x = _randn(3, 64, seed=5)
     torch.testing.assert_close(backend.linear(x, weight), x @ weight.t(), rtol=1e-5, atol=1e-5)
-    many = _randn(8, 64, seed=6)  # dense_rows: torch's GEMM on the rounded weight
+    many = _randn(8, 64, seed=6)  # dense_rows: oneDNN's GEMM on the rounded weight
     torch.testing.assert_close(backend.linear(many, weight), many @ weight.t(), rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         weight.mul_(2.0)

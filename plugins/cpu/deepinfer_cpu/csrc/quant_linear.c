@@ -7,9 +7,12 @@
  *          low nibble of qs[n, 16 b + j] for j < 16 and the high nibble of qs[n, 16 b + j - 16] for j >= 16;
  *          qs uint8 [N, K / 2], d and mn float16 [N, K / 32] (5 bits per weight, as in a GGUF file).
  *
- * Each OpenMP task takes ROWS output rows: it expands their weights to float32 once into a small buffer (L1),
- * then runs every input row against them, so the quantized weight is read from memory once per call and
- * expanded once per call, whatever M is. Sums run in float32 in SIMD lanes (another order than a BLAS GEMM).
+ * One input row (M = 1, a batch-1 decode step) takes a fused matrix-vector loop: each weight is converted
+ * and multiplied where it is loaded, the scale applied once per block (q4_1's minimum through the block's
+ * input sum: sum_j x_j (d q_j + m) = d sum_j x_j q_j + m sum_j x_j). Several input rows: each OpenMP task
+ * takes ROWS output rows, expands their weights to float32 once into a small buffer (L1), then runs every
+ * input row against them, so the quantized weight is read from memory once per call and expanded once per
+ * call, whatever M is. Sums run in float32 in SIMD lanes (another order than a BLAS GEMM).
  * K must be a multiple of group (int8) or of 32 (q4_1); the caller checks. Functions return 0, or 1 when a
  * buffer could not be allocated.
  */
@@ -74,8 +77,65 @@ static void multiply(const float *x, const float *w, const float *bias, float *o
     }
 }
 
+/* M = 1: out[n] = sum over blocks of scale * (x . q) (+ bias). The sums stay in 16 lanes across blocks (the
+ * block's scale folded into each lane's product), so no block pays a horizontal reduction. */
+static void gemv_int8(const float *x, const int8_t *q, const float *scale, const float *bias, float *out,
+                      int64_t N, int64_t K, int64_t group, int threads) {
+    const int64_t blocks = K / group;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; ++n) {
+        const int8_t *row = q + n * K;
+        float total = 0.0f;
+        if (group % 16 == 0 && blocks > 1) {
+            float lanes[16] = {0.0f};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const float s = scale[n * blocks + b];
+                for (int64_t j = b * group; j < (b + 1) * group; j += 16) {
+#pragma omp simd
+                    for (int l = 0; l < 16; ++l) lanes[l] += s * (x[j + l] * (float)row[j + l]);
+                }
+            }
+            for (int l = 0; l < 16; ++l) total += lanes[l];
+        } else {
+            for (int64_t b = 0; b < blocks; ++b) {
+                float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+                for (int64_t j = b * group; j < (b + 1) * group; ++j) acc += x[j] * (float)row[j];
+                total += acc * scale[n * blocks + b];
+            }
+        }
+        out[n] = total + (bias ? bias[n] : 0.0f);
+    }
+}
+
+/* M = 1, q4_1: per block d * (x . q) + m * sum(x); xsum [K / 32] holds the block sums of x. Lanes as above. */
+static void gemv_q4_1(const float *x, const float *xsum, const uint8_t *qs, const _Float16 *d, const _Float16 *mn,
+                      const float *bias, float *out, int64_t N, int64_t K, int threads) {
+    const int64_t blocks = K / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; ++n) {
+        float lanes[16] = {0.0f}, low = 0.0f;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint8_t *src = qs + n * (K / 2) + 16 * b;
+            const float *xb = x + 32 * b;
+            const float step = (float)d[n * blocks + b];
+#pragma omp simd
+            for (int l = 0; l < 16; ++l)
+                lanes[l] += step * (xb[l] * (float)(src[l] & 15) + xb[l + 16] * (float)(src[l] >> 4));
+            low += (float)mn[n * blocks + b] * xsum[b];
+        }
+        float total = low;
+        for (int l = 0; l < 16; ++l) total += lanes[l];
+        out[n] = total + (bias ? bias[n] : 0.0f);
+    }
+}
+
 int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const float *bias, float *out,
                     int64_t M, int64_t N, int64_t K, int64_t group, int threads) {
+    if (M == 1) {
+        gemv_int8(x, q, scale, bias, out, N, K, group, threads);
+        return 0;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -101,8 +161,20 @@ int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const f
 
 int linear_q4_1_f32(const float *x, const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const float *bias,
                     float *out, int64_t M, int64_t N, int64_t K, int threads) {
-    int failed = 0;
     const int64_t blocks = K / 32;
+    if (M == 1) {
+        float *xsum = malloc(sizeof(float) * (size_t)blocks);
+        if (xsum == NULL) return 1;
+        for (int64_t b = 0; b < blocks; ++b) {
+            float acc = 0.0f;
+            for (int j = 0; j < 32; ++j) acc += x[32 * b + j];
+            xsum[b] = acc;
+        }
+        gemv_q4_1(x, xsum, qs, d, mn, bias, out, N, K, threads);
+        free(xsum);
+        return 0;
+    }
+    int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
         float *w = malloc(sizeof(float) * (size_t)(ROWS * K));
