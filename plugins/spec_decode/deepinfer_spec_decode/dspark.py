@@ -77,18 +77,20 @@ clamp and no ``moe_intermediate_size`` of its own (``dspark_intermediate_size`` 
 computes each routed expert with plain GEMMs (not the engine's ``experts`` op); so a V4.1 checkpoint's
 DSpark heads (``mtp.{i}.*``) do not load: of them only ``main_proj``, ``main_norm``, the final ``norm``,
 ``markov_head.*`` and ``confidence_head.proj.weight`` (no bias there) have this layout's shapes, the blocks'
-attention and hyper-connection tensors have no counterpart here; ``auto`` (training) builds dense blocks
-only; ``dspark_target_attn_input`` must be true (as the reference asserts); each layer projects the context
-with its own ``ctx_kv`` (the reference: one fused ``main_kv_proj`` for all layers, a kv-norm and an MXFP8
-ring); the context cache lives beside the KV pool (sized to its slots from the model's bound cache, outside
-the KV budget) instead of in per-request SWA rings; block keys are not written to the cache (they live one
-pass); the attention key range is not padded to 64; drafting runs eagerly, not in CUDA graphs; V4.1's
-``dspark_target_layer_ids`` / ``dspark_noise_token_id`` / ``dspark_markov_rank`` in its ``config.json`` are
-not read (the plugin's fields apply); under YoCo compact prefill truncation (V4/V4.1) the rows below a
-request's truncation floor have zero features in target layers past the YoCo boundary (the reference writes
-only the kept rows too, but its drafter window is the model's sliding window, which never reaches below the
-floor; ``dspark_context_window`` is free), so a longer window reaching there reads zero-feature rows (lower
-acceptance, still lossless); drafts for sampling requests use the temperature only (no top-k/top-p).
+attention and hyper-connection tensors have no counterpart here; ``auto`` and ``deepinfer train-drafter``
+build dense blocks only (their recipe's architecture fields lack the MoE ones; ``DrafterTrainer`` itself
+trains MoE blocks); ``dspark_target_attn_input`` must be true (as the reference asserts); each layer
+projects the context with its own ``ctx_kv`` (the reference: one fused ``main_kv_proj`` for all layers, a
+kv-norm and an MXFP8 ring); the context cache lives beside the KV pool (sized to its slots from the model's
+bound cache, outside the KV budget) instead of in per-request SWA rings; block keys are not written to the
+cache (they live one pass); the attention key range is not padded to 64; drafting runs eagerly, not in CUDA
+graphs; V4.1's ``dspark_target_layer_ids`` / ``dspark_noise_token_id`` / ``dspark_markov_rank`` in its
+``config.json`` are not read (the plugin's fields apply); under YoCo compact prefill truncation (V4/V4.1)
+the rows below a request's truncation floor have zero features in target layers past the YoCo boundary (the
+reference writes only the kept rows too, but its drafter window is the model's sliding window, which never
+reaches below the floor; ``dspark_context_window`` is free), so a longer window reaching there reads
+zero-feature rows (lower acceptance, still lossless); drafts for sampling requests use the temperature only
+(no top-k/top-p).
 """
 
 from __future__ import annotations

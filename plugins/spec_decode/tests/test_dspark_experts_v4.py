@@ -288,3 +288,35 @@ def test_dspark_on_deepseek_v4_context_cache_and_greedy_identity(target, request
         assert [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)] == reference, plan
         assert plain.get_stats()["spec_decode"]["verify_steps"] > 0
         _assert_all_returned(plain)
+
+
+def test_the_trainer_trains_moe_blocks():
+    """``DrafterTrainer`` (what ``train_drafter`` runs) on a MoE-block drafter: the loss falls and the replay
+    finds a planted rule (every token the previous + 1), as for dense blocks (``test_drafter_training.py``).
+    ``train_drafter`` builds MoE blocks when its ``Recipe.drafter`` carries the MoE fields; ``auto`` and
+    ``deepinfer train-drafter`` do not pass them (``drafter_cache.ARCHITECTURE_FIELDS``)."""
+    from deepinfer_spec_decode.drafter_training import DrafterTrainer, Recipe
+    from test_drafter_training import _counting_labels
+
+    vocab, hidden, k = 64, 16, 4
+    torch.manual_seed(0)
+    net = DSparkNetwork(hidden, 1, vocab, num_layers=1, heads=2, intermediate=16, markov_rank=8, dtype=torch.float32,
+                        device=torch.device("cpu"), experts=4, experts_per_token=2)
+    for p in net.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    assert Recipe(drafter=MOE).spec_config().dspark_n_routed_experts == 4
+    embed = torch.nn.Embedding(vocab, hidden)
+    torch.nn.init.normal_(embed.weight, generator=torch.Generator().manual_seed(3))
+    recipe = Recipe(steps=150, batch=32, lr=1e-2, warmup=10)
+    trainer = DrafterTrainer(net, embed, embed.weight.detach(), vocab - 1, k, recipe)
+    train, held = _counting_labels(vocab, hidden, 32, 24, 1), _counting_labels(vocab, hidden, 8, 24, 2)
+    before = trainer.evaluate(held)
+    experts_before = net.layers[0].moe.experts_gate_up.detach().clone()
+    anchors = train.anchors(k)
+    gen = torch.Generator().manual_seed(0)
+    losses = [float(trainer.train_step(train, anchors[torch.randint(0, len(anchors), (32,), generator=gen)])["loss"])
+              for _ in range(recipe.steps)]
+    after = trainer.evaluate(held)
+    assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
+    assert before["mean_acceptance_length"] < 1.5 < 3.0 < after["mean_acceptance_length"] <= k + 1
+    assert not torch.equal(experts_before, net.layers[0].moe.experts_gate_up)  # the routed experts learned too
