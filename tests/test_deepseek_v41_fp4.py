@@ -152,7 +152,7 @@ def test_scales_of_the_wrong_shape_fail_naming_the_tensor(checkpoints, tmp_path)
 @pytest.mark.parametrize(("quant", "field"), [
     ({"expert_dtype": "fp8"}, "quantization_config.expert_dtype"),
     ({"expert_dtype": "nvfp4"}, "quantization_config.expert_dtype"),
-    ({"quant_method": "fp8"}, "quantization_config.quant_method"),
+    ({"quant_method": "int8"}, "quantization_config.quant_method"),
     ({"scale_fmt": "e4m3"}, "quantization_config.scale_fmt"),
     ({"group_size": 16}, "quantization_config.group_size"),
 ])
@@ -180,3 +180,45 @@ def test_fp4_kv_dtype_is_refused_at_start_up_naming_it(checkpoints):
     _, fp4_folder, _ = checkpoints
     with pytest.raises(ConfigError, match=r"cache\.kv_dtype='fp4'.*storage format only"):
         v41_llm(fp4_folder, cache={"kv_dtype": "fp4"})
+
+
+DENSE_FP8 = ("attn.wq_a.weight", "attn.wkv.weight", "attn.wq_b.weight", "attn.wo_b.weight",
+             "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight", "ffn.shared_experts.w3.weight")
+
+
+def fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [out, in]`` → e4m3 data and ue8m0 scales ``[ceil(out/32), ceil(in/32)]``, one per 32×32 block
+    (the power of two that keeps the block's amax within 448)."""
+    rows, cols = w.shape
+    pad = torch.nn.functional.pad(w.float(), (0, -cols % 32, 0, -rows % 32))
+    amax = pad.unflatten(0, (-1, 32)).unflatten(-1, (-1, 32)).abs().amax((1, 3)).clamp_min(1e-4)
+    exp = torch.ceil(torch.log2(amax / 448))
+    scale = torch.exp2(exp).repeat_interleave(32, 0)[:rows].repeat_interleave(32, 1)[:, :cols]
+    return (w.float() / scale).to(torch.float8_e4m3fn), (exp + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def test_dense_fp8_weights_load_dequantized(checkpoints, tmp_path):
+    """``quant_method: fp8`` with FP4 experts, as the reference's checkpoint: dense e4m3 weights with 32×32
+    ue8m0 block scales load dequantized; logits equal those of the model holding the dequantized weights."""
+    tensors, _, _ = checkpoints
+    quantized, plain = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.split(".", 2)[-1] in DENSE_FP8]:
+        data, scale = fp8_blocks(tensors[name])
+        quantized[name], quantized[name.removesuffix(".weight") + ".scale"] = data, scale
+        plain[name] = data.float() * fp4.ue8m0_values(scale).repeat_interleave(32, 0)[: data.shape[0]] \
+            .repeat_interleave(32, 1)[:, : data.shape[1]]
+    assert not torch.equal(plain["layers.1.attn.wq_b.weight"], tensors["layers.1.attn.wq_b.weight"])
+    batch = [[5 + i, 9, 17 + 2 * i, 3] * 3 for i in range(2)]
+    got = _logits_by_request(v41_llm(write(tmp_path / "fp8", quantized, fp4_config(quant_method="fp8"))), batch, 4)
+    want = _logits_by_request(v41_llm(write(tmp_path / "plain", plain, fp4_config())), batch, 4)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    # its errors name the tensor: a scale of the wrong shape, a weight without its scale, FP8 without fp8
+    bad = {**quantized, "layers.2.attn.wkv.scale": quantized["layers.2.attn.wkv.scale"][:, :1].contiguous()}
+    with pytest.raises(ValueError, match=r"layers\.2\.attn\.wkv\.scale"):
+        load(fp4_config(quant_method="fp8"), bad)
+    lone = {k: v for k, v in quantized.items() if k != "layers.0.attn.wq_a.scale"}
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq_a\.weight.*no 'layers\.0\.attn\.wq_a\.scale'"):
+        load(fp4_config(quant_method="fp8"), lone)
+    with pytest.raises(ValueError, match=r"is FP8 but config\.json has no quantization_config\.quant_method"):
+        load(fp4_config(), quantized)

@@ -19,7 +19,8 @@ flat at the top level. What differs from V4 (``config.py``):
 
 A key this class does not know is an error naming it (no silent fallback); so is a known feature this
 implementation does not run yet (``quantization_config`` other than ``expert_dtype: fp4``, the routed
-experts' FP4 storage of ``fp4_moe.py``). Engram: ``engram.py``.
+experts' FP4 storage of ``fp4_moe.py``, and ``quant_method: fp8``, dense weights dequantized at load).
+Engram: ``engram.py``.
 """
 
 from __future__ import annotations
@@ -54,22 +55,20 @@ _TEXT_KEYS = frozenset({
 
 
 EXPERT_DTYPES = ("bf16", "fp4")
-# quantization_config values this engine loads (the reference's, reference/deepinfer.md §8, less the dense
-# FP8 weights: ``quant_method: fp8`` is refused until they load).
-_QUANT_VALUES: dict[str, tuple[Any, ...]] = {"expert_dtype": EXPERT_DTYPES, "scale_fmt": ("ue8m0",),
-                                             "weight_block_size": ([32, 32],), "activation_scheme": ("dynamic",)}
+# quantization_config values this engine loads (the reference's, reference/deepinfer.md §8).
+_QUANT_VALUES: dict[str, tuple[Any, ...]] = {"quant_method": ("fp8",), "expert_dtype": EXPERT_DTYPES,
+                                             "scale_fmt": ("ue8m0",), "weight_block_size": ([32, 32],),
+                                             "activation_scheme": ("dynamic",)}
 
 
-def _expert_dtype(quant: dict[str, Any] | None) -> str:
-    """The routed experts' storage from ``quantization_config`` (``bf16`` without one): ``expert_dtype``
-    ``fp4`` is e2m1 with ue8m0 scales per 32 (``fp4_moe.py``). Any other key or value is a ``ConfigError``
-    naming it: dense FP8 weights (``quant_method: fp8``) do not load yet."""
+def _quantization(quant: dict[str, Any] | None) -> tuple[str, str | None]:
+    """``(expert_dtype, quant_method)`` from ``quantization_config`` (``("bf16", None)`` without one):
+    ``expert_dtype: fp4`` is e2m1 experts with ue8m0 scales per 32 (``fp4_moe.py``); ``quant_method: fp8``
+    is dense e4m3 weights with ue8m0 scales per 32×32 block, dequantized at load (``v41_weights.py``). Any
+    other key or value is a ``ConfigError`` naming it."""
     if not quant:
-        return "bf16"
+        return "bf16", None
     for key, value in quant.items():
-        if key == "quant_method":
-            raise ConfigError(f"config.json quantization_config.quant_method = {value!r}: {ARCH} loads bf16 dense "
-                              f"weights only here (FP8 dense weights are not supported yet); expert_dtype may be fp4")
         allowed = _QUANT_VALUES.get(key)
         if allowed is None:
             raise ConfigError(f"config.json quantization_config.{key}: not a key {ARCH} knows "
@@ -77,7 +76,7 @@ def _expert_dtype(quant: dict[str, Any] | None) -> str:
         if value not in allowed:
             raise ConfigError(f"config.json quantization_config.{key} = {value!r}: {ARCH} supports "
                               f"{' or '.join(map(repr, allowed))}")
-    return str(quant.get("expert_dtype", "bf16"))
+    return str(quant.get("expert_dtype", "bf16")), quant.get("quant_method")
 
 
 @dataclass(frozen=True)
@@ -126,7 +125,8 @@ class V41Dims(V4Dims):
         if unknown:
             raise ConfigError(f"config.json key {unknown[0]!r} is not a {ARCH} key this engine knows "
                               f"(reference/deepinfer.md §11)")
-        self.expert_dtype = _expert_dtype(hf_config.get("quantization_config") or text.get("quantization_config"))
+        self.expert_dtype, self.quant_method = _quantization(hf_config.get("quantization_config")
+                                                             or text.get("quantization_config"))
         layers = int(text["num_hidden_layers"])
         nextn = int(text.get("num_nextn_predict_layers") or 0)
         ratios = list(text["compress_ratios"])

@@ -8,7 +8,9 @@ a warning (the ``dspark`` drafter needs the DSpark issue's ring context); image 
 not run, and are skipped with an info line. With ``quantization_config.expert_dtype: fp4`` each routed
 expert is ``ffn.experts.{e}.w{1,2,3}.weight`` (packed e2m1, ``I8 [out, in/2]``) with ``.scale`` (``F8_E8M0
 [out, in/32]``), copied byte for byte into ``fp4_moe.V4Fp4MoE``'s stored tensors; a scale whose shape does
-not match its weight's is an error naming it.
+not match its weight's is an error naming it. With ``quant_method: fp8`` a dense weight may be e4m3 with
+``X.scale`` ue8m0 per 32×32 block: dequantized to the model dtype at load (``_dense_fp8``; the dense weights
+are then held in bf16/fp32, only the routed experts stay quantized).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from deepinfer.model.deepseek_v4.engram import mmap_safetensor
 from deepinfer.model.deepseek_v4.v41_config import ARCH, V41Dims
 from deepinfer.model.deepseek_v4.weights import _copy, _half, module_tensors
+from deepinfer.model.layers.fp4 import ue8m0_values
 
 if TYPE_CHECKING:
     from deepinfer.model.deepseek_v4.v41 import DeepseekV41ForCausalLM
@@ -65,6 +68,59 @@ def fp4_stored_bytes(name: str, tensor: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"weight {name!r} has dtype {tensor.dtype}; expert_dtype fp4 stores it as "
                          f"{' or '.join(map(str, allowed))}")
     return tensor.view(torch.uint8)
+
+
+FP8_BLOCK = 32  # quantization_config.weight_block_size [32, 32]
+
+
+def dequantize_fp8_blocks(name: str, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A dense FP8 checkpoint weight (``quant_method: fp8``): e4m3 ``[out, in]`` with ue8m0 scales
+    ``[ceil(out/32), ceil(in/32)]``, one per 32×32 block → float32 (exact: a power-of-two scale). A scale of
+    another shape or dtype is an error naming it."""
+    want = tuple(-(-n // FP8_BLOCK) for n in weight.shape)
+    if weight.dim() != 2 or tuple(scale.shape) != want or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise ValueError(f"weight {name.removesuffix('.weight') + '.scale'!r} has shape {tuple(scale.shape)} "
+                         f"({scale.dtype}); the FP8 weight {name!r} of shape {tuple(weight.shape)} needs ue8m0 "
+                         f"scales of shape {want}, one per {FP8_BLOCK}x{FP8_BLOCK} block")
+    rows, cols = weight.shape
+    s = ue8m0_values(scale).repeat_interleave(FP8_BLOCK, 0)[:rows].repeat_interleave(FP8_BLOCK, 1)[:, :cols]
+    return weight.float() * s
+
+
+def _dense_fp8(weights: Iterable[tuple[str, torch.Tensor]], allowed: bool, fp4_experts: bool
+               ) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights`` with every dense FP8 tensor (``float8_e4m3fn``) replaced by its float32 dequantization,
+    paired with its ``X.scale`` in whichever order they arrive; routed FP4 experts (``fp4_experts``) pass
+    through (``fp4_stored_bytes`` checks them). An
+    FP8 weight without its scale, a scale without its weight, or FP8 weights without ``quant_method: fp8``
+    (``allowed``) are errors naming the tensor."""
+    scales: dict[str, torch.Tensor] = {}
+    waiting: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if fp4_experts and ".ffn.experts." in name:
+            yield name, tensor
+            continue
+        if name.endswith(".scale"):
+            base = name.removesuffix(".scale") + ".weight"
+            if base in waiting:
+                yield base, dequantize_fp8_blocks(base, waiting.pop(base), tensor)
+            else:
+                scales[base] = tensor
+            continue
+        if tensor.dtype == torch.float8_e4m3fn:
+            if not allowed:
+                raise ValueError(f"weight {name!r} is FP8 but config.json has no quantization_config.quant_method fp8")
+            if name in scales:
+                yield name, dequantize_fp8_blocks(name, tensor, scales.pop(name))
+            else:
+                waiting[name] = tensor
+            continue
+        yield name, tensor
+    if waiting:
+        raise ValueError(f"weight {next(iter(waiting))!r} is FP8 and the checkpoint has no "
+                         f"{next(iter(waiting)).removesuffix('.weight') + '.scale'!r}")
+    if scales:
+        raise ValueError(f"weight {next(iter(scales)).removesuffix('.weight') + '.scale'!r} scales no FP8 weight")
 
 
 def v41_layer_target(d: V41Dims, rest: str, prefix: str, tensors: dict[str, torch.Tensor]
@@ -127,7 +183,8 @@ def load_v41_checkpoint(model: DeepseekV41ForCausalLM, weights: Iterable[tuple[s
     filled: dict[str, int] = {}
     skipped_mtp = skipped_vision = 0
     folder = None if model.d.engram is None or model.d.engram.folder is None else Path(model.d.engram.folder)
-    for stored_name, tensor in weights:
+    for stored_name, tensor in _dense_fp8(weights, model.d.quant_method == "fp8",
+                                                  model.d.expert_dtype == "fp4"):
         name = stored_name.removeprefix("model.")
         if name.startswith("mtp."):
             skipped_mtp += 1
