@@ -320,3 +320,35 @@ def test_the_trainer_trains_moe_blocks():
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
     assert before["mean_acceptance_length"] < 1.5 < 3.0 < after["mean_acceptance_length"] <= k + 1
     assert not torch.equal(experts_before, net.layers[0].moe.experts_gate_up)  # the routed experts learned too
+
+
+def test_v41_features_under_yoco_truncation(v41):
+    """Compact YoCo truncation (floor 61 of a 70-token prompt, chunks [0, 40) and [40, 70)): a producer
+    layer's features (layer 0) are every row's, as in mask mode; a consumer layer's (layer 3) and the final
+    streams' equal mask mode's on the kept rows and are zeros below the floor. With dspark on, compact and
+    mask generate the same greedy tokens as no speculation, and every block comes back."""
+    from test_deepseek_v41 import _truncated_prefill
+
+    llm = _v4_llm(v41)
+    model = llm.engine.model
+    model.capture_hidden([0, 3, 5])
+    _truncated_prefill(llm, "mask", [1, 2, 3, 4, 5], 1)
+    mask = {i: model.captured_hidden[i].clone() for i in (0, 3, 5)}
+    _truncated_prefill(llm, "compact", [6, 7, 8, 9, 10], 2)
+    compact = {i: model.captured_hidden[i].clone() for i in (0, 3, 5)}
+    kept = slice(61 - 40, 30)
+    torch.testing.assert_close(compact[0], mask[0], atol=1e-5, rtol=0)
+    for i in (3, 5):
+        assert compact[i].shape == mask[i].shape == (30, 64)
+        torch.testing.assert_close(compact[i][kept], mask[i][kept], atol=1e-5, rtol=0)
+        assert compact[i][:kept.start].abs().max() == 0 and mask[i][:kept.start].abs().max() > 0
+    batch = [*_prompts(2, 21), torch.randint(2, VOCAB, (70,), generator=torch.Generator().manual_seed(5)).tolist()]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in _v4_llm(v41).generate(batch, params, use_tqdm=False)]
+    for mode in ("mask", "compact"):
+        plugins = {**_spec(dspark_target_layer_ids=[0, 3, 5], **MOE),
+                   "attention": {"enabled": True, "replay": {"mode": mode, "keep_tokens": 16}}}
+        spec = _v4_llm(v41, plugins, max_num_batched_tokens=32)
+        assert [o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)] == reference, mode
+        assert spec.get_stats()["spec_decode"]["verify_steps"] > 0
+        _assert_all_returned(spec)
