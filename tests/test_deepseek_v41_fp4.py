@@ -19,6 +19,7 @@ from deepinfer.errors import ConfigError
 from deepinfer.model.deepseek_v4.fp4_moe import V4Fp4MoE
 from deepinfer.model.deepseek_v4.moe import V4MoE
 from deepinfer.model.deepseek_v4.v41 import DeepseekV41ForCausalLM
+from deepinfer.model.deepseek_v4.v41_config import V41Dims
 from deepinfer.model.layers import fp4
 from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
 from deepinfer.model.loader import init_dummy
@@ -222,3 +223,22 @@ def test_dense_fp8_weights_load_dequantized(checkpoints, tmp_path):
         load(fp4_config(quant_method="fp8"), lone)
     with pytest.raises(ValueError, match=r"is FP8 but config\.json has no quantization_config\.quant_method"):
         load(fp4_config(), quantized)
+
+
+def test_v41_shaped_layer_memory():
+    """One MoE layer of ``scripts/deepseek_v41_shaped.json`` (64 experts of 4096×2048, built on the meta
+    device): routed experts 0.797 GiB as FP4 against 3.0 GiB in bf16; with the bf16 gate and shared expert
+    0.845 GiB against 3.048 GiB."""
+    config = json.loads((Path(__file__).parent.parent / "scripts" / "deepseek_v41_shaped.json").read_text())
+    config["quantization_config"] = {"expert_dtype": "fp4"}
+    d = V41Dims(config)
+    meta = torch.device("meta")
+    fp4_layer, bf16_layer = V4Fp4MoE(d, 1, "moe", torch.bfloat16, meta), V4MoE(d, 1, "moe", torch.bfloat16, meta)
+
+    def gib(params: list[torch.Tensor]) -> float:
+        return sum(p.numel() * p.element_size() for p in params) / 2 ** 30
+
+    routed = [fp4_layer.w13_fp4, fp4_layer.w13_scale, fp4_layer.w2_fp4, fp4_layer.w2_scale]
+    assert gib(routed) == 0.796875 and gib([bf16_layer.w13, bf16_layer.w2]) == 3.0
+    assert round(gib(list(fp4_layer.parameters())), 3) == 0.845
+    assert round(gib(list(bf16_layer.parameters())), 3) == 3.048
