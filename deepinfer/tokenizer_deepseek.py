@@ -21,12 +21,15 @@ V4.1 was trained on (no ``<｜System｜>`` turn).
 from __future__ import annotations
 
 import importlib.resources
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from deepinfer.errors import ChatOptionError, ConfigError
 from deepinfer.tokenizer import Tokenizer, check_unicode
+
+logger = logging.getLogger(__name__)
 
 NAME = "deepseek-v4"  # the model.tokenizer value that selects this tokenizer
 EXTRA_HINT = "install the extra: pip install 'deepinfer[deepseek]'"
@@ -165,8 +168,14 @@ class DeepseekV41Tokenizer(DeepseekV4Tokenizer):
 
 
 def deepseek_v41_tokenizer(model_path: Path, hf_config: Mapping[str, Any]) -> DeepseekV41Tokenizer | None:
-    """The V4.1 tokenizer of a ``deepseek_v41`` model folder that has a tokenizer.json; None for other
-    models or a folder without one (token-id prompts, or ``tokenizer="deepseek-v4"``)."""
+    """The V4.1 tokenizer of a ``deepseek_v41`` model folder whose tokenizer.json holds the V4.1 chat
+    encoding's ``<｜System｜>`` token; None for other models, a folder without a tokenizer.json (token-id
+    prompts, or ``tokenizer="deepseek-v4"``) or one without that token (its tokenizer.json then serves as a
+    plain tokenizer: text prompts work, the V4.1 chat encoding does not; a warning says so)."""
     if hf_config.get("model_type") != "deepseek_v41" or not Tokenizer.exists(model_path):
+        return None
+    if Tokenizer(model_path).token_id(V41_SYSTEM_TOKEN) is None:
+        logger.warning("%s has no %s token: it serves as a plain tokenizer, without DeepSeek-V4.1's chat encoding",
+                       model_path / "tokenizer.json", V41_SYSTEM_TOKEN)
         return None
     return DeepseekV41Tokenizer(model_path)

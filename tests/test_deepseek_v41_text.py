@@ -59,8 +59,8 @@ def test_only_v41_folders_with_a_tokenizer_get_it(tmp_path):
 
 def test_the_engine_loads_a_v41_folders_tokenizer_with_the_v41_encoding(tmp_path):
     """``model.tokenizer`` unset: a V4.1 folder's own tokenizer.json comes with the V4.1 chat encoding
-    (``load_tokenizer``, as the engine and the expert-parallel driver call it); other models get the plain
-    tokenizer of their folder."""
+    (``load_tokenizer``, as the engine and the expert-parallel driver call it) when it holds the encoding's
+    system token; other models, and a V4.1 folder without that token, get the plain tokenizer."""
     from deepinfer.engine.intake import load_tokenizer
     from deepinfer.tokenizer import Tokenizer
 
@@ -68,3 +68,6 @@ def test_the_engine_loads_a_v41_folders_tokenizer_with_the_v41_encoding(tmp_path
     assert isinstance(load_tokenizer(None, folder, {"model_type": "deepseek_v41"}), DeepseekV41Tokenizer)
     plain = load_tokenizer(None, folder, {"model_type": "deepseek_v4"})
     assert isinstance(plain, Tokenizer) and not isinstance(plain, DeepseekV41Tokenizer)
+    # a V4.1 folder whose tokenizer.json lacks <｜System｜>: a plain tokenizer (text works, V4.1 chat does not)
+    without = load_tokenizer(None, _folder(tmp_path / "v4-vocab", with_system=False), {"model_type": "deepseek_v41"})
+    assert isinstance(without, Tokenizer) and not isinstance(without, DeepseekV41Tokenizer)
