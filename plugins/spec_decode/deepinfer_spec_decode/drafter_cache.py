@@ -14,14 +14,17 @@ from deepinfer_spec_decode.drafter_training import Recipe, train_drafter, weight
 
 logger = logging.getLogger(__name__)
 
-# The plugins.spec_decode fields a trained dspark drafter's shape depends on (its recipe records them).
+# The plugins.spec_decode fields a trained dspark drafter's shape depends on (its recipe records them), and
+# those of MoE blocks, recorded only when set (so dense drafters cached before them keep their recipe keys).
 ARCHITECTURE_FIELDS = ("max_draft", "dspark_target_layer_ids", "dspark_num_layers", "dspark_context_window",
                        "dspark_num_heads", "dspark_intermediate_size", "dspark_markov_rank", "dspark_noise_token_id")
+MOE_FIELDS = ("dspark_n_routed_experts", "dspark_num_experts_per_tok")
 
 
 def auto_recipe(config: SpecDecodeConfig) -> Recipe:
     """The default recipe for the configured drafter shape, with ``dspark_auto_recipe``'s overrides."""
-    drafter = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS}
+    fields = ARCHITECTURE_FIELDS + (MOE_FIELDS if config.dspark_n_routed_experts else ())
+    drafter = {name: getattr(config, name) for name in fields}
     overrides = dict(config.dspark_auto_recipe or {})
     known = {f.name for f in dataclasses.fields(Recipe)} - {"drafter"}
     unknown = sorted(set(overrides) - known)

@@ -442,9 +442,6 @@ def check_config(config: SpecDecodeConfig, info: EngineInfo) -> None:
     if not layers or any(not 0 <= i <= info.num_layers for i in layers) or len(set(layers)) != len(layers):
         raise ConfigError(f"plugins.spec_decode.dspark_target_layer_ids must be distinct layer ids in "
                           f"[0, {info.num_layers}] (the model has {info.num_layers} layers), got {layers}")
-    if config.dspark_n_routed_experts and config.dspark_weights == "auto":
-        raise ConfigError("plugins.spec_decode.dspark_n_routed_experts: MoE blocks need dspark_weights 'random' or a "
-                          "file; 'auto' (deepinfer train-drafter) trains dense blocks only")
     noise = config.dspark_noise_token_id
     if noise is not None and noise >= info.vocab_size:
         raise ConfigError(f"plugins.spec_decode.dspark_noise_token_id ({noise}) must be below the vocabulary size "

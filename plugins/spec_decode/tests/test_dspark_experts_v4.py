@@ -148,8 +148,6 @@ def test_moe_fields_are_checked(llama_dir):  # noqa: F811 (the imported fixture)
         SpecDecodeConfig(dspark_target_attn_input=False)
     with pytest.raises(ConfigError, match="dspark_num_experts_per_tok"):
         _llm(llama_dir, _spec(dspark_n_routed_experts=4))
-    with pytest.raises(ConfigError, match="dspark_n_routed_experts"):
-        _llm(llama_dir, _spec(dspark_weights="auto", **MOE))
 
 
 # ------------------------------------------------------------------------------------------ V4 and V4.1
@@ -293,8 +291,9 @@ def test_dspark_on_deepseek_v4_context_cache_and_greedy_identity(target, request
 def test_the_trainer_trains_moe_blocks():
     """``DrafterTrainer`` (what ``train_drafter`` runs) on a MoE-block drafter: the loss falls and the replay
     finds a planted rule (every token the previous + 1), as for dense blocks (``test_drafter_training.py``).
-    ``train_drafter`` builds MoE blocks when its ``Recipe.drafter`` carries the MoE fields; ``auto`` and
-    ``deepinfer train-drafter`` do not pass them (``drafter_cache.ARCHITECTURE_FIELDS``)."""
+    ``train_drafter`` builds MoE blocks when its ``Recipe.drafter`` carries the MoE fields, which ``auto`` and
+    ``deepinfer train-drafter`` put there when they are set (``drafter_cache.auto_recipe``); a dense shape's
+    recipe is the one it had before MoE blocks existed."""
     from deepinfer_spec_decode.drafter_training import DrafterTrainer, Recipe
     from test_drafter_training import _counting_labels
 
@@ -352,3 +351,17 @@ def test_v41_features_under_yoco_truncation(v41):
         assert [o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)] == reference, mode
         assert spec.get_stats()["spec_decode"]["verify_steps"] > 0
         _assert_all_returned(spec)
+
+
+def test_auto_and_train_drafter_record_moe_fields_only_when_set():
+    """``auto_recipe`` (what ``dspark_weights: auto`` and ``deepinfer train-drafter`` train) carries the MoE
+    fields of a MoE shape, so its drafter is trained with MoE blocks; a dense shape's recipe, and so the
+    cache key of drafters trained before MoE blocks existed, is unchanged."""
+    from deepinfer_spec_decode.drafter_cache import ARCHITECTURE_FIELDS, auto_recipe
+
+    dense = auto_recipe(SpecDecodeConfig(drafter="dspark"))
+    assert set(dense.drafter) == set(ARCHITECTURE_FIELDS)
+    moe = auto_recipe(SpecDecodeConfig(drafter="dspark", **MOE))
+    assert moe.drafter["dspark_n_routed_experts"] == MOE["dspark_n_routed_experts"]
+    assert moe.spec_config().dspark_num_experts_per_tok == MOE["dspark_num_experts_per_tok"]
+    assert moe.key() != dense.key()
