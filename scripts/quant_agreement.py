@@ -7,7 +7,9 @@ real chat prompts:
   is the fraction of positions whose token equals the float32 run's, and the first divergence is reported;
 * teacher-forced on the float32 run's sequences: the engine's own full next-token distributions
   (``LLM.teacher_force`` with ``top_k`` = vocabulary) at the generated positions, against float32's: argmax
-  agreement and the mean KL(p_fp32 ‖ p_mode) in nats.
+  agreement and the mean KL(p_fp32 ‖ p_mode) in nats. Teacher forcing is a prefill (many rows per GEMM); with
+  ``plugins.cpu`` it runs oneDNN's GEMM on the rounded weights, so it measures the format, and free-running
+  decode at ``--max-num-seqs 1`` (one row per GEMM) runs the quantized kernels.
 
     python scripts/quant_agreement.py --modes bf16 int8 q4_1 --tokens 128 --output agreement.json
 """
@@ -42,8 +44,8 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def build(mode: str) -> LLM:
-    return LLM("smollm2-135m-instruct", plugins={"cpu": {"enabled": True}}, **MODES[mode])
+def build(mode: str, max_num_seqs: int) -> LLM:
+    return LLM("smollm2-135m-instruct", plugins={"cpu": {"enabled": True}}, max_num_seqs=max_num_seqs, **MODES[mode])
 
 
 def generate(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
@@ -67,11 +69,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--modes", nargs="+", default=["bf16", "int8", "q4_1"], choices=sorted(set(MODES) - {"fp32"}))
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--max-num-seqs", type=int, default=8,
+                    help="requests decoded together (1: every decode step has one row, the quantized kernels' path)")
     ap.add_argument("--output")
     args = ap.parse_args()
 
     started = time.time()
-    ref = build("fp32")
+    ref = build("fp32", args.max_num_seqs)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     chats = ref.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
     prompts = [list(o.prompt_token_ids) for o in chats]
@@ -81,9 +85,10 @@ def main() -> None:
     ref_logp = distributions(ref, sequences, starts)
     ref.shutdown()
 
-    report: dict[str, Any] = {"tokens": args.tokens, "prompts": PROMPTS, "modes": {}}
+    report: dict[str, Any] = {"tokens": args.tokens, "max_num_seqs": args.max_num_seqs, "prompts": PROMPTS,
+                              "modes": {}}
     for mode in args.modes:
-        llm = build(mode)
+        llm = build(mode, args.max_num_seqs)
         outs = generate(llm, prompts, args.tokens)
         logp = distributions(llm, sequences, starts)
         llm.shutdown()
