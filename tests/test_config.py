@@ -193,7 +193,7 @@ BAD_VALUES = [
     ("scheduler.max_num_seq", 3, "3", ["unknown config key", "did you mean 'max_num_seqs'", "chunked_prefill"]),
     ("schedular.max_num_seqs", 3, "3", ["schedular: unknown config key", "'scheduler'", "kernels"]),
     ("model.dtype", "fp64", "fp64", ["'fp64'", "'float32'", "'bfloat16'", "'float16'"]),
-    ("cache.kv_dtype", "fp4", "fp4", ["'fp4'", "'bf16'", "'fp8'"]),
+    ("cache.kv_dtype", "int4", "int4", ["'int4'", "'bf16'", "'fp8'", "'fp4'"]),
     ("scheduler.max_num_seqs", 0, "0", ["greater than or equal to 1"]),
     ("cache.gpu_memory_utilization", 1.5, "1.5", ["less than or equal to 1"]),
     ("cache.block_size", 8192, "8192", ["less than or equal to 4096"]),
@@ -359,7 +359,7 @@ def test_config_show_text(capsys: pytest.CaptureFixture[str], monkeypatch: pytes
 
 
 def test_config_show_bad_value_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["config", "show", "--set", "cache.kv_dtype=fp4"]) == 2
+    assert cli.main(["config", "show", "--set", "cache.kv_dtype=int4"]) == 2
     err = capsys.readouterr().err
     assert "cache.kv_dtype" in err and "'fp8'" in err
 
