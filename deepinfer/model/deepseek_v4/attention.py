@@ -24,6 +24,20 @@ from deepinfer.model.deepseek_v4.rotary import V4Rotary
 from deepinfer.model.deepseek_v4.rows import StepRows
 
 
+def add_projections(module: nn.Module, d: V4Dims, dtype: torch.dtype, device: torch.device | None) -> None:
+    """The weights V4 and V4.1 attention share, registered on ``module``: the low-rank query
+    (``qkv_a_weight`` also holds the shared key/value row), its norms, the grouped low-rank output and the
+    per-head attention sinks (float32)."""
+    kw = {"dtype": dtype, "device": device}
+    module.qkv_a_weight = nn.Parameter(torch.empty(d.q_lora + d.head_dim, d.hidden, **kw))
+    module.q_a_norm = V4RMSNorm(d.q_lora, d.eps, device=device)
+    module.q_b_weight = nn.Parameter(torch.empty(d.heads * d.head_dim, d.q_lora, **kw))
+    module.kv_norm = V4RMSNorm(d.head_dim, d.eps, device=device)
+    module.o_a_weight = nn.Parameter(torch.empty(d.o_groups * d.o_lora, d.heads * d.head_dim // d.o_groups, **kw))
+    module.o_b_weight = nn.Parameter(torch.empty(d.hidden, d.o_groups * d.o_lora, **kw))
+    module.sinks = nn.Parameter(torch.empty(d.heads, dtype=torch.float32, device=device))
+
+
 class V4Attention(nn.Module):
     def __init__(self, d: V4Dims, kind: str, rotary: V4Rotary, dtype: torch.dtype,
                  device: torch.device | None = None) -> None:
@@ -33,13 +47,7 @@ class V4Attention(nn.Module):
         self.kind = kind
         self.ratio = int(d.rates[kind])
         self.rotary = rotary
-        self.qkv_a_weight = nn.Parameter(torch.empty(d.q_lora + d.head_dim, d.hidden, **kw))
-        self.q_a_norm = V4RMSNorm(d.q_lora, d.eps, device=device)
-        self.q_b_weight = nn.Parameter(torch.empty(d.heads * d.head_dim, d.q_lora, **kw))
-        self.kv_norm = V4RMSNorm(d.head_dim, d.eps, device=device)
-        self.o_a_weight = nn.Parameter(torch.empty(d.o_groups * d.o_lora, d.heads * d.head_dim // d.o_groups, **kw))
-        self.o_b_weight = nn.Parameter(torch.empty(d.hidden, d.o_groups * d.o_lora, **kw))
-        self.sinks = nn.Parameter(torch.empty(d.heads, dtype=torch.float32, device=device))
+        add_projections(self, d, dtype, device)
         self.compressor = (Compressor(d, d.head_dim, self.ratio, overlap=self.kind == CSA, **kw)
                            if self.kind != SLIDING else None)
         self.indexer = Indexer(d, self.ratio, **kw) if self.kind == CSA else None

@@ -13,8 +13,9 @@ from torch import nn
 
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv.state import CompressedPart, HybridLayerSpec, RingPart
+from deepinfer.model.deepseek_v4.attention import add_projections
 from deepinfer.model.deepseek_v4.compressor import Compressor
-from deepinfer.model.deepseek_v4.norm import V4RMSNorm, unweighted_rms_norm
+from deepinfer.model.deepseek_v4.norm import unweighted_rms_norm
 from deepinfer.model.deepseek_v4.rotary import V4Rotary
 from deepinfer.model.deepseek_v4.rows import StepRows
 from deepinfer.model.deepseek_v4.v41_config import V41Dims
@@ -45,13 +46,7 @@ class V41Attention(nn.Module):
         kw = {"dtype": dtype, "device": device}
         self.d, self.layer, self.rotary = d, layer, rotary
         self.ratio = d.ratios[layer]
-        self.qkv_a_weight = nn.Parameter(torch.empty(d.q_lora + d.head_dim, d.hidden, **kw))
-        self.q_a_norm = V4RMSNorm(d.q_lora, d.eps, device=device)
-        self.q_b_weight = nn.Parameter(torch.empty(d.heads * d.head_dim, d.q_lora, **kw))
-        self.kv_norm = V4RMSNorm(d.head_dim, d.eps, device=device)
-        self.o_a_weight = nn.Parameter(torch.empty(d.o_groups * d.o_lora, d.heads * d.head_dim // d.o_groups, **kw))
-        self.o_b_weight = nn.Parameter(torch.empty(d.hidden, d.o_groups * d.o_lora, **kw))
-        self.sinks = nn.Parameter(torch.empty(d.heads, dtype=torch.float32, device=device))
+        add_projections(self, d, dtype, device)
         self.compressor: Compressor | None = None
         if d.owns_kv(layer):
             self.compressor = Compressor(d, d.head_dim, self.ratio, overlap=False, ape=False, gated=self.ratio > 1,

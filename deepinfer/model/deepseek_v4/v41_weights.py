@@ -18,13 +18,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.model.deepseek_v4.engram import mmap_safetensor
 from deepinfer.model.deepseek_v4.v41_config import ARCH, V41Dims
-from deepinfer.model.deepseek_v4.weights import _copy, _half, module_tensors
+from deepinfer.model.deepseek_v4.weights import Targets, _copy, _half, module_tensors
 from deepinfer.model.layers.fp4 import ue8m0_values
 
 if TYPE_CHECKING:
@@ -127,13 +127,8 @@ def v41_layer_target(d: V41Dims, rest: str, prefix: str, tensors: dict[str, torc
                      ) -> tuple[str, torch.Tensor] | None:
     """``(parameter name, the view to fill)`` for a V4.1 per-layer name ``rest`` (after ``layers.L.``);
     None if the layer has no such tensor."""
-
-    def whole(name: str) -> tuple[str, torch.Tensor] | None:
-        return (prefix + name, tensors[prefix + name]) if prefix + name in tensors else None
-
-    def view(name: str, pick: Any) -> tuple[str, torch.Tensor] | None:
-        found = whole(name)
-        return None if found is None else (found[0], pick(found[1]))
+    targets = Targets(prefix, tensors)
+    whole, view = targets.whole, targets.view
 
     if rest in _V41_ATTN:
         return whole(_V41_ATTN[rest])

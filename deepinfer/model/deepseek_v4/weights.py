@@ -10,8 +10,9 @@ an error naming it; hash layers need their ``tid2eid`` tables.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -60,18 +61,31 @@ def _half(t: torch.Tensor, part: int) -> torch.Tensor:
 
 
 
+@dataclass(frozen=True)
+class Targets:
+    """A module's tensors by name, each under ``prefix``: what a checkpoint tensor fills."""
+
+    prefix: str
+    tensors: dict[str, torch.Tensor]
+
+    def whole(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """``(full name, tensor)`` of ``name``, or None when the module has no such tensor."""
+        full = self.prefix + name
+        return (full, self.tensors[full]) if full in self.tensors else None
+
+    def view(self, name: str, pick: Callable[[torch.Tensor], torch.Tensor]) -> tuple[str, torch.Tensor] | None:
+        """``(full name, pick(tensor))``: a part of ``name`` to fill, or None as ``whole``."""
+        found = self.whole(name)
+        return None if found is None else (found[0], pick(found[1]))
+
+
 def layer_target(d: V4Dims, rest: str, prefix: str, tensors: dict[str, torch.Tensor]
                  ) -> tuple[str, torch.Tensor] | None:
     """``(parameter or buffer name, the view to fill)`` for a per-layer checkpoint name ``rest``
     (after ``layers.L.``) of a model with dims ``d``, the module's names starting with ``prefix``; None
     if it is not ours."""
-
-    def whole(name: str) -> tuple[str, torch.Tensor] | None:
-        return (prefix + name, tensors[prefix + name]) if prefix + name in tensors else None
-
-    def view(name: str, pick: Any) -> tuple[str, torch.Tensor] | None:
-        found = whole(name)
-        return None if found is None else (found[0], pick(found[1]))
+    targets = Targets(prefix, tensors)
+    whole, view = targets.whole, targets.view
 
     if rest in _ATTN:
         return whole(_ATTN[rest])
