@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from deepinfer.errors import ConfigError
-from deepinfer.kv.blocks import hash_block
+from deepinfer.kv.blocks import extend_chain
 from deepinfer.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -103,9 +103,7 @@ def prefill_and_publish(engine: LLMEngine, prompt: str | list[int], params: Samp
                            f"{output.outputs[0].error}")
     ids = list(req.prompt_token_ids)
     bs = engine.kv.block_size
-    hashes: list[bytes] = []
-    for i in range(len(ids) // bs):
-        hashes.append(hash_block(hashes[-1] if hashes else b"", ids[i * bs:(i + 1) * bs]))
+    hashes = extend_chain([], ids, bs, len(ids) // bs)
     pool = engine.kv.pool
     for h in hashes:
         block_id = pool.lookup(h)

@@ -27,6 +27,15 @@ def hash_block(parent: bytes, tokens: Sequence[int]) -> bytes:
     return h.digest()
 
 
+def extend_chain(chain: list[bytes], token_ids: Sequence[int], block_size: int, upto_blocks: int) -> list[bytes]:
+    """Append to ``chain`` (the chained hashes of ``token_ids``' leading full blocks) until it holds
+    ``upto_blocks`` of them; returns ``chain``."""
+    while len(chain) < upto_blocks:
+        i = len(chain)
+        chain.append(hash_block(chain[-1] if chain else b"", token_ids[i * block_size:(i + 1) * block_size]))
+    return chain
+
+
 class BlockPool:
     """Ref-counted blocks, the prefix-hash table, and the LRU queue of free blocks.
 
@@ -156,11 +165,7 @@ class KVCacheManager:
 
     def _chain(self, request_id: str, token_ids: Sequence[int], upto_blocks: int) -> list[bytes]:
         """Block hashes of the first ``upto_blocks`` full blocks (memoized per request)."""
-        chain = self.hashes.setdefault(request_id, [])
-        bs = self.block_size
-        while len(chain) < upto_blocks:
-            i = len(chain)
-            chain.append(hash_block(chain[-1] if chain else b"", token_ids[i * bs:(i + 1) * bs]))
+        chain = extend_chain(self.hashes.setdefault(request_id, []), token_ids, self.block_size, upto_blocks)
         return chain[:upto_blocks]
 
     def find_prefix(self, request_id: str, token_ids: Sequence[int]) -> PrefixHit:

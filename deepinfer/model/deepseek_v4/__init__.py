@@ -83,7 +83,12 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, dtype=dtype, device=device))
         self.mtp_layers = nn.ModuleList()  # filled by load_weights when the checkpoint has MTP weights
         self.max_backtrack = 0  # the rings' rows past their span (cache.max_backtrack), known at bind_cache
-        # The loader's cue (``model/loader.py``): on an expert-parallel rank, read only these experts.
+        self._expert_bookkeeping(device)
+
+    def _expert_bookkeeping(self, device: torch.device | None) -> None:
+        """The experts the loader reads on an expert-parallel rank (``model/loader.py``), the MoE layers, and
+        the router statistics each layer's MLP counts into (once ``self.layers`` exist)."""
+        d = self.d
         self.expert_ids = d.expert_ids if d.sharded else None
         self.moe_layer_ids = list(range(d.layers))
         self.register_buffer("router_stats", torch.zeros(d.layers, d.n_routed, dtype=torch.int64, device=device),

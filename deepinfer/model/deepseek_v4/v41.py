@@ -131,12 +131,7 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, dtype=dtype, device=device))
         self.mtp_layers = nn.ModuleList()  # DSpark layers are not loaded yet (module docstring)
         self.max_backtrack = 0
-        self.expert_ids = d.expert_ids if d.sharded else None
-        self.moe_layer_ids = list(range(d.layers))
-        self.register_buffer("router_stats", torch.zeros(d.layers, d.n_routed, dtype=torch.int64, device=device),
-                             persistent=False)
-        for row, layer in enumerate(self.layers):
-            layer.mlp.stats = self.router_stats[row]
+        self._expert_bookkeeping(device)
 
     def _engram_layers(self, spec: EngramSpec, dtype: torch.dtype, device: torch.device) -> dict[int, EngramLayer]:
         """The Engram layers and the n-gram history (``engram.py``)."""

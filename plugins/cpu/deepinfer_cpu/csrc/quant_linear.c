@@ -130,12 +130,28 @@ static void gemv_q4_1(const float *x, const float *xsum, const uint8_t *qs, cons
     }
 }
 
-int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const float *bias, float *out,
-                    int64_t M, int64_t N, int64_t K, int64_t group, int threads) {
-    if (M == 1) {
-        gemv_int8(x, q, scale, bias, out, N, K, group, threads);
-        return 0;
-    }
+/* A quantized weight matrix in one of the two formats (the header comment's fields). */
+typedef enum { INT8, Q4_1 } Format;
+typedef struct {
+    Format format;
+    const int8_t *q;
+    const float *scale;
+    int64_t group;
+    const uint8_t *qs;
+    const _Float16 *d;
+    const _Float16 *mn;
+} Weights;
+
+static void expand_row(const Weights *wt, int64_t n, int64_t K, float *dst) {
+    if (wt->format == INT8)
+        expand_int8_row(wt->q + n * K, wt->scale + n * (K / wt->group), K, wt->group, dst);
+    else
+        expand_q4_1_row(wt->qs + n * (K / 2), wt->d + n * (K / 32), wt->mn + n * (K / 32), K, dst);
+}
+
+/* Several input rows: each task expands ROWS output rows' weights once, then runs every input row on them. */
+static int expand_and_multiply(const float *x, const Weights *wt, const float *bias, float *out, int64_t M,
+                               int64_t N, int64_t K, int threads) {
     int failed = 0;
 #pragma omp parallel num_threads(threads)
     {
@@ -148,15 +164,22 @@ int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const f
         for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
             if (w == NULL) continue;
             const int64_t rows = N - n0 < ROWS ? N - n0 : ROWS;
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t n = n0 + r;
-                expand_int8_row(q + n * K, scale + n * (K / group), K, group, w + r * K);
-            }
+            for (int64_t r = 0; r < rows; ++r) expand_row(wt, n0 + r, K, w + r * K);
             multiply(x, w, bias, out, M, N, K, n0, rows);
         }
         free(w);
     }
     return failed;
+}
+
+int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const float *bias, float *out,
+                    int64_t M, int64_t N, int64_t K, int64_t group, int threads) {
+    if (M == 1) {
+        gemv_int8(x, q, scale, bias, out, N, K, group, threads);
+        return 0;
+    }
+    const Weights wt = {INT8, q, scale, group, NULL, NULL, NULL};
+    return expand_and_multiply(x, &wt, bias, out, M, N, K, threads);
 }
 
 int linear_q4_1_f32(const float *x, const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const float *bias,
@@ -174,25 +197,6 @@ int linear_q4_1_f32(const float *x, const uint8_t *qs, const _Float16 *d, const 
         free(xsum);
         return 0;
     }
-    int failed = 0;
-#pragma omp parallel num_threads(threads)
-    {
-        float *w = malloc(sizeof(float) * (size_t)(ROWS * K));
-        if (w == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(static)
-        for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
-            if (w == NULL) continue;
-            const int64_t rows = N - n0 < ROWS ? N - n0 : ROWS;
-            for (int64_t r = 0; r < rows; ++r) {
-                const int64_t n = n0 + r;
-                expand_q4_1_row(qs + n * (K / 2), d + n * blocks, mn + n * blocks, K, w + r * K);
-            }
-            multiply(x, w, bias, out, M, N, K, n0, rows);
-        }
-        free(w);
-    }
-    return failed;
+    const Weights wt = {Q4_1, NULL, NULL, 0, qs, d, mn};
+    return expand_and_multiply(x, &wt, bias, out, M, N, K, threads);
 }
