@@ -151,6 +151,10 @@ class DeepseekV4Tokenizer(Tokenizer):
 V41_SYSTEM_TOKEN = "<｜System｜>"  # the V4.1 encoding's system turn (absent from the V4 vocabulary)
 
 
+class MissingSystemToken(ConfigError):
+    """A tokenizer.json without the V4.1 chat encoding's ``<｜System｜>`` token."""
+
+
 class DeepseekV41Tokenizer(DeepseekV4Tokenizer):
     """A DeepSeek-V4.1 model folder's own tokenizer.json with the recipe's ``DeepseekV41Encoding``; chat
     options as :class:`DeepseekV4Tokenizer`'s. The folder's tokenizer_config.json names EOS."""
@@ -163,8 +167,9 @@ class DeepseekV41Tokenizer(DeepseekV4Tokenizer):
             raise ConfigError(f"model.tokenizer: the DeepSeek-V4.1 model folder {str(folder)!r} has no tokenizer.json")
         super().__init__(folder)
         if self.token_id(V41_SYSTEM_TOKEN) is None:
-            raise ConfigError(f"{str(folder / 'tokenizer.json')!r} has no {V41_SYSTEM_TOKEN} token: the DeepSeek-V4.1 "
-                              "chat encoding needs it (is this the V4 vocabulary? use tokenizer='deepseek-v4' for V4)")
+            raise MissingSystemToken(f"{str(folder / 'tokenizer.json')!r} has no {V41_SYSTEM_TOKEN} token: the "
+                                     "DeepSeek-V4.1 chat encoding needs it (is this the V4 vocabulary? use "
+                                     "tokenizer='deepseek-v4' for V4)")
 
 
 def deepseek_v41_tokenizer(model_path: Path, hf_config: Mapping[str, Any]) -> DeepseekV41Tokenizer | None:
@@ -174,8 +179,9 @@ def deepseek_v41_tokenizer(model_path: Path, hf_config: Mapping[str, Any]) -> De
     plain tokenizer: text prompts work, the V4.1 chat encoding does not; a warning says so)."""
     if hf_config.get("model_type") != "deepseek_v41" or not Tokenizer.exists(model_path):
         return None
-    if Tokenizer(model_path).token_id(V41_SYSTEM_TOKEN) is None:
+    try:
+        return DeepseekV41Tokenizer(model_path)
+    except MissingSystemToken:
         logger.warning("%s has no %s token: it serves as a plain tokenizer, without DeepSeek-V4.1's chat encoding",
                        model_path / "tokenizer.json", V41_SYSTEM_TOKEN)
         return None
-    return DeepseekV41Tokenizer(model_path)
