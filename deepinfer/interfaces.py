@@ -46,7 +46,9 @@ class CacheLayout:
 class EngineInfo:
     """Facts resolved before plugins are built, for ``deepinfer_validate_config`` and observers.
     ``seed`` is the engine seed (``sampling.seed``), for weights a plugin initializes at random;
-    ``model_path`` the model folder (for plugins that key caches by the target, e.g. a trained drafter)."""
+    ``model_path`` the model folder (for plugins that key caches by the target, e.g. a trained drafter);
+    ``cuda_graphs`` whether the engine replays CUDA graphs (``kernels.cuda_graphs`` on a CUDA device): a plugin
+    may then capture its own device work (the ``dspark`` drafter does)."""
 
     architecture: str
     num_layers: int
@@ -60,6 +62,7 @@ class EngineInfo:
     world_size: int
     seed: int = 0
     model_path: str = ""
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@
   comparison is tight; also under speculative decoding and the overlapped executor.
 - DeepSeek-V4 (per-request state slots) decode steps replay graphs too, equal to eager, and so do its
   verification steps under speculative decoding (``oracle`` and ``mtp`` drafters); so do ``dspark``'s,
-  whose target layers' features the graphs keep.
+  whose target layers' features the graphs keep, and its drafting replays graphs of its own equal to eager.
 - The router statistics of replayed steps count the step's tokens, not the bucket's padding rows.
 - Sampling and verification on the device draw from the target distribution (chi-square against the
   exact distribution computed on CPU).
@@ -240,6 +240,54 @@ def test_dspark_steps_replay_graphs_equal_eager(folder: Path, executor: str) -> 
     _compare(eager, _run(llm, prompts))
     assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
     assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("sampling", [False, True], ids=["greedy", "sampling"])
+def test_dspark_drafting_replays_its_own_graphs_equal_to_eager_drafting(folder: Path, sampling: bool) -> None:
+    """The dspark drafter captures its context write and block pass in CUDA graphs (``draft_graphs``): at
+    every drafting step the replayed drafts equal an eager block pass over the same inputs (tokens exactly,
+    confidences and distributions to 1e-4), and the context rows the graph wrote equal ``context_kv`` of the
+    step's features recomputed eagerly. The comparisons accumulate on the device (no sync under overlap)."""
+    plugins: dict[str, Any] = {"spec_decode": {"enabled": True, "drafter": "dspark", "dspark_weights": "random",
+                                               "plan": "fixed", "max_draft": 3},
+                               "scheduling": {"enabled": True, "sync_guard": True}}
+    llm = _llm(folder, graphs=True, plugins=plugins)
+    drafter = llm.engine.speculator.drafter
+    drafter = getattr(drafter, "inner", drafter)
+    propose = drafter.propose
+    dev = torch.device("cuda")
+    errors = {"tokens": torch.zeros((), dtype=torch.int64, device=dev),
+              "confidence": torch.zeros((), device=dev), "probs": torch.zeros((), device=dev),
+              "context": torch.zeros((), device=dev)}
+    drafted = [0]
+
+    def checking(inputs: Any) -> Any:
+        proposal = propose(inputs)
+        rows = inputs.rows
+        real = rows.ctx.slot_mapping != 0  # padding rows write the scratch slot 0
+        written = drafter.context[rows.ctx.slot_mapping]
+        expected = drafter.network.context_kv(rows.hidden, rows.ctx.positions, drafter.linear)
+        gap = ((written - expected).abs().amax(dim=(1, 2, 3)) * real).max()
+        errors["context"] = torch.maximum(errors["context"], gap)
+        if inputs.last_tokens.shape[0]:
+            drafted[0] += 1
+            slots, visible = drafter.window_slots(rows, inputs.positions - 1)
+            tokens, probs, confidence = drafter.draft(slots, visible, inputs.last_tokens, inputs.positions,
+                                                      inputs.temperature, inputs.seeds, inputs.k, inputs.sampling)
+            errors["tokens"] += (tokens != proposal.tokens).sum()
+            errors["confidence"] = torch.maximum(errors["confidence"], (confidence - proposal.confidence).abs().max())
+            if probs is not None:
+                errors["probs"] = torch.maximum(errors["probs"], (probs - proposal.probs).abs().max())
+        return proposal
+
+    drafter.propose = checking
+    _run(llm, _prompts(9), **({"temperature": 0.8, "seed": 3} if sampling else {}))
+    assert drafter.draft_graphs is not None and drafter.write_graphs is not None
+    assert drafter.draft_graphs.graphs and drafter.write_graphs.graphs, "the drafter captured no graph"
+    assert drafted[0] > 0
+    assert errors["tokens"].item() == 0
+    assert errors["confidence"].item() < 1e-4 and errors["probs"].item() < 1e-4 and errors["context"].item() < 1e-4
     llm.shutdown()
 
 

@@ -128,6 +128,7 @@ class StartUp:
             has_mtp=self.model_has_mtp, max_draft=max_draft, seed=cfg.sampling.seed,
             model_path=str(self.model_path), device=self.device.type,
             dtype=str(self.dtype).removeprefix("torch."), world_size=self.world_size,
+            cuda_graphs=self.device.type == "cuda" and cfg.kernels.cuda_graphs,
         )
         host.notify("deepinfer_validate_config", config=cfg, info=self.info)
         self.backends = self._select_backends()

@@ -83,14 +83,16 @@ trains MoE blocks); ``dspark_target_attn_input`` must be true (as the reference 
 projects the context with its own ``ctx_kv`` (the reference: one fused ``main_kv_proj`` for all layers, a
 kv-norm and an MXFP8 ring); the context cache lives beside the KV pool (sized to its slots from the model's
 bound cache, outside the KV budget) instead of in per-request SWA rings; block keys are not written to the
-cache (they live one pass); the attention key range is not padded to 64; drafting runs eagerly, not in CUDA
-graphs; V4.1's ``dspark_target_layer_ids`` / ``dspark_noise_token_id`` / ``dspark_markov_rank`` in its
-``config.json`` are not read (the plugin's fields apply); under YoCo compact prefill truncation (V4/V4.1)
-the rows below a request's truncation floor have zero features in target layers past the YoCo boundary (the
-reference writes only the kept rows too, but its drafter window is the model's sliding window, which never
-reaches below the floor; ``dspark_context_window`` is free), so a longer window reaching there reads
-zero-feature rows (lower acceptance, still lossless); drafts for sampling requests use the temperature only
-(no top-k/top-p).
+cache (they live one pass); the attention key range is not padded to 64; drafting replays CUDA graphs
+(``draft_graphs``: the context write per bucket of the step's rows, the block pass per bucket of the drafting
+batch; ``kernels.cuda_graphs`` on a CUDA device) with dense blocks only (MoE blocks read their experts on the
+host and run eagerly); V4.1's ``dspark_target_layer_ids`` / ``dspark_noise_token_id`` /
+``dspark_markov_rank`` in its ``config.json`` are not read (the plugin's fields apply); under YoCo compact
+prefill truncation (V4/V4.1) the rows below a request's truncation floor have zero features in target layers
+past the YoCo boundary (the reference writes only the kept rows too, but its drafter window is the model's
+sliding window, which never reaches below the floor; ``dspark_context_window`` is free), so a longer window
+reaching there reads zero-feature rows (lower acceptance, still lossless); drafts for sampling requests use
+the temperature only (no top-k/top-p).
 """
 
 from __future__ import annotations
@@ -108,11 +110,14 @@ from deepinfer.errors import ConfigError
 from deepinfer.interfaces import CommittedRows, DraftInputs, DraftProposal, EngineInfo
 from deepinfer.ops import RMSNorm, init_dummy
 from deepinfer_spec_decode.config import SpecDecodeConfig
+from deepinfer_spec_decode.draft_graphs import Outputs, PaddedGraphs
 from deepinfer_spec_decode.mtp import choose_drafts
 
 EPS = 1e-6
 ROPE_THETA = 10000.0
 LOGIT_CLAMP = 60.0  # the confidence head's sigmoid argument is clamped at ±60 (reference §4)
+WRITE_GRAPH_ROWS = 1024  # the largest step (rows) whose context write replays a CUDA graph
+DRAFT_GRAPH_BATCH = 256  # the largest drafting batch whose block pass replays a CUDA graph
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # y = x · Wᵀ (F.linear, or a GEMM backend's)
 
 
@@ -356,7 +361,7 @@ class DSparkDrafter:
     """The block drafter over the model's captured features (see the module docstring)."""
 
     def __init__(self, model: Any, network: DSparkNetwork, noise_token_id: int,
-                 confidence_temperature: Sequence[float], window: int) -> None:
+                 confidence_temperature: Sequence[float], window: int, cuda_graphs: bool = False) -> None:
         self.model = model
         self.network = network
         self.noise_token_id = noise_token_id
@@ -369,10 +374,16 @@ class DSparkDrafter:
         hidden = model.embed_tokens.weight.shape[1]
         self.context = torch.zeros(pool_slots(model), len(network.layers), 2, hidden,
                                    dtype=model.embed_tokens.weight.dtype, device=device)
+        # CUDA graphs of the context write and of the block drafting (draft_graphs.py), built on the first
+        # step whose GEMM backend is graph-safe; MoE blocks read their experts on the host, so they stay eager.
+        self.cuda_graphs = cuda_graphs and device.type == "cuda" and not any(layer.moe for layer in network.layers)
+        self.linear: Linear | None = None
+        self.write_graphs: PaddedGraphs | None = None
+        self.draft_graphs: PaddedGraphs | None = None
 
-    def window_of(self, rows: CommittedRows, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each drafting request's context window: the cache rows of positions ``p − W + 1 … p`` (``p`` its
-        last committed row's position, ``positions − 1``) → ``[B, W, layers, 2, H]`` and ``visible [B, W]``."""
+    def window_slots(self, rows: CommittedRows, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each drafting request's context window: the cache slots of positions ``p − W + 1 … p`` (``p`` its
+        last committed row's position, ``positions − 1``) ``[B, W]`` and which of them exist ``visible [B, W]``."""
         ctx = rows.ctx
         window = positions.unsqueeze(1) - self.window + 1 + torch.arange(self.window, device=positions.device)
         visible = window >= 0
@@ -380,7 +391,38 @@ class DSparkDrafter:
         request = torch.bucketize(rows.last_rows, ctx.query_start_loc[1:], right=True)
         tables = ctx.block_tables.index_select(0, request)
         slots = tables.gather(1, window // ctx.block_size) * ctx.block_size + window % ctx.block_size
-        return self.context[slots], visible
+        return slots, visible
+
+    def write_context(self, features: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> Outputs:
+        """Every committed row's context keys and values into the cache (``features [N, H·L]`` at ``slots`` and
+        ``positions [N]``)."""
+        assert self.linear is not None
+        self.context[slots] = self.network.context_kv(features, positions, self.linear)
+        return ()
+
+    def draft(self, slots: torch.Tensor, visible: torch.Tensor, last_tokens: torch.Tensor, positions: torch.Tensor,
+              temperature: torch.Tensor, seeds: torch.Tensor, k: int, report_probs: bool) -> Outputs:
+        """The block pass and the drafts of ``B`` requests over their windows (``window_slots``): tokens
+        ``[B, k]``, their distributions ``[B, k, V]`` (None unless ``report_probs``) and raw confidences."""
+        assert self.linear is not None
+        batch, dev = last_tokens.shape[0], last_tokens.device
+        block_ids = torch.full((batch, k), self.noise_token_id, dtype=torch.int64, device=dev)
+        block_ids[:, 0] = last_tokens
+        block_positions = positions.unsqueeze(1) + torch.arange(k, device=dev)
+        before_norm, normed = self.network.block(self.context[slots], visible, self.model.embed_tokens(block_ids),
+                                                 block_positions, self.linear)
+        logits = self.linear(normed.reshape(batch * k, -1), self.head)
+        return draft_block(logits.float().reshape(batch, k, -1), before_norm, last_tokens, self.network,
+                           self.confidence_temperature, temperature, seeds, positions, report_probs)
+
+    def _bind(self, rows: CommittedRows) -> None:
+        """The engine's GEMMs (on CPU: packed once, not per call), and the graphs when they may capture them."""
+        backend = rows.ctx.backends["linear"]
+        self.linear = backend.linear
+        if self.cuda_graphs and backend.capabilities.graph_safe:
+            device = self.context.device
+            self.write_graphs = PaddedGraphs(self.write_context, WRITE_GRAPH_ROWS, device)
+            self.draft_graphs = PaddedGraphs(self.draft, DRAFT_GRAPH_BATCH, device)
 
     @torch.inference_mode()
     def propose(self, inputs: DraftInputs) -> DraftProposal:
@@ -389,23 +431,25 @@ class DSparkDrafter:
         if rows is None:
             raise RuntimeError("the dspark drafter needs the step's rows (DraftInputs.rows); the engine "
                                "provides them when the model captures the drafter's target layers")
+        if self.linear is None:
+            self._bind(rows)
         # Every committed row (prefill chunks included) enters the context cache before any request drafts.
-        linear = rows.ctx.backends["linear"].linear  # the engine's GEMMs (on CPU: packed once, not per call)
-        self.context[rows.ctx.slot_mapping] = self.network.context_kv(rows.hidden, rows.ctx.positions, linear)
+        # Padding rows write the reserved scratch slot 0.
+        written = [(rows.hidden, 0), (rows.ctx.slot_mapping, 0), (rows.ctx.positions, 0)]
+        if self.write_graphs is None or self.write_graphs(rows.hidden.shape[0], written) is None:
+            self.write_context(*(t for t, _ in written))
         if batch == 0:
             empty = torch.empty(0, k, device=dev)
             return DraftProposal(empty.long(), None, empty)
-        context, visible = self.window_of(rows, inputs.positions - 1)
-        block_ids = torch.full((batch, k), self.noise_token_id, dtype=torch.int64, device=dev)
-        block_ids[:, 0] = inputs.last_tokens
-        block_positions = inputs.positions.unsqueeze(1) + torch.arange(k, device=dev)
-        before_norm, normed = self.network.block(context, visible, self.model.embed_tokens(block_ids), block_positions,
-                                                 linear)
-        logits = linear(normed.reshape(batch * k, -1), self.head)
-        tokens, probs, confidence = draft_block(
-            logits.float().reshape(batch, k, -1), before_norm, inputs.last_tokens, self.network,
-            self.confidence_temperature, inputs.temperature, inputs.seeds, inputs.positions, inputs.sampling)
-        return DraftProposal(tokens, probs, confidence)
+        slots, visible = self.window_slots(rows, inputs.positions - 1)
+        # Padding requests: a window on slot 0 that nothing sees, the token 0 at position 1, greedy.
+        drafting = [(slots, 0), (visible, False), (inputs.last_tokens, 0), (inputs.positions, 1),
+                    (inputs.temperature, 0.0), (inputs.seeds, 0)]
+        out = self.draft_graphs(batch, drafting, k, inputs.sampling) if self.draft_graphs is not None else None
+        if out is None:
+            return DraftProposal(*self.draft(*(t for t, _ in drafting), k, inputs.sampling))
+        # A graph's outputs live until the next replay of the drafter's graphs; the proposal may outlast it.
+        return DraftProposal(*(None if t is None else t.clone() for t in out))
 
 
 def pool_slots(model: Any) -> int:
@@ -537,4 +581,4 @@ def build_dspark(model: Any, info: EngineInfo, config: SpecDecodeConfig,
     noise = config.dspark_noise_token_id
     return DSparkDrafter(model, network, model.vocab_size - 1 if noise is None else noise,
                          temps if isinstance(temps, list) else [temps] * info.max_draft,
-                         config.dspark_context_window)
+                         config.dspark_context_window, cuda_graphs=info.cuda_graphs)

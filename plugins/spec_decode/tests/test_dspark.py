@@ -118,7 +118,8 @@ def test_context_cache_equals_a_from_scratch_recomputation_at_every_step(tiny_di
         proposal = propose(inputs)
         if inputs.last_tokens.shape[0] == 0:
             return proposal
-        context, visible = drafter.window_of(inputs.rows, inputs.positions - 1)
+        slots, visible = drafter.window_slots(inputs.rows, inputs.positions - 1)
+        context = drafter.context[slots]
         tokens = proposal.tokens.clone()
         for b, history in enumerate(inputs.history.tolist()):
             committed = [t for t in history if t >= 0]

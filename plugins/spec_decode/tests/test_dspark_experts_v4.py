@@ -234,7 +234,8 @@ def _check_context_every_step(llm: LLM, scratch: LLM, prompts: list[list[int]], 
         proposal = propose(inputs)
         if inputs.last_tokens.shape[0] == 0:
             return proposal
-        context, visible = drafter.window_of(inputs.rows, inputs.positions - 1)
+        slots, visible = drafter.window_slots(inputs.rows, inputs.positions - 1)
+        context = drafter.context[slots]
         tokens = proposal.tokens.clone()
         for b, history in enumerate(inputs.history.tolist()):
             committed = [t for t in history if t >= 0]
