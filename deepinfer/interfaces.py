@@ -568,10 +568,44 @@ class MoEBackend(Backend, Protocol):
     ``GemmBackend.prepare_weight`` does) or return its own copy (e.g. FP8 with block scales, which then
     adds its bytes next to the originals and does not follow later writes to them). Weights reaching
     ``experts`` without it (expert parallelism's local slots) are raw ``(w13, w2)``; a backend that
-    cannot use those raises."""
+    cannot use those raises.
+
+    Optional ``select_experts(logits, bias, positions, spec) -> (topk_ids, topk_weights) | None``: the
+    router after its gate GEMM in fewer launches (one fused kernel). ``logits [T, E]`` float32, ``bias
+    [E]`` float32 or None (``e_score_correction_bias``), ``positions [T]`` (read by the balanced draw),
+    ``spec`` a ``RoutingSpec``; returns ``topk_ids [T, k]`` int64 and ``topk_weights [T, k]`` float32
+    equal to ``deepinfer.model.layers.routing.route`` (ids as sets per row, weights to float32
+    rounding), or None when it cannot serve this spec or shape, and the model then runs that reference.
+    The model calls it with whatever ``experts`` backend the run selected, compiled or not, so it must
+    not be traced by ``torch.compile`` (``torch.compiler.disable``) and must not read the device from
+    the host."""
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 weights: Any, *, swiglu_limit: float | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class RoutingSpec:
+    """How a DeepSeek-style router turns gate logits into each token's ``top_k`` experts (see
+    ``deepinfer.model.layers.routing``, the reference).
+
+    ``scoring``: ``sigmoid`` (V3) or ``softmax`` (V2) of the logits. ``method``: ``noaux_tc`` (V3: choose
+    on score + bias; a group's score is the sum of its two best; ``topk_group`` of ``n_group`` groups
+    stay, the rest are −inf), ``greedy`` (plain top-k of the scores), ``group_limited_greedy`` (V2:
+    group score = max, other groups' scores set to 0), ``balanced`` (the benchmark's forced routing:
+    ``top_k`` distinct experts drawn from a hash of (position, ``layer``, expert); the router's choice
+    is not computed). Weights are the chosen experts' scores (``noaux_tc``/``balanced``: without the
+    bias; ``group_limited_greedy``: after masking), divided by their sum + 1e-20 when ``normalize``,
+    times ``scaling``."""
+
+    top_k: int
+    scoring: Literal["sigmoid", "softmax"] = "sigmoid"
+    method: Literal["noaux_tc", "greedy", "group_limited_greedy", "balanced"] = "noaux_tc"
+    n_group: int = 1
+    topk_group: int = 1
+    normalize: bool = False
+    scaling: float = 1.0
+    layer: int = 0
 
 
 class GemmBackend(Backend, Protocol):

@@ -97,13 +97,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.errors import ConfigError
-from deepinfer.interfaces import ForwardContext
+from deepinfer.interfaces import ForwardContext, RoutingSpec
 from deepinfer.kv.specs import PagedLatentSpec
 from deepinfer.model.base import StackedDecoderLM, config_value
+from deepinfer.model.layers import routing
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.rope import inverse_frequencies, rope_parameters
 from deepinfer.model.layers.yarn import yarn_softmax_scale
-from deepinfer.sampling.rng import splitmix64
 
 logger = logging.getLogger(__name__)
 
@@ -328,45 +328,29 @@ class DeepseekMoE(nn.Module):
         # What the MoE backend's optional ``prepare_experts`` made of (w13, w2), and for which backend.
         self._prepared: Any = None
         self._prepared_for: Any = None
+        method = "balanced" if d.balanced else d.topk_method
+        self.routing = RoutingSpec(top_k=d.top_k, scoring="sigmoid" if d.v3 else "softmax", method=method,
+                                   n_group=d.n_group, topk_group=d.topk_group, normalize=d.norm_topk,
+                                   scaling=d.scaling, layer=layer)
 
-    def route(self, x: torch.Tensor, positions: torch.Tensor, gemm: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(topk_ids [T, k] int64, topk_weights [T, k] float32)``."""
-        d = self.d
+    def route(self, x: torch.Tensor, positions: torch.Tensor, gemm: Any = None,
+              experts: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_ids [T, k] int64, topk_weights [T, k] float32)``: the gate GEMM, then the MoE backend
+        ``experts``'s fused ``select_experts`` when it has one that serves this spec, else the reference
+        (``layers/routing.py``; under balanced routing the router's own choice is never computed)."""
         # Through the ``linear`` op when given (the forward passes it), so batch-invariant mode covers the gate.
         logits = F.linear(x.float(), self.gate_weight) if gemm is None else gemm.linear(x.float(), self.gate_weight)
-        t, e, g = logits.shape[0], d.n_routed, d.n_group
-        scores = logits.sigmoid() if d.v3 else logits.softmax(dim=-1)
-        choice = scores
-        if d.balanced:  # the benchmark's forced routing: the router's own choice is never computed
-            ids = self._balanced_ids(positions)
-        elif d.v3:
-            choice = scores + self.e_score_correction_bias
-            if g > 1:
-                group_scores = choice.view(t, g, e // g).topk(2, dim=-1).values.sum(dim=-1)
-                choice = choice.masked_fill(~self._group_mask(group_scores), float("-inf"))
-            ids = choice.topk(d.top_k, dim=-1).indices
-        else:
-            if d.topk_method == "group_limited_greedy" and g > 1:
-                group_scores = scores.view(t, g, e // g).amax(dim=-1)
-                choice = scores.masked_fill(~self._group_mask(group_scores), 0.0)
-            ids = choice.topk(d.top_k, dim=-1).indices
-        weights = scores.gather(1, ids) if d.balanced or d.v3 else choice.gather(1, ids)
-        if d.norm_topk:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return ids, weights * d.scaling
-
-    def _group_mask(self, group_scores: torch.Tensor) -> torch.Tensor:
-        """``[T, E]`` True for the experts of each token's ``topk_group`` best groups."""
-        d = self.d
-        keep = group_scores.topk(d.topk_group, dim=-1).indices
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
-        return mask.repeat_interleave(d.n_routed // d.n_group, dim=1)
+        bias = self.e_score_correction_bias if self.d.v3 else None
+        select = getattr(experts, "select_experts", None)
+        if select is not None:
+            routed = select(logits, bias, positions, self.routing)
+            if routed is not None:
+                return routed
+        return routing.route(logits, bias, positions, self.routing)
 
     def _balanced_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """k distinct experts per token, uniformly at random from a hash of (position, layer, expert)."""
-        experts = torch.arange(self.d.n_routed, device=positions.device)
-        key = splitmix64(positions.to(torch.int64) * 65536 + self.layer)
-        draws = splitmix64(key.unsqueeze(1) + experts) & ((1 << 62) - 1)
+        draws = routing.balanced_draws(positions, self.layer, self.d.n_routed)
         return draws.topk(self.d.top_k, dim=-1).indices
 
     def expert_weights(self, backend: Any) -> Any:
@@ -380,7 +364,7 @@ class DeepseekMoE(nn.Module):
         return self._prepared
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        ids, weights = self.route(x, positions, ctx.backends["linear"])
+        ids, weights = self.route(x, positions, ctx.backends["linear"], ctx.backends["experts"])
         if self.stats is not None:
             count_routed_tokens(self.stats, ids, ctx)
         if self.expert_parallel is not None:

@@ -11,6 +11,8 @@ whole MoE step can be captured in a CUDA graph.
   blocks are non-empty, so that is the static grid; unused blocks carry expert −1 and exit at once.
 - ``pair_blocks`` (decode): one block per pair, no sorting at all. For a handful of tokens every
   pair tends to hit a different expert anyway, and skipping the sort saves a dozen small launches.
+  ``pair_view`` is the same layout left implicit (no launch): the Triton kernels derive it.
+- ``layout_kernel.small_sorted_blocks``: ``sorted_blocks`` built by one Triton launch, for small steps.
 - ``contiguous_rows`` (DeepGEMM's contiguous layout): ``sorted_blocks`` at the library's M alignment,
   with a per-row expert id (−1 on padding rows).
 - ``masked_slots`` (DeepGEMM's masked layout): a ``[E, M_max]`` grid of slots, row ``r`` of expert
@@ -40,12 +42,15 @@ class ExpertGroups:
 class BlockLayout:
     """Rows of a grouped GEMM in tiles of ``block_m``: ``pairs [num_blocks · block_m]`` int32 pair index
     of each row (``num_pairs`` marks a padding row); ``block_expert [num_blocks]`` int32 expert of each
-    block (−1: unused block)."""
+    block (−1: unused block). ``one_pair_per_block`` (``pair_view``): block ``p`` holds pair ``p`` in its
+    first row and padding in the rest, implied rather than stored (``pairs`` is then not read), and
+    ``block_expert`` is ``topk_ids`` itself, flattened (int64 as the router gave it)."""
 
     pairs: torch.Tensor
     block_expert: torch.Tensor
     block_m: int
     num_pairs: int
+    one_pair_per_block: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -96,6 +101,14 @@ def pair_blocks(topk_ids: torch.Tensor, block_m: int) -> BlockLayout:
     pairs = torch.full((num_pairs, block_m), num_pairs, dtype=torch.int32, device=topk_ids.device)
     pairs[:, 0] = torch.arange(num_pairs, dtype=torch.int32, device=topk_ids.device)
     return BlockLayout(pairs.reshape(-1), topk_ids.reshape(-1).to(torch.int32), block_m, num_pairs)
+
+
+def pair_view(topk_ids: torch.Tensor, block_m: int) -> BlockLayout:
+    """``pair_blocks`` with nothing built: kernels that read ``one_pair_per_block`` derive each block's
+    rows from its index, so the decode layout costs no launch (a copy only if ``topk_ids`` is not
+    contiguous)."""
+    flat = topk_ids.reshape(-1)
+    return BlockLayout(flat, flat, block_m, flat.numel(), one_pair_per_block=True)
 
 
 def contiguous_rows(topk_ids: torch.Tensor, num_experts: int, alignment: int) -> tuple[BlockLayout, torch.Tensor]:

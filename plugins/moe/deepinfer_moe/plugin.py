@@ -28,11 +28,13 @@ class Plugin:
     @hookimpl
     def deepinfer_moe_backends(self) -> list[Any]:
         cfg = self.config
-        triton_fp8 = TritonMoEBackend(fp8=True, decode_max_tokens=cfg.decode_max_tokens)
+        triton = {"decode_max_tokens": cfg.decode_max_tokens, "fused_router": cfg.fused_router,
+                  "sort_free_layout": cfg.sort_free_layout}
+        triton_fp8 = TritonMoEBackend(fp8=True, **triton)
         deep_gemm = DeepGemmMoEBackend(masked_max_tokens=cfg.masked_max_tokens,
                                        warmup_tokens=tuple(cfg.warmup_tokens))
         if cfg.auto_fp8 and not triton_fp8.interpret:
             triton_fp8.priority = _FP8_AUTO_PRIORITY["triton_fp8"]
             deep_gemm.priority = _FP8_AUTO_PRIORITY["deep_gemm"]
-        return [GroupedMoEBackend(), TritonMoEBackend(decode_max_tokens=cfg.decode_max_tokens), triton_fp8,
+        return [GroupedMoEBackend(), TritonMoEBackend(**triton), triton_fp8,
                 deep_gemm, TritonBIMoEBackend()]

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from deepinfer.interfaces import BackendCapabilities
+from deepinfer.interfaces import BackendCapabilities, RoutingSpec
 from deepinfer.testing import triton_interpreting
 from deepinfer_moe.fp8 import Fp8Experts, quantize_rows
-from deepinfer_moe.layout import group_by_expert, pair_blocks, sorted_blocks
+from deepinfer_moe.layout import group_by_expert, pair_view, sorted_blocks
 
 _GPU_DTYPES = frozenset({torch.bfloat16, torch.float16, torch.float32})
 
@@ -71,10 +71,14 @@ def contiguous_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tenso
 
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                  decode_max_tokens: int = 4, swiglu_limit: float | None = None) -> torch.Tensor:
+                  decode_max_tokens: int = 4, swiglu_limit: float | None = None,
+                  sort_free_layout: bool = True) -> torch.Tensor:
     """The MoE op on Triton: ``x [T, H]`` → ``Σ_j topk_weights[t, j] · expert_{ids[t, j]}(x[t])`` ``[T, H]``
-    in ``x.dtype``. With ``w13_scale``/``w2_scale`` the weights are FP8 (``Fp8Experts`` layout)."""
+    in ``x.dtype``. With ``w13_scale``/``w2_scale`` the weights are FP8 (``Fp8Experts`` layout).
+    Layouts: ``pair_view`` up to ``decode_max_tokens`` tokens (no launch), ``small_sorted_blocks`` (one
+    launch) while the step fits it and ``sort_free_layout`` is on, else the torch ``sorted_blocks``."""
     from deepinfer_moe import triton_kernels as kernels  # imports triton; only when this backend runs
+    from deepinfer_moe.layout_kernel import fits_small_layout, small_sorted_blocks
 
     fp8 = w13_scale is not None
     tokens, top_k = topk_ids.shape
@@ -83,7 +87,9 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         return x.new_zeros(0, x.shape[1])
     tiles = choose_tiles(tokens, top_k, num_experts, fp8, decode_max_tokens)
     if tokens <= decode_max_tokens:
-        layout = pair_blocks(topk_ids, tiles.block_m)
+        layout = pair_view(topk_ids, tiles.block_m)
+    elif sort_free_layout and fits_small_layout(tokens * top_k, num_experts):
+        layout = small_sorted_blocks(topk_ids, num_experts, tiles.block_m)
     else:
         layout = sorted_blocks(topk_ids, num_experts, tiles.block_m, group_by_expert(topk_ids, num_experts))
     launch = {"block_n": tiles.block_n, "block_k": tiles.block_k, "num_warps": tiles.num_warps,
@@ -97,17 +103,22 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
     else:
         h = kernels.gate_up(x.contiguous(), None, w13, None, layout, top_k, out_dtype=x.dtype, **launch, **limit)
         per_pair = kernels.down(h, None, w2, None, topk_weights, layout, out_dtype=x.dtype, **launch)
-    return per_pair.view(tokens, top_k, x.shape[1]).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return kernels.sum_pairs(per_pair, top_k, x.dtype)
 
 
 class TritonMoEBackend:
-    """Op ``experts`` through the Triton kernels; ``fp8=True`` is ``triton_fp8``."""
+    """Op ``experts`` through the Triton kernels; ``fp8=True`` is ``triton_fp8``. With ``fused_router``
+    it also offers ``select_experts`` (``router_kernel.py``); ``sort_free_layout`` builds small steps'
+    layout in one launch (``layout_kernel.py``)."""
 
     ops = frozenset({"experts"})
 
-    def __init__(self, *, fp8: bool = False, decode_max_tokens: int = 4) -> None:
+    def __init__(self, *, fp8: bool = False, decode_max_tokens: int = 4, fused_router: bool = True,
+                 sort_free_layout: bool = True) -> None:
         self.fp8 = fp8
         self.decode_max_tokens = decode_max_tokens
+        self.fused_router = fused_router
+        self.sort_free_layout = sort_free_layout
         self.name = "triton_fp8" if fp8 else "triton"
         self.interpret = triton_interpreting()
         # bf16 Triton outranks ``grouped`` (10); FP8 is lossy and is only used when named. Under the
@@ -138,7 +149,22 @@ class TritonMoEBackend:
                                 f"and pass its result (got {type(weights).__name__})")
             return fused_experts(x, topk_ids, topk_weights, weights.w13, weights.w2, w13_scale=weights.w13_scale,
                                  w2_scale=weights.w2_scale, decode_max_tokens=self.decode_max_tokens,
-                                 swiglu_limit=swiglu_limit)
+                                 swiglu_limit=swiglu_limit, sort_free_layout=self.sort_free_layout)
         w13, w2 = weights
         return fused_experts(x, topk_ids, topk_weights, w13.contiguous(), w2.contiguous(),
-                             decode_max_tokens=self.decode_max_tokens, swiglu_limit=swiglu_limit)
+                             decode_max_tokens=self.decode_max_tokens, swiglu_limit=swiglu_limit,
+                             sort_free_layout=self.sort_free_layout)
+
+    @torch.compiler.disable
+    def select_experts(self, logits: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                       spec: RoutingSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The router in one launch (``MoEBackend.select_experts``); None (the model's reference
+        router) when ``fused_router`` is off, the spec does not fit (``router_fits``) or the logits are
+        on a device the kernels do not serve."""
+        from deepinfer_moe import router_kernel  # imports triton; only when this backend runs
+
+        if not self.fused_router or not router_kernel.router_fits(spec, logits.shape[1]):
+            return None
+        if logits.device.type != "cuda" and not self.interpret:
+            return None
+        return router_kernel.select_experts(logits, bias, positions, spec)

@@ -37,6 +37,7 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_ot, stride_xst, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` rows of one expert × ``BLOCK_N`` columns of the intermediate width."""
     pid_m = tl.program_id(0)
@@ -45,7 +46,10 @@ def _gate_up_kernel(
     if expert < 0:  # a block past the last expert's rows: nothing to do
         return
     offs_m = tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + offs_m)
+    if PAIR_BLOCKS:  # noqa: SIM108 (a constexpr branch) block p is pair p, its expert topk_ids[p] (pair_view)
+        pair = tl.where(offs_m == 0, pid_m, num_pairs)
+    else:
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + offs_m)
     row_ok = pair < num_pairs
     token = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -89,7 +93,7 @@ def _down_kernel(
     num_pairs, hidden, inter,
     stride_hp, stride_we, stride_wn, stride_op, stride_hsp, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` rows of one expert × ``BLOCK_N`` hidden columns, times routing weight."""
     pid_m = tl.program_id(0)
@@ -98,7 +102,10 @@ def _down_kernel(
     if expert < 0:
         return
     offs_m = tl.arange(0, BLOCK_M)
-    pair = tl.load(pairs_ptr + pid_m * BLOCK_M + offs_m)
+    if PAIR_BLOCKS:  # noqa: SIM108 (a constexpr branch) block p is pair p, its expert topk_ids[p] (pair_view)
+        pair = tl.where(offs_m == 0, pid_m, num_pairs)
+    else:
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + offs_m)
     row_ok = pair < num_pairs
     row = tl.where(row_ok, pair, 0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -158,7 +165,7 @@ def gate_up(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, w1
         x.stride(0), w13.stride(0), w13.stride(1), out.stride(0),
         scale_x.stride(0), scale_w.stride(0), scale_w.stride(1),
         BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, DOT_DTYPE=_dot_dtype(x.dtype),
-        PRECISION=_precision(x.dtype), HAS_LIMIT=swiglu_limit is not None,
+        PRECISION=_precision(x.dtype), HAS_LIMIT=swiglu_limit is not None, PAIR_BLOCKS=layout.one_pair_per_block,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out
@@ -185,6 +192,32 @@ def down(h: torch.Tensor, h_scale: torch.Tensor | None, w2: torch.Tensor, w2_sca
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         scale_h.stride(0), scale_w.stride(0), scale_w.stride(1),
         BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, DOT_DTYPE=_dot_dtype(h.dtype),
-        PRECISION=_precision(h.dtype), num_warps=num_warps, num_stages=num_stages,
+        PRECISION=_precision(h.dtype), PAIR_BLOCKS=layout.one_pair_per_block, num_warps=num_warps,
+        num_stages=num_stages,
     )
+    return out
+
+
+@triton.jit
+def _sum_pairs_kernel(per_pair_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token × ``BLOCK_H`` columns: the sum of its ``TOP_K`` pair rows in float32, stored in the
+    output's dtype."""
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    ok = offs < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(per_pair_ptr + (token * TOP_K + j) * hidden + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def sum_pairs(per_pair: torch.Tensor, top_k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """``per_pair [T·k, H]`` (contiguous) → ``[T, H]`` in ``out_dtype``: each token's ``k`` rows added in
+    float32 (one launch for what ``.sum(dtype=float32).to(dtype)`` does in two)."""
+    hidden = per_pair.shape[1]
+    tokens = per_pair.shape[0] // top_k
+    out = torch.empty(tokens, hidden, dtype=out_dtype, device=per_pair.device)
+    block_h = min(1024, triton.next_power_of_2(hidden))
+    _sum_pairs_kernel[(tokens, triton.cdiv(hidden, block_h))](per_pair, out, hidden, TOP_K=top_k, BLOCK_H=block_h,
+                                                             num_warps=4)
     return out
