@@ -262,6 +262,7 @@ def test_dspark_drafting_replays_its_own_graphs_equal_to_eager_drafting(folder: 
               "context": torch.zeros((), device=dev)}
     drafted = [0]
 
+    @torch.inference_mode()
     def checking(inputs: Any) -> Any:
         proposal = propose(inputs)
         rows = inputs.rows
