@@ -90,6 +90,26 @@ def test_triton_kernels_in_the_engine_give_the_reference_tokens(tiny_v3: Path) -
     assert tokens == ref_tokens
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.parametrize("balanced", [False, True])
+def test_fused_router_gives_the_torch_routers_tokens(tiny_v3: Path, balanced: bool) -> None:
+    """The triton backend's ``select_experts`` (on by default) against the model's torch router
+    (``plugins.moe.fused_router: false``), with the real router and under forced balanced routing."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    runs = []
+    for fused in (True, False):
+        plugins = {"moe": {"enabled": True, "fused_router": fused}}
+        tokens, llm = greedy(tiny_v3, max_tokens=4, device=device, dtype="float32", plugins=plugins,
+                             kernels={"moe": "triton", "force_balanced_routing": balanced})
+        moe = llm.engine.model.layers[1].mlp
+        routed = llm.engine.runner.backends["experts"].select_experts(
+            torch.randn(3, 8, device=device), moe.e_score_correction_bias, torch.arange(3, device=device), moe.routing)
+        assert (routed is not None) == fused
+        llm.shutdown()
+        runs.append(tokens)
+    assert runs[0] == runs[1]
+
+
 def test_fp8_checkpoint_with_weight_scale_inv_loads_dequantized(tiny_v3: Path, tmp_path: Path) -> None:
     """Every ``*_proj.weight`` matrix saved as e4m3 + ``weight_scale_inv`` (128×128 tiles, as
     DeepSeek-V3 ships): the model's parameters must hold the dequantized values."""

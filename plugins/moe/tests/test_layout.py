@@ -3,9 +3,11 @@ blocks, blocks never mix experts, and the static bounds hold for skewed and spar
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
-from deepinfer_moe.layout import contiguous_rows, masked_slots, max_blocks, pair_blocks, sorted_blocks
+from deepinfer_moe.layout import contiguous_rows, masked_slots, max_blocks, pair_blocks, pair_view, sorted_blocks
 from moe_cases import ROUTINGS, make_routing
 
 
@@ -65,3 +67,33 @@ def test_masked_slots_give_each_expert_its_pairs_in_order(routing: str) -> None:
     assert torch.all(expert == flat)
     assert len(set(slots.slot.tolist())) == flat.numel()
     assert torch.all(row < slots.counts[expert].long())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize(("tokens", "experts", "top_k", "block_m"),
+                         [(1, 64, 6, 16), (5, 64, 6, 16), (16, 64, 6, 16), (64, 64, 8, 32), (64, 64, 6, 64),
+                          (16, 256, 8, 16), (3, 256, 8, 16), (40, 16, 4, 32)])
+def test_small_sorted_blocks_equal_the_torch_layout(routing: str, tokens: int, experts: int, top_k: int,
+                                                    block_m: int) -> None:
+    """The one-launch layout (``layout_kernel.py``) is ``sorted_blocks`` exactly: the same rows, the same
+    block experts (CPU through Triton's interpreter; CUDA in ``test_moe_gpu.py``)."""
+    from deepinfer_moe.layout_kernel import fits_small_layout, small_sorted_blocks
+
+    ids, _ = make_routing(tokens, experts, top_k, routing, seed=tokens + experts)
+    assert fits_small_layout(ids.numel(), experts)
+    expected = sorted_blocks(ids, experts, block_m)
+    layout = small_sorted_blocks(ids, experts, block_m)
+    assert torch.equal(layout.pairs, expected.pairs)
+    assert torch.equal(layout.block_expert, expected.block_expert)
+
+
+def test_small_layout_bound_and_pair_view() -> None:
+    from deepinfer_moe.layout_kernel import fits_small_layout
+
+    assert fits_small_layout(16 * 6, 64) and fits_small_layout(16 * 8, 256)
+    assert not fits_small_layout(64 * 8, 256) and not fits_small_layout(0, 64)
+    ids, _ = make_routing(3, 8, 2, "uniform", seed=3)
+    view = pair_view(ids, 16)
+    assert view.one_pair_per_block and view.num_blocks == 6 and view.num_pairs == 6
+    assert view.block_expert.tolist() == pair_blocks(ids, 16).block_expert.tolist()

@@ -117,3 +117,57 @@ def test_deep_gemm_warm_up_compiles_at_prepare() -> None:
     prepared = backend.prepare_experts(p.w13, p.w2)
     assert len(backend._warm) == 1
     assert relative_error(backend.experts(p.x, p.topk_ids, p.topk_weights, prepared), reference(p)) < 0.08
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize(("tokens", "experts", "top_k"), [(5, 64, 6), (16, 64, 6), (64, 64, 6), (16, 256, 8)])
+def test_sort_free_layout_equals_the_torch_layout_on_cuda(tokens: int, experts: int, top_k: int, routing: str) -> None:
+    from deepinfer_moe.layout import sorted_blocks
+    from deepinfer_moe.layout_kernel import small_sorted_blocks
+
+    ids, _ = make_routing(tokens, experts, top_k, routing, seed=tokens, device="cuda")
+    for block_m in (16, 32, 64):
+        expected = sorted_blocks(ids, experts, block_m)
+        layout = small_sorted_blocks(ids, experts, block_m)
+        assert torch.equal(layout.pairs, expected.pairs) and torch.equal(layout.block_expert, expected.block_expert)
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64])
+def test_sort_free_and_torch_layouts_give_the_same_experts_output(tokens: int) -> None:
+    from deepinfer_moe.triton_backend import TritonMoEBackend
+
+    p = make_problem(tokens, **V2_LITE, routing="uniform", seed=tokens, device="cuda", dtype=torch.bfloat16)
+    new, old = TritonMoEBackend(), TritonMoEBackend(sort_free_layout=False)
+    out = new.experts(p.x, p.topk_ids, p.topk_weights, new.prepare_experts(p.w13, p.w2))
+    torch.testing.assert_close(out, old.experts(p.x, p.topk_ids, p.topk_weights, (p.w13, p.w2)), rtol=0, atol=0)
+    assert relative_error(out, reference(p)) < 1e-2
+
+
+def test_fused_router_and_experts_capture_in_a_cuda_graph() -> None:
+    """Router kernel, sort-free layout, both GEMMs and the pair sum replay with new logits."""
+    from deepinfer_moe.triton_backend import TritonMoEBackend
+
+    from deepinfer.interfaces import RoutingSpec
+
+    tokens = 16
+    p = make_problem(tokens, **V2_LITE, routing="uniform", seed=8, device="cuda", dtype=torch.bfloat16)
+    backend = TritonMoEBackend()
+    weights = backend.prepare_experts(p.w13, p.w2)
+    spec = RoutingSpec(top_k=V2_LITE["top_k"], method="balanced", normalize=True, layer=2)
+    logits = torch.randn(tokens, V2_LITE["experts"], device="cuda")
+    positions = torch.arange(100, 100 + tokens, device="cuda")
+
+    def step() -> torch.Tensor:
+        ids, w = backend.select_experts(logits, None, positions, spec)
+        return backend.experts(p.x, ids, w, weights)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    logits.normal_()
+    positions += 7
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, step(), rtol=0, atol=0)
