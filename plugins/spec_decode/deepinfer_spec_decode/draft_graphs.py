@@ -21,6 +21,7 @@ from CUDA graphs, one per bucket of its inputs' leading dimension (1, 2, 4, 8, t
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -89,12 +90,18 @@ class PaddedGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream):
-            self.fn(*statics, *flags)  # warm-up: library handles, kernel compilation
-            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                outputs = self.fn(*statics, *flags)
-            finally:
-                graph.capture_end()
+        # A graph the garbage collector freed during the capture (an old engine's) would fail its reset; no
+        # collection before it either: captures happen while serving, and a full collection takes milliseconds.
+        gc.disable()
+        try:
+            with torch.cuda.stream(stream):
+                self.fn(*statics, *flags)  # warm-up: library handles, kernel compilation
+                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+                try:
+                    outputs = self.fn(*statics, *flags)
+                finally:
+                    graph.capture_end()
+        finally:
+            gc.enable()
         current.wait_stream(stream)
         return _Captured(graph, statics, outputs)
