@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.interfaces import CommittedRows, DraftInputs, ForwardContext
-from deepinfer.model.transfer import to_device
+from deepinfer.model.transfer import to_device_many
 
 SCRATCH_SLOT = 0  # state slot 0 is never handed out (kv/state.py): the per-request state of scratch rows
 
@@ -159,37 +159,43 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
     ``input_ids`` / ``ctx`` / ``hidden`` are the step's (a CUDA graph's static ones, padding rows included);
     ``hidden`` None: the drafter reads no rows. Returns the inputs, their chain (with rows) and the drafts
     each request may keep ``[B]`` (what it may still use, at most ``k``; the chain may lower it)."""
-    dev = input_ids.device
-
-    def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return to_device(values, dtype, dev)
-
-    samplers = tensor(plan.samplers)
+    dev, i64 = input_ids.device, torch.int64
+    batch = len(plan.samplers)
+    width = max((len(t) for t in plan.tables), default=1)
+    fields: dict[str, tuple[list, torch.dtype]] = {
+        "samplers": (plan.samplers, i64), "positions": (plan.positions, i64), "rooms": (plan.rooms, i64),
+        "tables": ([[*t] + [0] * (width - len(t)) for t in plan.tables], i64), "seeds": (plan.seeds, i64),
+        "temperature": (plan.temperatures, torch.float32)}
+    if hidden is not None:
+        sampler, j = zip(*plan.emitted_from, strict=True) if plan.emitted_rows else ((), ())
+        fields |= {"next_tokens": (plan.next_tokens, i64), "emitted_rows": (plan.emitted_rows, i64),
+                   "emitted_sampler": (list(sampler), i64), "emitted_j": (list(j), i64),
+                   "coverage": (plan.coverage, i64), "last_rows": (plan.last_rows, i64)}
+        if plan.state_slots is not None:
+            fields["state_slots"] = (plan.state_slots, i64)
+    sent = dict(zip(fields, to_device_many(list(fields.values()), dev), strict=True))
+    samplers = sent["samplers"]
     accepted = tokens.num_accepted.index_select(0, samplers)
     last_tokens = tokens.last().index_select(0, samplers)
     # The plan's positions and rooms hold for a row as laid out and a step that accepts no draft.
     shift = accepted if tokens.moved is None else accepted + tokens.moved.index_select(0, samplers)
-    positions = tensor(plan.positions) + shift
-    caps = (tensor(plan.rooms) - shift).clamp(min=0, max=k)
-    batch = len(plan.samplers)
-    width = max((len(t) for t in plan.tables), default=1)
-    tables = tensor([[*t] + [0] * (width - len(t)) for t in plan.tables]).reshape(batch, width)
+    positions = sent["positions"] + shift
+    caps = (sent["rooms"] - shift).clamp(min=0, max=k)
+    tables = sent["tables"].reshape(batch, width)
     rows = chain = None
     if hidden is not None:
-        next_tokens = torch.zeros(input_ids.shape[0], dtype=torch.int64, device=dev)
-        next_tokens[:len(plan.next_tokens)] = tensor(plan.next_tokens)
+        next_tokens = torch.zeros(input_ids.shape[0], dtype=i64, device=dev)
+        next_tokens[:len(plan.next_tokens)] = sent["next_tokens"]
         if plan.emitted_rows:
-            sampler, j = zip(*plan.emitted_from, strict=True)
-            emitted = tokens.emitted[tensor(list(sampler)), tensor(list(j))].clamp(min=0)
-            next_tokens[tensor(plan.emitted_rows)] = emitted
+            emitted = tokens.emitted[sent["emitted_sampler"], sent["emitted_j"]].clamp(min=0)
+            next_tokens[sent["emitted_rows"]] = emitted
         # The drafter's layers see the rows as the model's layers saw them, without bounded-replay floors.
         rows_ctx = dataclasses.replace(ctx, visibility_floor=None, visibility_floor_host=None,
                                        truncation_floor_host=None, truncation_compact_host=None)
-        slots = tensor(plan.state_slots) if plan.state_slots is not None else None
-        chain = ChainRows(positions, caps, tensor(plan.coverage), tables, slots, block_size, ctx.backends,
-                          exact_host_lists)
+        chain = ChainRows(positions, caps, sent["coverage"], tables, sent.get("state_slots"), block_size,
+                          ctx.backends, exact_host_lists)
         rows = CommittedRows(hidden=hidden, next_tokens=next_tokens, ctx=rows_ctx,
-                             last_rows=tensor(plan.last_rows) + accepted, chain=chain)
+                             last_rows=sent["last_rows"] + accepted, chain=chain)
     history_of = None
     if token_cache is not None:
         bound = max((p + 2 * k + 1 for p in plan.positions), default=1)  # past any shift and accepted count
@@ -198,7 +204,7 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
             return token_cache.history(tables, positions, last_tokens, bound)
 
     inputs = DraftInputs(
-        last_tokens=last_tokens, positions=positions, seeds=tensor(plan.seeds),
-        temperature=tensor(plan.temperatures, torch.float32), k=k, rows=rows, sampling=plan.sampling,
+        last_tokens=last_tokens, positions=positions, seeds=sent["seeds"],
+        temperature=sent["temperature"], k=k, rows=rows, sampling=plan.sampling,
         history_of=history_of)
     return inputs, chain, caps

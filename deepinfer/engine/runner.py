@@ -24,7 +24,7 @@ from deepinfer.engine.followup import FollowUps
 from deepinfer.engine.graphs import DecodeGraphs, GraphStep
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
-from deepinfer.model.transfer import to_device, to_host
+from deepinfer.model.transfer import to_device, to_device_many, to_host
 from deepinfer.rows import StepRow
 from deepinfer.sampling.penalties import PenaltyRow, PenaltyState, PenaltyStep
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
@@ -269,7 +269,25 @@ class ModelRunner:
             row_start.append(len(row_request))
             row_request.extend([i] * (1 + s.draft_rows))
             row_offset.extend(range(1 + s.draft_rows))
-        drafts = to_device([[*s.drafts] + [-1] * (k - len(s.drafts)) for s in samplers], torch.int64, dev)
+        params = [s.params for s in samplers]
+        i64, f32 = torch.int64, torch.float32
+        fields = {
+            "drafts": ([[*s.drafts] + [-1] * (k - len(s.drafts)) for s in samplers], i64),
+            "row_start": (row_start, i64),
+            "num_drafts": ([s.draft_rows for s in samplers], i64),  # a follow-up's: fixed up on the device
+            "random_requests": ([i for i, p in enumerate(params) if not p.greedy], i64),
+            "temperature": ([p.temperature if not p.greedy else 1.0 for p in params], f32),
+            "top_k": ([max(p.top_k, 0) for p in params], i64),
+            "top_p": ([p.top_p for p in params], f32),
+            "min_p": ([p.min_p for p in params], f32),
+            "seeds": ([s.seed for s in samplers], i64),
+            "base": ([s.counter for s in samplers], i64),
+            "row_request": (row_request, i64),
+            "row_offset": (row_offset, i64),
+        }
+        if forcing:
+            fields["forced"] = ([[_forced(s, j) for j in range(k + 1)] for s in samplers], i64)
+        sent = dict(zip(fields, to_device_many(list(fields.values()), dev), strict=True))
         probs = None
         if any(s.draft_probs is not None for s in samplers):
             probs = torch.zeros(len(samplers), k, self.model.vocab_size, device=dev)
@@ -278,29 +296,8 @@ class ModelRunner:
                 if s.draft_probs is not None:
                     probs[i, :n] = s.draft_probs[:n]
                 elif n:
-                    probs[i, :n].scatter_(-1, drafts[i, :n, None], 1.0)
-        params = [s.params for s in samplers]
-
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(values, dtype, dev)
-
-        return VerifyBatch(
-            row_start=tensor(row_start, torch.int64),
-            drafts=drafts,
-            num_drafts=tensor([s.draft_rows for s in samplers], torch.int64),  # a follow-up's: fixed up on the device
-            draft_probs=probs,
-            random_requests=tensor([i for i, p in enumerate(params) if not p.greedy], torch.int64),
-            temperature=tensor([p.temperature if not p.greedy else 1.0 for p in params], torch.float32),
-            top_k=tensor([max(p.top_k, 0) for p in params], torch.int64),
-            top_p=tensor([p.top_p for p in params], torch.float32),
-            min_p=tensor([p.min_p for p in params], torch.float32),
-            seeds=tensor([s.seed for s in samplers], torch.int64),
-            base=tensor([s.counter for s in samplers], torch.int64),
-            sampling=sampling,
-            row_request=tensor(row_request, torch.int64),
-            row_offset=tensor(row_offset, torch.int64),
-            forced=tensor([[_forced(s, j) for j in range(k + 1)] for s in samplers], torch.int64) if forcing else None,
-        )
+                    probs[i, :n].scatter_(-1, sent["drafts"][i, :n, None], 1.0)
+        return VerifyBatch(draft_probs=probs, sampling=sampling, forced=sent.pop("forced", None), **sent)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs, fill: tuple[torch.Tensor, torch.Tensor] | None = None,
