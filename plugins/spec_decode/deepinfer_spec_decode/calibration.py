@@ -7,7 +7,9 @@ positions the previous position's calibrated value for the same bin — a plan t
 deep positions would otherwise never learn them, and conditional acceptance changes slowly with the
 position. Each position's values are made non-decreasing in the raw confidence by
 pool-adjacent-violators. Drafts never reached (after an earlier rejection)
-teach nothing: their outcome was not observed.
+teach nothing: their outcome was not observed. The table (and its copy on the device) is rebuilt once
+``n / REFRESH_SHARE`` new verifications arrived (``n`` so far): the drafter calibrates after every step,
+and a rebuild per verification cost more host time than the calibration changes.
 
 ``CalibrationError`` reports the expected calibration error of the confidences the plan used:
 ``Σ_b |Σ confidence − Σ accepted| / N`` over bins of confidence.
@@ -24,6 +26,7 @@ from deepinfer.interfaces import Drafter, DraftInputs, DraftProposal
 from deepinfer.ops import pool_adjacent_violators
 
 PRIOR = 2.0  # pseudo-observations at the bin centre
+REFRESH_SHARE = 16  # the table lags the observations by at most 1/16 of them
 
 
 class IsotonicCalibrator:
@@ -35,6 +38,8 @@ class IsotonicCalibrator:
         self.accepted = [[0.0] * bins for _ in range(max_draft)]
         self._table: torch.Tensor | None = None
         self._on_device: torch.Tensor | None = None  # ``table()`` where the drafts are (rebuilt after observations)
+        self._observed = 0  # verifications observed, and since the table was last rebuilt
+        self._since_rebuild = 0
 
     def _bin(self, raw: torch.Tensor) -> torch.Tensor:
         return (raw.to(torch.float64) * self.bins).long().clamp(0, self.bins - 1)
@@ -69,7 +74,11 @@ class IsotonicCalibrator:
         for j, b in enumerate(self._bin(torch.tensor(raw[:observed], dtype=torch.float32)).tolist()):
             self.seen[j][b] += 1
             self.accepted[j][b] += float(j < accepted)
-        self._table = self._on_device = None
+        self._observed += 1
+        self._since_rebuild += 1
+        if self._since_rebuild >= max(1, self._observed // REFRESH_SHARE):
+            self._table = self._on_device = None
+            self._since_rebuild = 0
 
 
 class CalibratedDrafter:
