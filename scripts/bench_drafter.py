@@ -14,7 +14,10 @@ until EOS or ``--max-tokens``; outputs must be token-identical across configurat
 position, calibrated ECE), and at batch 1 the median wall time of one engine step (a plain decode step
 against a verify + draft step). Every configuration runs the ``cpu`` plugin's GEMMs (``--core-gemm``:
 the core's torch GEMM instead; ``--device cuda``: the ``attention`` plugin's backends and CUDA graphs) and,
-with ``--overlap``, the ``scheduling`` plugin's overlapped executor.
+with ``--overlap``, the ``scheduling`` plugin's overlapped executor. ``--profile CONFIG`` (CUDA) adds a
+``torch.profiler`` table of 16 steady steps of that configuration at each batch (host and device time by op,
+kernel launches, graph replays and copies per step). Before the timings every configuration runs the batch
+once (32 tokens), so its CUDA graphs, the drafter's included, are captured outside them.
 """
 
 from __future__ import annotations
@@ -60,6 +63,24 @@ def _run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tup
     return time.perf_counter() - start, [outputs[r] for r in order], step_times
 
 
+def profile_config(llm: LLM, prompts: list[list[int]], batch: int, out: Path) -> dict:
+    """``torch.profiler`` over 16 steady steps of ``batch`` requests (after 6 warm-up steps): the top ops by
+    host time and by device time written to ``out``; per step: wall ms, kernel launches, graph replays and
+    host → device copies."""
+    from bench_gpu_deepseek import profile_steps
+
+    engine, steps = llm.engine, 16
+    params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
+    for p in prompts[:batch]:
+        engine.add(engine.make_request(p, params))
+    averages, wall = profile_steps(engine, 6, steps)
+    out.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
+                   + averages.table(sort_by="self_device_time_total", row_limit=20))
+    counts = {e.key: e.count / steps for e in averages
+              if e.key in ("cudaLaunchKernel", "cudaGraphLaunch", "cudaMemcpyAsync", "cuLaunchKernel")}
+    return {"wall_ms_per_step": 1e3 * wall / steps, "per_step": counts, "table": out.name}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -81,6 +102,9 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["off", "fixed", "varlen"], choices=["off", "fixed", "varlen"],
                     help="the configurations to run (off is the speed-ups' baseline and always runs)")
     ap.add_argument("--output", type=Path, default=None)
+    ap.add_argument("--profile", default=None, choices=["off", "fixed", "varlen"],
+                    help="with --device cuda: torch.profiler over 16 steady steps of this configuration at each batch, "
+                         "after the timings (tables beside --output)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if (args.work / "data.pt").exists():
@@ -105,8 +129,8 @@ def main() -> None:
         llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1), device=args.device,
                         kv_cache_bytes=args.kv_cache_mb << 20, max_model_len=2048)
                 for name, cfg in _configs(weights, plugins, extra).items() if name == "off" or name in args.configs}
-        for llm in llms.values():  # warm-up: first-call costs (packing, calibration) out of the timings
-            _run(llm, work[:1], 1, 16)
+        for llm in llms.values():  # warm-up: first-call costs (packing, calibration, the drafter's graphs) untimed
+            _run(llm, work[:batch], batch, 32)
         seconds: dict[str, list[float]] = {n: [] for n in llms}
         steps: dict[str, list[float]] = {n: [] for n in llms}
         reference = None
@@ -137,6 +161,10 @@ def main() -> None:
         for name in set(llms) - {"off"}:
             row[name]["speedup"] = row[name]["tok_s"] / row["off"]["tok_s"]
         report["batches"][str(batch)] = row
+        if args.profile and args.device == "cuda":
+            where = (args.output or Path("drafter.json")).with_suffix("")
+            name = f"{where.name}-profile-{args.profile}-b{batch}.txt"
+            row[args.profile]["profile"] = profile_config(llms[args.profile], work, batch, where.parent / name)
         print(json.dumps({"batch": batch, **{n: {k: v for k, v in row[n].items() if k != "seconds"}
                                               for n in llms}}, indent=1), flush=True)
         for llm in llms.values():
