@@ -91,6 +91,11 @@ class ParallelSection(_Section):
     # Used when an enabled plugin offers placement policies (plugins.eplb): the one that rebalances the
     # experts of an expert-parallel run; without such a plugin the initial placement stays.
     placement_policy: str = "greedy_multistep"
+    # Fixed-capacity dispatch (kernels.dispatch: torch_all_to_all_capacity) only: rows per (source,
+    # destination) rank pair = ceil(factor · T · top_k / ranks), T the most tokens any rank has in the
+    # forward, capped at the worst case T · top_k. None: the worst case, which never
+    # overflows and needs no check; a factor: pairs past it take a counted exact-split exchange.
+    dispatch_capacity_factor: float | None = Field(default=None, gt=0, le=64)
 
 
 class SpeculativeSection(_Section):
@@ -123,6 +128,9 @@ class KernelsSection(_Section):
     attention: str = "auto"
     moe: str = "auto"
     gemm: str = "auto"
+    # Expert-parallel ops dispatch/combine (offered with the MoE backends): torch_all_to_all (exact
+    # split sizes, the oracle) or torch_all_to_all_capacity (fixed per-pair capacity, equal splits).
+    dispatch: str = "auto"
     batch_invariant: bool = False
     cuda_graphs: bool = True
     cuda_graph_interval: int = Field(default=8, ge=1)

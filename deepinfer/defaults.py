@@ -22,6 +22,7 @@ from deepinfer.model.layers.reference import TorchAttentionBackend, TorchGemmBac
 from deepinfer.model.layers.reference_deepseek import TorchMLABackend, TorchMoEBackend
 from deepinfer.model.layers.reference_deepseek_v4 import TorchSinkAttentionBackend
 from deepinfer.model.llama import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from deepinfer.parallel.capacity import CapacityAllToAllBackend
 from deepinfer.parallel.dispatch import AllToAllBackend
 
 
@@ -76,7 +77,7 @@ class LeastLoadedRouter:
 class BuiltinPlugin:
     """The core's strategies: ``sync`` executor, ``fcfs`` policy, ``exact`` replay, ``round_robin`` and
     ``least_loaded`` routers, the Llama-family, Gemma-3 and DeepSeek-V2/V3/V4 models and the plain-torch reference
-    backends (the expert-parallel all-to-all, ops ``dispatch``/``combine``, included)."""
+    backends (the expert-parallel all-to-alls, exact and fixed-capacity, ops ``dispatch``/``combine``, included)."""
 
     @hookimpl(trylast=True)
     def deepinfer_model_architectures(self) -> dict[str, type]:
@@ -110,8 +111,8 @@ class BuiltinPlugin:
                 BatchInvariantAttentionBackend(), BatchInvariantMLABackend()]
 
     @hookimpl(trylast=True)
-    def deepinfer_moe_backends(self) -> list[TorchMoEBackend | AllToAllBackend]:
-        return [TorchMoEBackend(), AllToAllBackend(), BatchInvariantMoEBackend()]
+    def deepinfer_moe_backends(self) -> list[TorchMoEBackend | AllToAllBackend | CapacityAllToAllBackend]:
+        return [TorchMoEBackend(), AllToAllBackend(), CapacityAllToAllBackend(), BatchInvariantMoEBackend()]
 
     @hookimpl(trylast=True)
     def deepinfer_gemm_backends(self) -> list[TorchGemmBackend]:

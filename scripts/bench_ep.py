@@ -26,6 +26,9 @@ Examples::
     # CPU decode step time, median of 3 (docs/benchmarks.md, issue 9)
     python scripts/bench_ep.py --device cpu --ranks 4 --shape small --part decode --batches 1,8 \
         --input-len 16 --output-len 32 --repeats 3 --output ep_cpu_4.json
+    # the same with the fixed-capacity dispatch (issue 30 item 2; --capacity-factor 1.25 for a smaller one)
+    python scripts/bench_ep.py --device cpu --ranks 2 --shape small --part decode --batches 1,8 \
+        --dispatch torch_all_to_all_capacity --output ep_cpu_capacity.json
     # every GPU of the machine, NCCL (keep NVLink multicast off)
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
         python scripts/bench_ep.py --device cuda --ranks 8 --shape v2lite --batches 16,64,256 --output ep_h200.json
@@ -136,6 +139,8 @@ def part_decode(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
           "max_model_len": args.input_len + args.output_len + 8}
     if args.device == "cpu":
         kw["kv_cache_bytes"] = 1 << 30
+    kw["kernels"] = {"dispatch": args.dispatch}
+    kw["parallel"] = {"dispatch_capacity_factor": args.capacity_factor}
     with LLM(folder, expert_parallel_size=args.ranks, **kw) as llm:
         timed_generate(llm, prompts_for(args.ranks, 8, vocab, 0), 4)  # warm-up
         for b in batches:
@@ -226,6 +231,10 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=32, help="EPLB statistics window (steps)")
     parser.add_argument("--part", action="append", choices=["decode", "eplb", "simulate"],
                         help="repeatable; default: all three")
+    parser.add_argument("--dispatch", default="auto",
+                        help="decode: kernels.dispatch (torch_all_to_all: exact splits; torch_all_to_all_capacity)")
+    parser.add_argument("--capacity-factor", type=float, default=None,
+                        help="decode: parallel.dispatch_capacity_factor (default: the worst-case capacity)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
     parts = args.part or ["decode", "eplb", "simulate"]
@@ -242,6 +251,7 @@ def main() -> None:
         work = Path(tmp)
         if "decode" in parts:
             result["decode"] = {"shape": args.shape, "input_len": args.input_len, "output_len": args.output_len,
+                                "dispatch": args.dispatch, "capacity_factor": args.capacity_factor,
                                 "rows": part_decode(args, work)}
         if "eplb" in parts:
             result["eplb"] = {"shape": args.eplb_shape, "zipf": args.zipf, "rows": part_eplb(args, work)}

@@ -274,6 +274,13 @@ class StartUp:
             hook_req = req if hook == "deepinfer_attention_backends" else dataclasses.replace(req, kv_dtype="auto")
             backends.update(self.host.select_backends(hook, chosen, path, hook_req,
                                                       getattr(self.model, "backend_ops", None)))
+        if k.dispatch != "auto":  # the expert-parallel ops, offered with the MoE backends
+            picked = self.host.select_backends("deepinfer_moe_backends", k.dispatch, "kernels.dispatch",
+                                               dataclasses.replace(req, kv_dtype="auto"))
+            if picked.get("dispatch") is None or picked["dispatch"].name != k.dispatch:
+                raise ConfigError(f"kernels.dispatch: backend {k.dispatch!r} does not implement ops dispatch/combine; "
+                                  "choose torch_all_to_all, torch_all_to_all_capacity or auto")
+            backends.update(dispatch=picked["dispatch"], combine=picked["combine"])
         return backends
 
     # ------------------------------------------------------------------------------------ speculation

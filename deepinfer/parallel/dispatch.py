@@ -26,6 +26,17 @@ from deepinfer.interfaces import BackendCapabilities
 _ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 
 
+@dataclass(frozen=True)
+class PairCapacity:
+    """What a fixed-capacity dispatch may send each destination rank: ``rows`` per (source, destination)
+    pair, and ``covers_worst_case`` — True when ``rows`` is at least the most pairs any rank can send one
+    destination in this forward, so that no pair can overflow and no rank needs to check. The caller
+    (``moe.ExpertParallelMoE``) computes it alike on every rank; exact-split backends ignore it."""
+
+    rows: int
+    covers_worst_case: bool
+
+
 @dataclass
 class DispatchHandle:
     """What combine needs to send outputs home: the sort ``order`` of the ``T·k`` pairs, the counts
@@ -65,10 +76,12 @@ class AllToAllBackend:
         return dist.is_available()
 
     def dispatch(self, x: torch.Tensor, dest_rank: torch.Tensor, dest_slot: torch.Tensor, *, world: int,
-                 group: dist.ProcessGroup | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
+                 group: dist.ProcessGroup | None = None,
+                 capacity: PairCapacity | None = None) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
         """``x [T, H]``; ``dest_rank``/``dest_slot [T, k]`` the rank and local slot of each choice.
         Returns ``(x_recv [M, H], slot_recv [M] int64, handle)``: the rows this rank must compute,
-        grouped by source rank, with the local slot of each."""
+        grouped by source rank, with the local slot of each. ``capacity`` is ignored (the split sizes
+        are exact)."""
         t0 = time.perf_counter()
         num_tokens, top_k = dest_rank.shape
         flat_rank = dest_rank.reshape(-1)
@@ -95,12 +108,21 @@ class AllToAllBackend:
         h = handle
         back = y.new_empty(sum(h.send_counts), y.shape[1])
         dist.all_to_all_single(back, y.contiguous(), h.send_counts, h.recv_counts, group=h.group)
-        per_choice = torch.empty_like(back)
-        per_choice[h.order] = back
-        per_choice = per_choice.view(h.num_tokens, h.top_k, y.shape[1]).float()  # not -1: T may be 0
-        weights = topk_weights.float()
-        out = per_choice[:, 0] * weights[:, 0:1]
-        for j in range(1, h.top_k):  # a fixed summation order, whatever the ranks did
-            out = out + per_choice[:, j] * weights[:, j:j + 1]
+        out = sum_choices(back, h.order, topk_weights, h.num_tokens, h.top_k)
         self.timer.combine_s += time.perf_counter() - t0
-        return out.to(y.dtype)
+        return out
+
+
+def sum_choices(rows: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
+                top_k: int) -> torch.Tensor:
+    """``rows [T·k, H]``, the expert output of each (token, choice) pair in sorted ``order`` (``rows[i]``
+    answers pair ``order[i]``) → ``[T, H]`` in ``rows``' dtype: Σ_j ``topk_weights[t, j]`` · output, in
+    float32, in the fixed order j = 0, 1, …, k−1 whatever the ranks did."""
+    per_choice = torch.empty_like(rows)
+    per_choice[order] = rows
+    per_choice = per_choice.view(num_tokens, top_k, rows.shape[1]).float()  # not -1: T may be 0
+    weights = topk_weights.float()
+    out = per_choice[:, 0] * weights[:, 0:1]
+    for j in range(1, top_k):
+        out = out + per_choice[:, j] * weights[:, j:j + 1]
+    return out.to(rows.dtype)

@@ -329,6 +329,10 @@ class ParallelEngine:
             parallel["combine_seconds"] = sum(c["combine_seconds"] for c in comm)
             parallel["dispatch_seconds_per_layer"] = parallel["dispatch_seconds"] / calls if calls else 0.0
             parallel["combine_seconds_per_layer"] = parallel["combine_seconds"] / calls if calls else 0.0
+            if "dispatch_overflow_pairs" in comm[0]:  # fixed-capacity dispatch (kernels.dispatch)
+                parallel["dispatch_overflow_pairs"] = sum(c["dispatch_overflow_pairs"] for c in comm)
+                # every rank counts the same exchanges (they are collectives): rank 0's
+                parallel["dispatch_overflow_exchanges"] = comm[0]["dispatch_overflow_exchanges"]
         stats["parallel"] = parallel
         if eplb[0] is not None and "eplb" in self.host.enabled:
             stats["eplb"] = {**stats.get("eplb", {}), **eplb[0]}

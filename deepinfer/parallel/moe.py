@@ -13,16 +13,52 @@ holding every expert gives up the rows the rank does not hold.
 
 Local expert compute still goes through the selected ``experts`` backend (the rows received are
 computed as single-choice tokens of weight 1 over the local slots), so fast MoE kernels serve EP too.
+
+A fixed-capacity dispatch backend (``fixed_capacity = True``, ``capacity.py``) gets a ``PairCapacity``
+that every rank computes alike: the first MoE layer of each forward agrees with the other ranks on the
+most tokens any of them has (one all-reduce of one integer per forward, read on the host), and every
+layer of that forward sizes its per-pair rows from it (``pair_capacity``).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from deepinfer.interfaces import ForwardContext
+from deepinfer.parallel.dispatch import PairCapacity
 from deepinfer.parallel.placement import logical_to_physical, replica_counts, route_to_replicas
+
+
+def pair_capacity(max_tokens: int, top_k: int, world: int, factor: float | None) -> PairCapacity:
+    """Rows per (source, destination) rank pair when the rank with the most tokens has ``max_tokens``:
+    ``ceil(factor · max_tokens · top_k / world)`` capped at the worst case ``max_tokens · top_k`` (every
+    choice of every token on one rank; no choice can overflow it, whatever the router did); the worst
+    case itself when ``factor`` is None. At least one row."""
+    worst = max_tokens * top_k
+    rows = worst if factor is None else min(worst, math.ceil(factor * max_tokens * top_k / world))
+    rows = max(1, rows)
+    return PairCapacity(rows, rows >= worst)
+
+
+class TokenAgreement:
+    """The most tokens any rank has in the current forward, agreed by the first MoE layer (an
+    all-reduce of one integer, read on the host: the one deliberate sync of a fixed-capacity forward)
+    and read by the later layers of the same forward. Shared by one rank's ``ExpertParallelMoE``s."""
+
+    def __init__(self, group: dist.ProcessGroup | None) -> None:
+        self.group = group
+        self.max_tokens = 0
+
+    def agree(self, num_tokens: int, device: torch.device) -> int:
+        """Agree on the forward's maximum (every rank calls this at the same layer)."""
+        value = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        self.max_tokens = int(value.item())
+        return self.max_tokens
 
 
 class ExpertParallelMoE:
@@ -35,10 +71,14 @@ class ExpertParallelMoE:
 
     def __init__(self, *, layer: int, rank: int, world: int, slots: int, num_logical: int,
                  w13: torch.Tensor, w2: torch.Tensor, phys_to_logical: torch.Tensor,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, agreement: TokenAgreement | None = None,
+                 capacity_factor: float | None = None) -> None:
         self.layer, self.rank, self.world, self.slots = layer, rank, world, slots
         self.num_logical = num_logical
         self.group = group
+        # Fixed-capacity dispatch only (see the module docstring); layer 0 agrees, the others read.
+        self.agreement = agreement if agreement is not None else TokenAgreement(group)
+        self.capacity_factor = capacity_factor
         self.w13, self.w2 = w13, w2
         self.device = w13.device
         self.loads = torch.zeros(num_logical, dtype=torch.int64, device=self.device)
@@ -67,13 +107,27 @@ class ExpertParallelMoE:
         self.loads.index_add_(0, flat, torch.ones_like(flat))
         phys = route_to_replicas(topk_ids, self.l2p, self.counts, self.rank)
         comm = ctx.backends["dispatch"]
+        capacity = self._capacity(x, topk_ids.shape[1]) if getattr(comm, "fixed_capacity", False) else None
         x_recv, slot_recv, handle = comm.dispatch(x, phys // self.slots, phys % self.slots, world=self.world,
-                                                  group=self.group)
+                                                  group=self.group, capacity=capacity)
         self.received.append(x_recv.shape[0])
         ones = torch.ones(x_recv.shape[0], 1, dtype=torch.float32, device=x.device)
         y = ctx.backends["experts"].experts(x_recv, slot_recv.unsqueeze(1), ones, (self.w13, self.w2),
                                             swiglu_limit=swiglu_limit)
         return ctx.backends["combine"].combine(y, handle, topk_weights)
+
+
+    def _capacity(self, x: torch.Tensor, top_k: int) -> PairCapacity:
+        """This forward's ``PairCapacity`` (the first layer agrees on the token maximum first)."""
+        num_tokens = x.shape[0]
+        if self.layer == 0:
+            self.agreement.agree(num_tokens, x.device)
+        bound = self.agreement.max_tokens
+        if num_tokens > bound:
+            raise RuntimeError(f"MoE layer {self.layer} has {num_tokens} tokens, more than the {bound} the ranks "
+                               "agreed at layer 0 of this forward; fixed-capacity dispatch needs layer 0 to see "
+                               "the most tokens of any layer (kernels.dispatch: torch_all_to_all serves this model)")
+        return pair_capacity(bound, top_k, self.world, self.capacity_factor)
 
 
 def ep_capable_layers(model: nn.Module) -> list[nn.Module]:
@@ -86,11 +140,14 @@ def ep_capable_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def attach_expert_parallel(model: nn.Module, *, rank: int, world: int, slots: int,
-                           placement: torch.Tensor, group: dist.ProcessGroup | None) -> list[ExpertParallelMoE]:
+                           placement: torch.Tensor, group: dist.ProcessGroup | None,
+                           capacity_factor: float | None = None) -> list[ExpertParallelMoE]:
     """Give every EP-capable layer its local slots under ``placement [layers, ranks·slots]``, taken
     from the rows the module holds (``expert_ids``; see the module docstring), then drop the module's
-    own reference to them (the ``ExpertParallelMoE`` owns the slots, and a shuffle replaces them)."""
+    own reference to them (the ``ExpertParallelMoE`` owns the slots, and a shuffle replaces them).
+    ``capacity_factor``: ``parallel.dispatch_capacity_factor``, for a fixed-capacity dispatch backend."""
     layers = ep_capable_layers(model)
+    agreement = TokenAgreement(group)
     if len(layers) != placement.shape[0]:
         raise ValueError(f"placement has {placement.shape[0]} rows for {len(layers)} MoE layers")
     out = []
@@ -108,7 +165,8 @@ def attach_expert_parallel(model: nn.Module, *, rank: int, world: int, slots: in
             w13 = module.w13.data.index_select(0, rows).contiguous()
             w2 = module.w2.data.index_select(0, rows).contiguous()
         ep = ExpertParallelMoE(layer=i, rank=rank, world=world, slots=slots, num_logical=module.num_experts,
-                               w13=w13, w2=w2, phys_to_logical=placement[i], group=group)
+                               w13=w13, w2=w2, phys_to_logical=placement[i], group=group,
+                               agreement=agreement, capacity_factor=capacity_factor)
         module.w13 = None
         module.w2 = None
         module.expert_parallel = ep

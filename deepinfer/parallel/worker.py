@@ -91,7 +91,8 @@ class Rank:
             slots = experts.shard.slots(num_logical)
             placement = initial_placement(len(moe), num_logical, slots * world)
             self.layers = attach_expert_parallel(self.engine.model, rank=rank, world=world, slots=slots,
-                                                 placement=placement, group=None)
+                                                 placement=placement, group=None,
+                                                 capacity_factor=self.engine.config.parallel.dispatch_capacity_factor)
             topology = Topology(ranks=world, slots_per_rank=slots,
                                 num_groups=int(self.engine.hf_config.get("n_group") or 1), num_nodes=num_nodes)
             self.balancer = ExpertBalancer(self.layers, policy=experts.policy, policy_name=experts.policy_name,
@@ -185,6 +186,10 @@ class Rank:
         if self.layers and timer is not None:
             stats["_parallel"] = {"dispatch_seconds": timer.dispatch_s, "combine_seconds": timer.combine_s,
                                   "dispatch_calls": timer.calls}
+            overflow = getattr(comm, "overflow", None)  # a fixed-capacity backend's counts
+            if overflow is not None:
+                stats["_parallel"].update(dispatch_overflow_pairs=overflow.pairs,
+                                          dispatch_overflow_exchanges=overflow.exchanges)
         if self.balancer is not None:
             stats["_eplb"] = self.balancer.stats()
         return stats
