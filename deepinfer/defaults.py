@@ -74,10 +74,20 @@ class LeastLoadedRouter:
         return min(rank_loads, key=lambda load: (load.num_tokens, load.num_requests, load.rank)).rank
 
 
+class LeastRequestsRouter:
+    """Sends a request to the rank with the fewest queued and running requests (ties: fewer KV blocks
+    in use, then the lowest rank), so ranks run similar batch sizes and a rank whose cache is fuller
+    gets the next request last."""
+
+    def route(self, request: SchedulableRequest, rank_loads: Sequence[RankLoad]) -> int:
+        return min(rank_loads, key=lambda load: (load.num_requests, load.num_kv_blocks, load.rank)).rank
+
+
 class BuiltinPlugin:
-    """The core's strategies: ``sync`` executor, ``fcfs`` policy, ``exact`` replay, ``round_robin`` and
-    ``least_loaded`` routers, the Llama-family, Gemma-3 and DeepSeek-V2/V3/V4 models and the plain-torch reference
-    backends (the expert-parallel all-to-alls, exact and fixed-capacity, ops ``dispatch``/``combine``, included)."""
+    """The core's strategies: ``sync`` executor, ``fcfs`` policy, ``exact`` replay, ``round_robin``,
+    ``least_loaded`` and ``least_requests`` routers, the Llama-family, Gemma-3 and DeepSeek-V2/V3/V4
+    models and the plain-torch reference backends (the expert-parallel all-to-alls, exact and
+    fixed-capacity, ops ``dispatch``/``combine``, included)."""
 
     @hookimpl(trylast=True)
     def deepinfer_model_architectures(self) -> dict[str, type]:
@@ -99,8 +109,9 @@ class BuiltinPlugin:
         return {"exact": ExactReplayPlanner()}
 
     @hookimpl(trylast=True)
-    def deepinfer_request_routers(self) -> dict[str, RoundRobinRouter | LeastLoadedRouter]:
-        return {"round_robin": RoundRobinRouter(), "least_loaded": LeastLoadedRouter()}
+    def deepinfer_request_routers(self) -> dict[str, RoundRobinRouter | LeastLoadedRouter | LeastRequestsRouter]:
+        return {"round_robin": RoundRobinRouter(), "least_loaded": LeastLoadedRouter(),
+                "least_requests": LeastRequestsRouter()}
 
     @hookimpl(trylast=True)
     def deepinfer_attention_backends(self) -> list[TorchAttentionBackend | TorchMLABackend |

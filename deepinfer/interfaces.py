@@ -159,11 +159,15 @@ StepExecutorFactory = Callable[[StepContext], StepExecutor]
 
 @dataclass(frozen=True)
 class RankLoad:
-    """What a router sees of one data-parallel rank: queued and running requests and tokens."""
+    """What a router sees of one data-parallel rank: queued and running requests and their tokens, and
+    the KV blocks in use. Each rank reports its load with every step reply (no extra round trip); the
+    driver adds the requests it routed there since (their tokens, and ``ceil(tokens / block_size)``
+    blocks each)."""
 
     rank: int
     num_requests: int
     num_tokens: int
+    num_kv_blocks: int = 0
 
 
 class RequestRouter(Protocol):

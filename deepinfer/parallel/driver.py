@@ -246,7 +246,9 @@ class ParallelEngine:
         if not 0 <= rank < self.world:
             raise ValueError(f"router {self.config.parallel.router!r} chose rank {rank} of {self.world}")
         load = self._loads[rank]
-        self._loads[rank] = RankLoad(rank, load.num_requests + 1, load.num_tokens + request.num_tokens)
+        blocks = -(-request.num_tokens // self.config.cache.block_size)  # until the rank reports its own
+        self._loads[rank] = RankLoad(rank, load.num_requests + 1, load.num_tokens + request.num_tokens,
+                                     load.num_kv_blocks + blocks)
         self._inbox[rank].append(request)
         self._owner[request.request_id] = rank
         self._requests[request.request_id] = request

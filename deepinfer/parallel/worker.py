@@ -175,9 +175,11 @@ class Rank:
             self.engine.model.forward(ids, ctx)
 
     def load(self) -> RankLoad:
+        """Queued and running requests, their tokens, and the KV blocks in use (cached free blocks not)."""
         sched = self.engine.scheduler
         live = sched.waiting + sched.running
-        return RankLoad(self.rank, len(live), sum(r.num_tokens for r in live))
+        pool = self.engine.kv.pool
+        return RankLoad(self.rank, len(live), sum(r.num_tokens for r in live), pool.num_usable - pool.num_free)
 
     def stats(self) -> dict[str, Any]:
         stats = self.engine.get_stats()
