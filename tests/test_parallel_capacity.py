@@ -130,3 +130,50 @@ def test_two_ranks_fixed_capacity_give_the_single_process_tokens(tiny_v3, refere
     else:
         assert parallel["dispatch_overflow_pairs"] == 0
         assert parallel["dispatch_overflow_exchanges"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fixed_capacity_on_a_world_of_one_nccl_rank_replays_in_a_cuda_graph():
+    """NCCL, one rank: both capacities give bitwise the exact path's outputs, and the worst-case path
+    (no host read) captured in a CUDA graph replays to them on new inputs."""
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        tokens, hidden, top_k, slots = 13, 64, 3, 8
+
+        def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            x = torch.randn(tokens, hidden, device="cuda", generator=gen)
+            ids = torch.rand(tokens, slots, device="cuda", generator=gen).argsort(dim=1)[:, :top_k]
+            return x, ids, torch.rand(tokens, top_k, device="cuda", generator=gen)
+
+        def run(backend, x, ids, weights, capacity):
+            x_recv, slot_recv, handle = backend.dispatch(x, torch.zeros_like(ids), ids, world=1, capacity=capacity)
+            return backend.combine(x_recv * (slot_recv.unsqueeze(1) + 1).to(x.dtype), handle, weights)
+
+        exact, fixed = AllToAllBackend(), CapacityAllToAllBackend()
+        worst = PairCapacity(tokens * top_k, True)
+        x, ids, weights = inputs()
+        ref = run(exact, x, ids, weights, None)
+        assert torch.equal(run(fixed, x, ids, weights, worst), ref)
+        assert torch.equal(run(fixed, x, ids, weights, PairCapacity(4, False)), ref)
+        assert fixed.overflow.pairs == tokens * top_k - 4 and fixed.overflow.exchanges == 1
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(fixed, x, ids, weights, worst)  # warm-up off the capture
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = run(fixed, x, ids, weights, worst)
+        new_x, new_ids, new_weights = inputs()
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(exact, new_x, new_ids, new_weights, None))
+    finally:
+        dist.destroy_process_group()

@@ -99,7 +99,9 @@ class CapacityAllToAllBackend:
         flat_rank = dest_rank.reshape(-1)
         order = torch.argsort(flat_rank, stable=True)
         sorted_rank = flat_rank.index_select(0, order)
-        counts = torch.bincount(flat_rank, minlength=world)
+        # index_add_, not bincount: bincount on CUDA reads the maximum on the host
+        counts = torch.zeros(world, dtype=torch.int64, device=x.device)
+        counts.index_add_(0, flat_rank, torch.ones_like(flat_rank))
         first = torch.cumsum(counts, 0) - counts  # each destination's first sorted pair
         position = torch.arange(flat_rank.numel(), device=x.device) - first.index_select(0, sorted_rank)
         overflow = position >= rows
