@@ -32,7 +32,7 @@ import torch
 
 from deepinfer.engine.drafting import StepTokens
 from deepinfer.interfaces import ForwardContext
-from deepinfer.model.transfer import to_device
+from deepinfer.model.transfer import to_device_many
 from deepinfer.sampling.sampler import SamplingBatch
 from deepinfer.sampling.verify import VerifyBatch
 
@@ -66,55 +66,62 @@ class FollowUps:
         batch when draft distributions had to be added), and how far each of the step's ``num_samplers``
         sampling rows moved ``[S]`` (0 but for follow-ups: the drafting after the step starts there)."""
         dev = input_ids.device
-        accepted = previous.num_accepted.index_select(0, _indices(self.sources, dev))
+        lists = self._indices(dev)
+        accepted = previous.num_accepted.index_select(0, lists["sources"])
         moved = torch.zeros(num_samplers, dtype=torch.int64, device=dev)
-        moved[_indices(self.samplers, dev)] = accepted
-        return self._fix(previous, proposal, accepted, input_ids, ctx, sampling, verify, vocab_size), moved
+        moved[lists["samplers"]] = accepted
+        return self._fix(lists, previous, proposal, accepted, input_ids, ctx, sampling, verify, vocab_size), moved
 
-    def _fix(self, previous: StepTokens, proposal: DeviceProposal | None, accepted: torch.Tensor,
-             input_ids: torch.Tensor, ctx: ForwardContext, sampling: SamplingBatch | None,
+    def _indices(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """Every host-built index list of the fix-up on ``device``, in one copy (never waiting for it)."""
+        counts = [1 + g for g in self.drafts]
+        random = [(i, r) for i, r in enumerate(self.random) if r >= 0]
+        drafted = [i for i, row in enumerate(self.proposal_rows) if row >= 0]
+        draft_rows = [(i, j) for i, g in enumerate(self.drafts) for j in range(g)]
+        lists = {
+            "sources": self.sources, "samplers": self.samplers, "requests": self.requests,
+            "token_rows": self.token_rows, "granted": self.drafts, "rooms": self.rooms,
+            "owner": [i for i, n in enumerate(counts) for _ in range(n)],
+            "rows": [first + j for first, n in zip(self.token_rows, counts, strict=True) for j in range(n)],
+            "random_rows": [r for _, r in random], "random_of": [i for i, _ in random],
+            "drafted": drafted, "proposal_rows": [self.proposal_rows[i] for i in drafted],
+            "draft_at": [self.token_rows[i] + 1 + j for i, j in draft_rows],
+            "draft_of": [i for i, _ in draft_rows], "draft_col": [j for _, j in draft_rows],
+        }
+        return dict(zip(lists, to_device_many([(v, torch.int64) for v in lists.values()], device), strict=True))
+
+    def _fix(self, lists: dict[str, torch.Tensor], previous: StepTokens, proposal: DeviceProposal | None,
+             accepted: torch.Tensor, input_ids: torch.Tensor, ctx: ForwardContext, sampling: SamplingBatch | None,
              verify: VerifyBatch | None, vocab_size: int) -> VerifyBatch | None:
         dev = input_ids.device
-
-        def tensor(values: list) -> torch.Tensor:
-            return _indices(values, dev)
-
-        counts = [1 + g for g in self.drafts]
-        owner = tensor([i for i, n in enumerate(counts) for _ in range(n)])
-        rows = tensor([first + j for first, n in zip(self.token_rows, counts, strict=True) for j in range(n)])
-        requests = tensor(self.requests)
+        owner, rows, requests = lists["owner"], lists["rows"], lists["requests"]
         ctx.positions[rows] += accepted[owner]
         ctx.seq_lens[requests] += accepted
         positions, bs = ctx.positions[rows], ctx.block_size
         tables = ctx.block_tables.index_select(0, requests.index_select(0, owner))
         ctx.slot_mapping[rows] = tables.gather(1, (positions // bs).unsqueeze(1)).squeeze(1) * bs + positions % bs
-        input_ids[tensor(self.token_rows)] = previous.last().index_select(0, tensor(self.sources))
+        input_ids[lists["token_rows"]] = previous.last().index_select(0, lists["sources"])
         if sampling is not None and any(r >= 0 for r in self.random):
-            random = [(i, r) for i, r in enumerate(self.random) if r >= 0]
-            sampling.positions[tensor([r for _, r in random])] += accepted[tensor([i for i, _ in random])]
+            sampling.positions[lists["random_rows"]] += accepted[lists["random_of"]]
         if verify is None:
             return None
-        samplers = tensor(self.samplers)
+        samplers = lists["samplers"]
         verify.base[samplers] += accepted
         if not any(self.drafts) or proposal is None:
             verify.num_drafts[samplers] = 0
             return verify
         k = verify.drafts.shape[1]
-        drafted = [i for i, row in enumerate(self.proposal_rows) if row >= 0]
         width = min(k, proposal.tokens.shape[1])
         drafts = torch.full((len(self.drafts), k), -1, dtype=torch.int64, device=dev)
-        drafted_index, source_rows = tensor(drafted), tensor([self.proposal_rows[i] for i in drafted])
+        drafted_index, source_rows = lists["drafted"], lists["proposal_rows"]
         drafts[drafted_index, :width] = proposal.tokens.index_select(0, source_rows)[:, :width]
         cols = torch.arange(k, device=dev)
-        granted = tensor(self.drafts)
-        drafts = torch.where(cols < granted.unsqueeze(1), drafts, -1)
+        drafts = torch.where(cols < lists["granted"].unsqueeze(1), drafts, -1)
         usable = torch.cumprod((drafts >= 0).to(torch.int64), dim=1).sum(dim=1)
-        room = (tensor(self.rooms) - accepted).clamp(min=0)
+        room = (lists["rooms"] - accepted).clamp(min=0)
         verify.num_drafts[samplers] = torch.minimum(usable, room)
         verify.drafts[samplers] = drafts
-        draft_rows = [(i, j) for i, g in enumerate(self.drafts) for j in range(g)]
-        at = tensor([self.token_rows[i] + 1 + j for i, j in draft_rows])
-        input_ids[at] = drafts[tensor([i for i, _ in draft_rows]), tensor([j for _, j in draft_rows])].clamp(min=0)
+        input_ids[lists["draft_at"]] = drafts[lists["draft_of"], lists["draft_col"]].clamp(min=0)
         if proposal.probs is None:
             return verify
         probs = verify.draft_probs
@@ -126,8 +133,3 @@ class FollowUps:
         probs[samplers.index_select(0, drafted_index), :width] = proposal.probs.index_select(
             0, source_rows)[:, :width].to(probs.dtype)
         return verify
-
-
-def _indices(values: list, device: torch.device) -> torch.Tensor:
-    """Host-built int64 indices on ``device``, never waiting for it (the launch path)."""
-    return to_device(values, torch.int64, device)
