@@ -118,6 +118,7 @@ ROPE_THETA = 10000.0
 LOGIT_CLAMP = 60.0  # the confidence head's sigmoid argument is clamped at ±60 (reference §4)
 WRITE_GRAPH_ROWS = 1024  # the largest step (rows) whose context write replays a CUDA graph
 DRAFT_GRAPH_BATCH = 256  # the largest drafting batch whose block pass replays a CUDA graph
+PENDING_ROWS = 4096  # context rows kept unwritten at most while no request drafts (DSparkDrafter.propose)
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # y = x · Wᵀ (F.linear, or a GEMM backend's)
 
 
@@ -378,6 +379,9 @@ class DSparkDrafter:
         # step whose GEMM backend is graph-safe; MoE blocks read their experts on the host, so they stay eager.
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and not any(layer.moe for layer in network.layers)
         self.linear: Linear | None = None
+        # Context rows not written yet (``propose``): (features, slots, positions) per step, and their rows.
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.pending_rows = 0
         self.write_graphs: PaddedGraphs | None = None
         self.draft_graphs: PaddedGraphs | None = None
 
@@ -415,6 +419,23 @@ class DSparkDrafter:
         return draft_block(logits.float().reshape(batch, k, -1), before_norm, last_tokens, self.network,
                            self.confidence_temperature, temperature, seeds, positions, report_probs)
 
+    def _write_pending(self) -> None:
+        """Write the context rows of the steps since the last write, oldest first, in one pass (a later step's
+        row of a slot overwrites an earlier one's, as written step by step). Padding rows write the reserved
+        scratch slot 0."""
+        steps = len(self.pending)
+        features, slots, positions = (torch.cat(parts) if steps > 1 else parts[0]
+                                      for parts in zip(*self.pending, strict=True))
+        self.pending, self.pending_rows = [], 0
+        if steps > 1:  # a slot written by several steps (a rejected draft's row, a reused block) takes the newest
+            order = torch.arange(slots.shape[0], device=slots.device)  # row; the older ones go to the scratch slot
+            newest = torch.full((self.context.shape[0],), -1, dtype=torch.int64, device=slots.device)
+            newest.scatter_reduce_(0, slots, order, reduce="amax")
+            slots = torch.where(newest[slots] == order, slots, 0)
+        written = [(features, 0), (slots, 0), (positions, 0)]
+        if self.write_graphs is None or self.write_graphs(features.shape[0], written) is None:
+            self.write_context(features, slots, positions)
+
     def _bind(self, rows: CommittedRows) -> None:
         """The engine's GEMMs (on CPU: packed once, not per call), and the graphs when they may capture them."""
         backend = rows.ctx.backends["linear"]
@@ -433,14 +454,17 @@ class DSparkDrafter:
                                "provides them when the model captures the drafter's target layers")
         if self.linear is None:
             self._bind(rows)
-        # Every committed row (prefill chunks included) enters the context cache before any request drafts.
-        # Padding rows write the reserved scratch slot 0.
-        written = [(rows.hidden, 0), (rows.ctx.slot_mapping, 0), (rows.ctx.positions, 0)]
-        if self.write_graphs is None or self.write_graphs(rows.hidden.shape[0], written) is None:
-            self.write_context(*(t for t, _ in written))
+        # Every committed row (prefill chunks included) enters the context cache before any request drafts; while
+        # no request drafts (every one paused) nothing reads the cache, so the rows wait and are written in order.
+        # A graph replay's slots and positions are its static buffers: copied.
+        self.pending.append((rows.hidden, rows.ctx.slot_mapping.clone(), rows.ctx.positions.clone()))
+        self.pending_rows += rows.hidden.shape[0]
         if batch == 0:
+            if self.pending_rows > PENDING_ROWS:
+                self._write_pending()
             empty = torch.empty(0, k, device=dev)
             return DraftProposal(empty.long(), None, empty)
+        self._write_pending()
         slots, visible = self.window_slots(rows, inputs.positions - 1)
         # Padding requests: a window on slot 0 that nothing sees, the token 0 at position 1, greedy.
         drafting = [(slots, 0), (visible, False), (inputs.last_tokens, 0), (inputs.positions, 1),

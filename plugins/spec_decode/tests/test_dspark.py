@@ -4,6 +4,7 @@ confidence head on a hand-made example, no leaked block under preemption and abo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -98,11 +99,15 @@ def test_greedy_tokens_are_identical_with_dspark_under_both_plans(tiny_dir):
         assert layers and _dspark(llm).network.main_proj.weight.shape == (hidden, hidden * len(layers))
 
 
-def test_context_cache_equals_a_from_scratch_recomputation_at_every_step(tiny_dir):
+@pytest.mark.parametrize("pauses", [False, True], ids=["every_step", "with_pauses"])
+def test_context_cache_equals_a_from_scratch_recomputation_at_every_step(tiny_dir, pauses):
     """Chunked prefill, a batch, accepted and rejected drafts: at every draft the window the drafter reads
     from its context cache equals ``context_kv`` of features recomputed by teacher forcing the request's
     committed tokens from scratch. Accepted drafts are planted (the reference continuation for a random
-    number of leading drafts, a wrong token after), so rows committed by verification enter the cache."""
+    number of leading drafts, a wrong token after), so rows committed by verification enter the cache.
+    ``with_pauses``: about half the drafting steps draft for nobody (as when every request's drafting is
+    paused), so the drafter keeps several steps' rows unwritten — a rejected draft's row and the real row
+    of its slot among them — and writes them before the next draft."""
     window = 6
     prompts = [*_prompts(3, 7), torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(8)).tolist()]
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
@@ -112,11 +117,17 @@ def test_context_cache_equals_a_from_scratch_recomputation_at_every_step(tiny_di
     scratch = _llm(tiny_dir)
     drafter = _dspark(llm)
     layers = llm.engine.model.captured_layers
-    propose, gen, checked = drafter.propose, torch.Generator().manual_seed(9), [0]
+    propose, gen, checked, waited = drafter.propose, torch.Generator().manual_seed(9), [0], [0]
 
     def checking(inputs):
+        batch = inputs.last_tokens.shape[0]
+        if pauses and batch and bool(torch.rand((), generator=gen) < 0.5):
+            propose(dataclasses.replace(inputs, last_tokens=inputs.last_tokens[:0], positions=inputs.positions[:0],
+                                        seeds=inputs.seeds[:0], temperature=inputs.temperature[:0]))
+            waited[0] = max(waited[0], len(drafter.pending))
+            return DraftProposal(torch.full((batch, inputs.k), -1), None, torch.zeros(batch, inputs.k))
         proposal = propose(inputs)
-        if inputs.last_tokens.shape[0] == 0:
+        if batch == 0:
             return proposal
         slots, visible = drafter.window_slots(inputs.rows, inputs.positions - 1)
         context = drafter.context[slots]
@@ -145,6 +156,7 @@ def test_context_cache_equals_a_from_scratch_recomputation_at_every_step(tiny_di
     stats = llm.get_stats()
     assert checked[0] > 10 and stats["spec_decode"]["mean_acceptance_length"] > 1.5
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert waited[0] > 1 if pauses else waited[0] == 0
 
 
 def test_drafts_have_the_right_shapes_and_confidences_in_the_open_unit_interval(llama_dir):
