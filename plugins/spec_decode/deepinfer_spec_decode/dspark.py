@@ -16,7 +16,10 @@ cache ``[slots, layers, 2, H]`` indexed by the main pool's slot of the row's pos
 shared through the prefix cache (a hit's positions were written by the request that computed them) and
 overwritten when a block is reused. Every row of the step is written (``CommittedRows``); a rejected
 draft's row lies past its request's committed length, which no window reads, and is written again when
-that position is computed for real, so nothing is rolled back.
+that position is computed for real, so nothing is rolled back. While no request drafts (every one's
+drafting paused by the plan) nothing reads the cache: the steps' rows wait (``DSparkDrafter.pending``, at most
+``PENDING_ROWS``) and are written in one pass before the next draft, the newest row of a slot winning, as
+step-by-step writes would leave it.
 
 **One pass for the block.** The block is the golden token followed by ``k − 1`` copies of
 ``dspark_noise_token_id``, embedded with the main model's embedding, at positions ``n − 1 … n + k − 2``
