@@ -105,8 +105,10 @@ class DeviceProposal:
         return torch.stack([self.tokens.double(), self.confidence.double(), self.raw_confidence.double()])
 
     def copy_to_host(self) -> None:
-        """Start the copy of the proposal to pinned host memory (CUDA: valid once the step's event fired)."""
-        self.host = pinned_copy(self.stacked())
+        """Start the copy of the proposal to pinned host memory (CUDA: valid once the step's event fired); an
+        empty proposal has its host copy already."""
+        if self.host is None:
+            self.host = pinned_copy(self.stacked())
 
 
 def _room_after(req: Request, token_slot: int) -> int:
@@ -335,9 +337,13 @@ class Speculator:
                                            hidden=hidden if self.reads_rows else None, token_cache=self.token_cache,
                                            block_size=self.block_size, exact_host_lists=self.exact_host_lists)
         proposal = self.drafter.propose(inputs)
+        k = self.max_draft
+        if not plan.samplers:  # nobody drafts (the drafter took the step's rows): nothing to mask or copy back
+            empty = torch.empty(0, k, device=input_ids.device)
+            host = torch.empty(3, 0, k, dtype=torch.float64)
+            return DeviceProposal(plan, empty.long(), empty, empty, None, host=host)
         if chain is not None:
             caps = chain.draft_caps()
-        k = self.max_draft
         drafts = proposal.tokens[:, :k]
         cols = torch.arange(k, device=drafts.device)
         usable = torch.cumprod(((cols < caps.unsqueeze(1)) & (drafts >= 0)).to(torch.int64), dim=1).bool()
