@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from tiny_models import assert_cached_logits_match, randomize
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.model.layers import routing
 from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -185,7 +186,7 @@ def test_force_balanced_routing_is_uniform_and_batch_invariant(tmp_path):
     _build("v3-yarn", tmp_path)
     llm = LLM(tmp_path, kv_cache_bytes=1 << 22, block_size=BLOCK, kernels={"force_balanced_routing": True})
     moe = llm.engine.model.layers[1].mlp
-    ids = moe._balanced_ids(torch.arange(8000))
+    ids, _ = routing.route(torch.zeros(8000, 8), None, torch.arange(8000), moe.routing)
     assert all(len(set(row)) == 2 for row in ids.tolist())
     counts = torch.bincount(ids.reshape(-1), minlength=8).float()
     assert (counts - counts.mean()).abs().max() < 0.05 * counts.mean()

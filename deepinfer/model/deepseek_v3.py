@@ -348,11 +348,6 @@ class DeepseekMoE(nn.Module):
                 return routed
         return routing.route(logits, bias, positions, self.routing)
 
-    def _balanced_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        """k distinct experts per token, uniformly at random from a hash of (position, layer, expert)."""
-        draws = routing.balanced_draws(positions, self.layer, self.d.n_routed)
-        return draws.topk(self.d.top_k, dim=-1).indices
-
     def expert_weights(self, backend: Any) -> Any:
         """The ``weights`` argument of ``backend.experts``: ``(w13, w2)``, or what the backend's optional
         ``prepare_experts(w13, w2)`` (``MoEBackend``) returned — prepared once per backend, on the first

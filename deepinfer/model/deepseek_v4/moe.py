@@ -23,7 +23,7 @@ from torch import nn
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.deepseek_v3 import count_routed_tokens
 from deepinfer.model.deepseek_v4.config import _SCORE_FNS, V4Dims
-from deepinfer.sampling.rng import splitmix64
+from deepinfer.model.layers.routing import balanced_draws
 
 
 class V4MoE(nn.Module):
@@ -84,10 +84,7 @@ class V4MoE(nn.Module):
 
     def _balanced_ids(self, positions: torch.Tensor) -> torch.Tensor:
         """k distinct experts per token, uniformly at random from a hash of (position, layer, expert)."""
-        experts = torch.arange(self.d.n_routed, device=positions.device)
-        key = splitmix64(positions.to(torch.int64) * 65536 + self.layer)
-        draws = splitmix64(key.unsqueeze(1) + experts) & ((1 << 62) - 1)
-        return draws.topk(self.d.top_k, dim=-1).indices
+        return balanced_draws(positions, self.layer, self.d.n_routed).topk(self.d.top_k, dim=-1).indices
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
