@@ -54,6 +54,9 @@ class CacheSection(_Section):
     # refused at start-up until an attention reads it
     kv_dtype: Literal["auto", "bf16", "fp8", "fp4"] = "auto"
     prefix_caching: bool = True
+    # In-step prefix sharing (engine/scheduler.py): admission holds a request back while a request of the
+    # step's batch computes its next prefix blocks, so it hits them instead of computing them beside it.
+    in_step_prefix_sharing: bool = True
     max_backtrack: Literal["auto"] | int = "auto"
     replay: str = "auto"
     # External KV tiers under the prefix cache (kv/tiers.py): a store name, or a chain fastest first joined

@@ -136,6 +136,7 @@ class LLMEngine:
             "prefix_cache_hit_tokens": kv.hit_tokens,  # the rate's parts, for rates over a span (bench runs)
             "prefix_cache_lookup_tokens": kv.lookup_tokens,
             "preemptions": self.scheduler.num_preemptions,
+            "prefix_sharing_holds": self.scheduler.num_prefix_holds,  # cache.in_step_prefix_sharing
             "kv_blocks_total": kv.pool.num_usable,
             "kv_blocks_free": kv.num_free_blocks,
             "num_running": len(self.scheduler.running),

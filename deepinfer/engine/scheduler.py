@@ -5,6 +5,20 @@ requests (one decode token each, or the next chunk of a prefill), then on waitin
 order the scheduling policy gives, up to ``max_num_seqs`` running. When KV blocks run out for a
 running request, the policy picks a victim; the victim's blocks are freed and it goes back to
 waiting, to be recomputed from its tokens (its cached full blocks usually make that a prefix hit).
+
+In-step prefix sharing (``cache.in_step_prefix_sharing``, on by default): a full block becomes a prefix
+hit only once the step that computed it has been processed and the block registered, so requests that
+share a prefix and are admitted together would each compute it. Admission therefore holds back a
+waiting request whose next full block after its prefix hit (by prefix hash) is one that a request in
+this step's batch is computing and the cache does not hold yet: a prefill scheduled in this step or
+admitted just before it, or, under an overlapped executor, one whose step is still in flight. The held
+request stays waiting in its place in the policy's order, and the requests behind it are admitted as
+usual; once the blocks are registered it is admitted and hits them (with chunked prefill, a long
+shared prefix is waited for chunk by chunk, until no block of it is left in progress). The wait is
+bounded by the computing request's progress: it holds others back only while it is in the step's
+batch, so a held request never leaves a step empty and is admitted as soon as that request is
+preempted, aborted, finished or not scheduled (e.g. out of budget) — it then computes the blocks
+itself, as without sharing.
 """
 
 from __future__ import annotations
@@ -170,7 +184,7 @@ class Scheduler:
                  max_num_batched_tokens: int, chunked_prefill: bool,
                  draft_planner: DraftPlanner | None = None, drafting_paused: DraftingPaused | None = None,
                  draft_reserve: int = 0, max_model_len: int = 1 << 62, follow_ups: bool = True,
-                 replay: ReplayStart | None = None) -> None:
+                 replay: ReplayStart | None = None, share_prefixes: bool = True) -> None:
         self.kv = kv
         self.policy = policy
         self.draft_planner = draft_planner
@@ -189,6 +203,9 @@ class Scheduler:
         self.num_preemptions = 0
         # The replay planner's restore and prefill truncation (ReplayStart); None: nothing is replayed.
         self.replay = replay
+        # In-step prefix sharing (module docstring): hold back requests whose next block is being computed.
+        self.share_prefixes = share_prefixes and kv.pool.enable_prefix_caching
+        self.num_prefix_holds = 0  # admissions held back for a block in progress (per request and step)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -348,6 +365,8 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         now = time.monotonic()
+        # Hashes of full blocks that requests of this step's batch are computing (in-step prefix sharing).
+        in_progress = self._in_progress(out.scheduled) if self.share_prefixes and self.waiting else set()
         for req in self.policy.order(self.waiting, now):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
@@ -355,6 +374,10 @@ class Scheduler:
                 continue  # structured output: waits until its grammar has compiled (EngineCore polls it)
             prefix = self.kv.find_prefix(req.request_id, req.all_token_ids) if req.params.prompt_logprobs is None \
                 else None
+            if prefix is not None and self.share_prefixes and \
+                    self.kv.next_block_hash(req.request_id, req.num_tokens, prefix) in in_progress:
+                self.num_prefix_holds += 1
+                continue  # its next block is being computed in this batch: admitted once it is registered
             computed = prefix.num_tokens if prefix else 0
             # Cached tokens may still be replayed to rebuild per-request state (ReplayStart).
             restore = self.replay.restore(req, computed) if self.replay is not None and computed else None
@@ -377,7 +400,20 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest.of(req, start, num_new))
             budget -= num_new
+            if self.share_prefixes:
+                in_progress |= self._in_progress([out.scheduled[-1]])
         return budget
+
+    def _in_progress(self, rows: Sequence[ScheduledRequest]) -> set[bytes]:
+        """The hashes of the full blocks (of known tokens) that the requests of ``rows`` compute and the
+        prefix cache does not hold yet: their prefill chunks of this step and later steps, and under an
+        overlapped executor the blocks of a step in flight (registered when it is processed)."""
+        hashes: set[bytes] = set()
+        for s in rows:
+            req = s.request
+            known = req.num_tokens - req.num_pending
+            hashes.update(self.kv.uncached_tail(req.request_id, req.all_token_ids, known // self.kv.block_size))
+        return hashes
 
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks now and queue it for recompute. A step still in flight may write

@@ -185,7 +185,7 @@ class StartUp:
                                    draft_reserve=self.spec_settings.max_draft - 1 if self.uses_mtp else 0,
                                    max_model_len=self.max_model_len,
                                    follow_ups=self.device.type != "cuda" or not self.runner.reads_host_lists,
-                                   replay=replay)
+                                   replay=replay, share_prefixes=cfg.cache.in_step_prefix_sharing)
         if not cfg.scheduler.chunked_prefill and cfg.scheduler.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
                 f"scheduler.max_num_batched_tokens ({cfg.scheduler.max_num_batched_tokens}) must be >= "

@@ -213,6 +213,29 @@ class KVCacheManager:
         self.promoted_tokens += loaded * self.block_size
         return loaded
 
+    def next_block_hash(self, request_id: str, num_tokens: int, hit: PrefixHit) -> bytes | None:
+        """The hash of the block right after ``hit`` among the full blocks ``find_prefix`` looked up for a
+        request of ``num_tokens`` tokens (call it after ``find_prefix``); None when the hit covers all of
+        them (the block holding the last token is always computed)."""
+        index = len(hit.block_ids)
+        if index >= (num_tokens - 1) // self.block_size:
+            return None
+        return self.hashes[request_id][index]
+
+    def uncached_tail(self, request_id: str, token_ids: Sequence[int], upto_blocks: int) -> list[bytes]:
+        """The hashes of the request's first ``upto_blocks`` full blocks that come after the last one the
+        prefix cache holds: blocks it is still to compute, or computed by a step not processed yet
+        (blocks are registered in order, so these are a tail of the chain). Empty without prefix caching."""
+        if not self.pool.enable_prefix_caching:
+            return []
+        chain = self._chain(request_id, token_ids, upto_blocks)
+        tail: list[bytes] = []
+        for h in reversed(chain):
+            if self.pool.lookup(h) is not None:
+                break
+            tail.append(h)
+        return tail
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's prompt toward the prefix-cache hit rate."""
         self.lookup_tokens += num_tokens
