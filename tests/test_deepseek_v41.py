@@ -544,6 +544,26 @@ def test_dummy_weights_generate(tmp_path):
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_dummy_weights_with_engram_layers_generate_deterministically(tmp_path):
+    """``load_format=dummy`` with Engram layers: each layer's table is computed from the row index
+    (``HashedTable``, no memory), so a request's tokens are the same alone, in a batch and in a second engine."""
+    (tmp_path / "config.json").write_text(json.dumps(v41_config(max_position_embeddings=192, **ENGRAM)))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    batch = prompts([12, 7, 20], seed=6)
+    runs = []
+    for _ in range(2):
+        llm = make_llm(tmp_path, load_format="dummy")
+        table = llm.engine.model.layers[0].engram.table
+        rows = torch.tensor([0, 5, 5, 11])
+        looked = table.index_select(0, rows)
+        assert looked.shape == (4, ENGRAM["engram_head_dim"]) and torch.equal(looked[1], looked[2])
+        assert not torch.equal(looked[0], looked[1]) and looked.abs().max() < 0.02 * 3 ** 0.5 + 1e-6
+        runs.append([o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)])
+        alone = [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in batch]
+        assert alone == runs[-1]
+    assert runs[0] == runs[1]
+
+
 def test_indexer_row_blocks_change_nothing(tmp_path, monkeypatch):
     """The indexer scores prefill rows in blocks bounded like the V4 reference op's (here 2–3 rows a
     block): the same greedy ids, logits within 1e-5 × max, as unblocked."""

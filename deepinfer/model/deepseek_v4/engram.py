@@ -26,7 +26,9 @@ engram_parallel_size)``) evenly over the engram-parallel group (``engram_paralle
 memory unless ``DEEPINFER_ENGRAM_FORCE_GPU_STORAGE``. Here one process holds every row: the table is a
 read-only memory map of the checkpoint file (``mmap_safetensor``; pages are read when a step touches
 their rows, in the checkpoint's dtype), or, without the model folder, the tensor the loader hands over;
-never a parameter, never on the device. Each step gathers only its rows and moves them to the device.
+never a parameter, never on the device. Each step gathers only its rows and moves them to the device. With
+``load_format=dummy`` a table is computed from the row index instead (``HashedTable``: no memory, the same
+rows in every engine of one seed).
 
 Per request, a ring of the last compressed ids (indexed by position, like the attention rings, so a
 rollback is the length going back) lives in model-owned int32 state of the request's state slot.
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from deepinfer.errors import ConfigError
+from deepinfer.sampling.rng import splitmix64
 
 _PAD_TOKEN = "<｜▁pad▁｜>"
 _CLAMP = 1e-6  # the reference's Engram clamp_value
@@ -159,6 +162,24 @@ def engram_gate(streams: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor,
     return (x + gate.unsqueeze(-1) * v.unsqueeze(1)).to(streams.dtype)
 
 
+class HashedTable:
+    """An Engram table for ``load_format=dummy`` whose rows are computed from their index, not stored (a
+    V4.1-Flash-sized table is gigabytes): entry (row, column) is uniform in ``[−√3·std, √3·std)`` (standard
+    deviation ``std``) from ``splitmix64`` of (seed, layer, row, column). It answers the one call a layer makes,
+    ``index_select(0, rows)``, on ``device``."""
+
+    def __init__(self, seed: int, layer: int, width: int, std: float, dtype: torch.dtype, device: torch.device) -> None:
+        self.key = int(splitmix64(torch.tensor([seed * 1_000_003 + layer], dtype=torch.int64))[0])
+        self.width, self.std, self.dtype, self.device = width, std, dtype, device
+
+    def index_select(self, dim: int, rows: torch.Tensor) -> torch.Tensor:
+        assert dim == 0
+        cols = torch.arange(self.width, device=rows.device)
+        bits = splitmix64(rows.to(torch.int64).unsqueeze(1) * self.width + cols + self.key) & ((1 << 53) - 1)
+        uniform = bits.to(torch.float64) / float(1 << 53)
+        return ((uniform * 2 - 1) * (3 ** 0.5) * self.std).to(self.dtype)
+
+
 class EngramLayer(nn.Module):
     """One engram layer's weights (``q_weight``, ``k_weight``, ``wkv``) and its host table (``table``,
     ``[rows ≥ Σ primes, head_dim]``, filled by ``load_weights``)."""
@@ -177,7 +198,7 @@ class EngramLayer(nn.Module):
         self.register_buffer("primes", torch.tensor(primes, dtype=torch.int64), persistent=False)
         offsets = torch.tensor([0, *flat[:-1]], dtype=torch.int64).cumsum(0)
         self.register_buffer("offsets", offsets, persistent=False)
-        self.table: torch.Tensor | None = None  # host rows; not a parameter (never copied to the device)
+        self.table: torch.Tensor | HashedTable | None = None  # host rows; not a parameter (never copied to the device)
 
     def set_table(self, table: torch.Tensor) -> None:
         """Keep the checkpoint's table (``[rows, head_dim]``, rows ≥ Σ primes: padding rows allowed)."""
@@ -186,9 +207,13 @@ class EngramLayer(nn.Module):
                              f"expected [≥ {self.rows}, {self.head_dim}]")
         self.table = table
 
+    def fill_dummy(self, seed: int, std: float) -> None:
+        """``load_format=dummy`` (``loader.init_dummy``): a table computed from the row index (``HashedTable``)."""
+        self.table = HashedTable(seed, self.layer, self.head_dim, std, self.wkv_weight.dtype, self.wkv_weight.device)
+
     def forward(self, streams: torch.Tensor, ngrams: torch.Tensor, ctx_linear: object) -> torch.Tensor:
         """``streams [T, m, H]`` after the gate, for the n-gram ids ``ngrams [T, max]``."""
-        assert self.table is not None, f"layer {self.layer}: no Engram table (load_format=dummy does not make one)"
+        assert self.table is not None, f"layer {self.layer}: no Engram table (the checkpoint's, or a dummy one)"
         rows = engram_rows(ngrams, self.multipliers, self.primes, self.offsets)
         # Host gather of this step's rows only (the table stays where the checkpoint put it).
         embeds = self.table.index_select(0, rows.flatten().to(self.table.device))
