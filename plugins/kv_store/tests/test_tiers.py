@@ -239,7 +239,9 @@ def test_aborts_and_preemptions_with_tiers_leak_no_block(llama_dir: Path, execut
     overlap = {"scheduling": {"enabled": True}} if executor == "overlap" else None
     llm = _llm(llama_dir, "host", blocks=10, max_num_seqs=6, more_plugins=overlap)
     engine = llm.engine
-    rng = random.Random(4)
+    # Whether a demoted prefix comes back depends on the schedule: a seed whose sync run promotes with
+    # in-step prefix sharing on (which keeps more of the shared prefix on the device).
+    rng = random.Random(9)
     shared = _tokens(32, 7)
     prompts = [(shared if i % 2 else []) + _tokens(rng.randint(5, 40), 100 + i) for i in range(30)]
     requests = [engine.make_request(p, SamplingParams(temperature=1.0, max_tokens=rng.randint(1, 30), seed=i))
