@@ -140,6 +140,38 @@ def run_anchor_bench(args: argparse.Namespace, model: str, overrides: dict[str, 
     return report
 
 
+def _llama_cpp_baseline(args: argparse.Namespace, model: str, work: list, points: list, runs: list[dict[str, Any]],
+                        engine_ids: list[list[list[int]]]) -> list[dict[str, Any]]:
+    """The llama.cpp baseline (``bench/llama_cpp.py``) beside each measured point; appends its runs."""
+    import torch
+
+    from deepinfer.bench.baseline import token_match
+    from deepinfer.bench.llama_cpp import peer_python, run_llama_cpp
+    from deepinfer.model.assets import MODEL_ALIASES, fetch_gguf
+
+    if args.temperature > 0:
+        raise ValueError("--baseline llama.cpp compares greedy runs; drop --temperature")
+    python = peer_python(args.baseline_python)
+    if args.baseline_gguf:
+        gguf = Path(args.baseline_gguf)
+    elif model in MODEL_ALIASES:
+        gguf = fetch_gguf(model)
+    else:
+        raise ValueError(f"--baseline llama.cpp: {model!r} is not a model alias with a GGUF; name the peer's file "
+                         "with --baseline-gguf")
+    n_ctx = max(len(p) + m for p, m in work) + 16
+    comparison = []
+    for c, ours, ids in zip(points, list(runs), engine_ids, strict=True):
+        theirs, their_ids = run_llama_cpp(python, gguf, work, threads=torch.get_num_threads(), n_ctx=n_ctx,
+                                          dtype=args.baseline_dtype, offline=c is None)
+        runs.append(theirs)
+        comparison.append({"concurrency": c, "baseline_batch_size": 1, "baseline": theirs["engine"],
+                           "baseline_dtype": args.baseline_dtype,
+                           "output_throughput_ratio": ours["output_throughput"] / theirs["output_throughput"],
+                           "token_match": token_match(ids, their_ids)})
+    return comparison
+
+
 def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -> dict[str, Any]:
     """Everything ``deepinfer bench`` does; returns the report (also written to ``--output``)."""
     if args.url:
@@ -203,6 +235,8 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
                 "token_match": token_match(ids, their_ids),
             })
         del hf
+    elif args.baseline == "llama.cpp":
+        comparison = _llama_cpp_baseline(args, model, work, points, runs, engine_ids)
     plots = []
     if args.plot:
         from deepinfer.bench.plots import write_plots

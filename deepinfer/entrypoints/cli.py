@@ -61,9 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help=f"HF folder or alias (default {DEFAULT_MODEL})")
     bench.add_argument("--concurrency", default=None, metavar="C,...",
                        help="requests in flight, comma-separated for a sweep (default: offline, all at once)")
-    bench.add_argument("--baseline", choices=["transformers"], default=None,
-                       help="also run the workload through transformers' generate (static padded batches)")
+    bench.add_argument("--baseline", choices=["transformers", "llama.cpp"], default=None,
+                       help="also run the workload through transformers' generate (static padded batches) or "
+                            "llama.cpp (llama-cpp-python in its own environment, one request at a time)")
     bench.add_argument("--baseline-batch", type=int, default=8, help="baseline batch size in offline mode")
+    bench.add_argument("--baseline-python", default=None, metavar="PATH",
+                       help="with --baseline llama.cpp: the interpreter of an environment with llama-cpp-python "
+                            "(default $DEEPINFER_LLAMA_CPP_PYTHON)")
+    bench.add_argument("--baseline-gguf", default=None, metavar="FILE",
+                       help="with --baseline llama.cpp: the peer's GGUF (default: the model alias's own file)")
+    bench.add_argument("--baseline-dtype", default="q4_1", choices=["q4_1", "float32"],
+                       help="with --baseline llama.cpp: the GGUF as shipped, or dequantized to float32")
     bench.add_argument("--output", default=None, help="write the JSON report here")
     bench.add_argument("--plot", default=None, metavar="DIR", help="write pareto.png and latency_cdf.png here")
     bench.add_argument("--url", default=None, help="benchmark a running server (deepinfer serve) instead")

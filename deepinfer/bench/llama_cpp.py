@@ -1,0 +1,77 @@
+"""The llama.cpp baseline (``deepinfer bench --baseline llama.cpp``), found, never installed.
+
+The peer is ``llama-cpp-python`` in an environment of its own: ``--baseline-python`` (or
+``$DEEPINFER_LLAMA_CPP_PYTHON``) names that environment's interpreter, which runs
+``llama_cpp_peer.py`` on the same token-id workload. Its GGUF is the model alias's own file
+(``assets.fetch_gguf``: SmolLM2's Q4_1, the file deepinfer converts from) or ``--baseline-gguf``;
+``--baseline-dtype float32`` runs it dequantized to float32 (the weights deepinfer's float32 run
+holds), ``q4_1`` (default) as shipped. Requests run one at a time (the library's ``Llama.generate``),
+greedy, EOS ignored; every token's arrival is stamped, so the metrics are the engine's (TTFT, TPOT,
+ITL, throughput). In offline mode every request starts at the run's start, as for the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from deepinfer.bench.metrics import RequestRecord, compute_metrics, latency_samples, output_digest
+
+Work = list[tuple[list[int], int]]
+PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
+PYTHON_ENV = "DEEPINFER_LLAMA_CPP_PYTHON"
+
+
+def peer_python(given: str | None) -> str:
+    """The interpreter that has ``llama_cpp``: ``given``, else ``$DEEPINFER_LLAMA_CPP_PYTHON``; a clear error
+    when neither names one that imports it."""
+    python = given or os.environ.get(PYTHON_ENV)
+    if not python:
+        raise ValueError(f"--baseline llama.cpp needs the interpreter of an environment with llama-cpp-python: "
+                         f"--baseline-python PATH or ${PYTHON_ENV} (the project never installs peers)")
+    found = shutil.which(python) or python
+    check = subprocess.run([found, "-c", "import llama_cpp"], capture_output=True, text=True)
+    if check.returncode != 0:
+        raise ValueError(f"--baseline-python {python!r} cannot import llama_cpp: {check.stderr.strip()[-300:]}")
+    return found
+
+
+def run_llama_cpp(python: str, gguf: Path, work: Work, *, threads: int, n_ctx: int, dtype: str,
+                  offline: bool) -> tuple[dict[str, Any], list[list[int]]]:
+    """Run ``work`` through llama.cpp in ``python``'s environment; returns (run, output ids)."""
+    if dtype not in ("q4_1", "float32"):
+        raise ValueError(f"--baseline-dtype must be q4_1 or float32, got {dtype!r}")
+    with tempfile.TemporaryDirectory() as tmp:
+        source, destination = Path(tmp) / "in.json", Path(tmp) / "out.json"
+        source.write_text(json.dumps({"gguf": str(gguf), "work": work, "threads": threads, "n_ctx": n_ctx,
+                                      "dtype": dtype}))
+        # Run as -c source, not by path: the script's folder (deepinfer/bench, with its http.py) must not lead
+        # the peer's sys.path.
+        done = subprocess.run([python, "-c", PEER_SCRIPT.read_text(), str(source), str(destination)],
+                              capture_output=True, text=True, cwd=tmp)
+        if done.returncode != 0:
+            raise RuntimeError(f"the llama.cpp baseline failed: {done.stderr.strip()[-1000:]}")
+        result = json.loads(destination.read_text())
+    t0 = result["start"]
+    records = [RequestRecord(prompt_len=len(prompt), start=t0 if offline else r["start"], chunk_times=r["times"],
+                             chunk_tokens=[1] * len(r["tokens"]), output_token_ids=r["tokens"])
+               for (prompt, _), r in zip(work, result["requests"], strict=True)]
+    outputs = [r["tokens"] for r in result["requests"]]
+    run: dict[str, Any] = {
+        "engine": f"llama.cpp {result['version']}",
+        "mode": "offline" if offline else "concurrency",
+        "concurrency": None if offline else 1,
+        "batch_size": 1,
+        "gguf": result["gguf"],
+        "baseline_dtype": dtype,
+        **compute_metrics(records, result["end"] - t0),
+        "output_digest": output_digest(outputs),
+        "samples": latency_samples(records),
+    }
+    run["_records"] = records
+    return run, outputs
