@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_deepseek import VOCAB, save_tiny_v3
+from tiny_deepseek import random_prompts, save_tiny_v3
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
@@ -25,12 +25,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
 CAPACITY = "torch_all_to_all_capacity"
 
 
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-PROMPTS = _prompts([5, 40, 17, 3, 29, 11], seed=11)
+PROMPTS = random_prompts([5, 40, 17, 3, 29, 11], seed=11)
 
 
 @pytest.fixture(scope="module")

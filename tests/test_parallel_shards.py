@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_deepseek_v4 import SEQS
 from test_deepseek_v4 import build as build_v4
-from tiny_deepseek import VOCAB, save_tiny_v3
+from tiny_deepseek import random_prompts, save_tiny_v3
 
 import deepinfer.model.loader as loader
 from deepinfer import LLM, SamplingParams
@@ -39,12 +39,7 @@ EXPERT_NAME = re.compile(r"layers\.(\d+)\.(?:mlp|ffn)\.experts\.(\d+)\.(gate_pro
 GATE, UP = ("gate_proj", "w1"), ("up_proj", "w3")
 
 
-def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
-
-
-PROMPTS = _prompts([5, 33, 17, 3, 26, 9], seed=11)
+PROMPTS = random_prompts([5, 33, 17, 3, 26, 9], seed=11)
 
 
 @pytest.fixture(scope="module")

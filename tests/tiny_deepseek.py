@@ -32,3 +32,9 @@ def save_tiny_v3(folder: Path, seed: int = 0, **config: Any) -> Path:
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
     model.save_pretrained(folder)
     return folder
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    """Prompts of token ids in ``[3, VOCAB)`` (no special ids) of the given lengths, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
