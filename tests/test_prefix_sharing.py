@@ -10,6 +10,7 @@ from tiny_deepseek import save_tiny_v3
 from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.kv.blocks import KVCacheManager
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 OVERLAP = {"scheduling": {"enabled": True}}
@@ -70,6 +71,23 @@ def test_together_hits_like_one_by_one(llama_dir, case, plugins):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     if plugins:
         assert type(shared_llm.engine.executor).__name__ == "OverlapExecutor"
+
+
+def test_the_manager_names_blocks_in_progress_and_the_block_a_lookup_waits_for():
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
+    tokens, other = list(range(14)), [*range(14), 99]
+    assert kv.allocate("a", 14, kv.find_prefix("a", tokens))
+    in_progress = kv.uncached_tail("a", tokens, 3)
+    assert len(in_progress) == 3  # nothing computed yet
+    hit = kv.find_prefix("b", other)
+    assert hit.num_tokens == 0 and kv.next_block_hash("b", 15, hit) in in_progress
+    kv.cache_full_blocks("a", tokens, 8)  # two blocks computed and registered
+    assert len(kv.uncached_tail("a", tokens, 3)) == 1
+    hit = kv.find_prefix("b", other)
+    assert hit.num_tokens == 8 and kv.next_block_hash("b", 15, hit) == kv.uncached_tail("a", tokens, 3)[0]
+    kv.cache_full_blocks("a", tokens, 14)
+    hit = kv.find_prefix("b", other)
+    assert kv.uncached_tail("a", tokens, 3) == [] and kv.next_block_hash("b", 15, hit) is None
 
 
 def test_without_prefix_caching_nothing_is_held(llama_dir):

@@ -228,12 +228,12 @@ class KVCacheManager:
         (blocks are registered in order, so these are a tail of the chain). Empty without prefix caching."""
         if not self.pool.enable_prefix_caching:
             return []
-        chain = self._chain(request_id, token_ids, upto_blocks)
+        chain = extend_chain(self.hashes.setdefault(request_id, []), token_ids, self.block_size, upto_blocks)
         tail: list[bytes] = []
-        for h in reversed(chain):
-            if self.pool.lookup(h) is not None:
+        for i in range(upto_blocks - 1, -1, -1):  # from the end: a decoding request's costs one lookup
+            if self.pool.lookup(chain[i]) is not None:
                 break
-            tail.append(h)
+            tail.append(chain[i])
         return tail
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
