@@ -230,6 +230,7 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
             runs.append(theirs)
             comparison.append({
                 "concurrency": c,
+                "baseline": theirs["engine"],
                 "baseline_batch_size": batch,
                 "output_throughput_ratio": ours["output_throughput"] / theirs["output_throughput"],
                 "token_match": token_match(ids, their_ids),

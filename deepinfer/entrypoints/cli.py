@@ -262,7 +262,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(summary_table(report["runs"]))
     for row in report["baseline"]:
         c = "offline" if row["concurrency"] is None else f"C={row['concurrency']}"
-        print(f"{c}: deepinfer / transformers output tok/s = {row['output_throughput_ratio']:.2f}x, "
+        print(f"{c}: deepinfer / {row['baseline']} output tok/s = {row['output_throughput_ratio']:.2f}x, "
               f"token match {row['token_match']:.0%}")
     for path in ([args.output] if args.output else []) + report["plots"]:
         print(f"wrote {path}", file=sys.stderr)
