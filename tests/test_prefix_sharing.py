@@ -10,6 +10,8 @@ from tiny_deepseek import save_tiny_v3
 from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import build_config
+from deepinfer.errors import ConfigError
 from deepinfer.kv.blocks import KVCacheManager
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -90,6 +92,14 @@ def test_the_manager_names_blocks_in_progress_and_the_block_a_lookup_waits_for()
     assert kv.uncached_tail("a", tokens, 3) == [] and kv.next_block_hash("b", 15, hit) is None
 
 
+def test_the_setting_is_on_by_default_and_validated():
+    assert build_config(environ={}).config.cache.in_step_prefix_sharing is True
+    off = build_config(environ={"DEEPINFER_CACHE__IN_STEP_PREFIX_SHARING": "false"})
+    assert off.config.cache.in_step_prefix_sharing is False
+    with pytest.raises(ConfigError, match=r"cache\.in_step_prefix_sharing"):
+        build_config(overrides={"cache": {"in_step_prefix_sharing": "sometimes"}}, environ={})
+
+
 def test_without_prefix_caching_nothing_is_held(llama_dir):
     llm = LLM(llama_dir, kv_cache_bytes=1 << 23, block_size=16, cache={"prefix_caching": False})
     tokens, stats = _together(llm, _groups(2))
@@ -135,7 +145,8 @@ def test_deepseek_v3_latent_cache(tmp_path):
     prompts = _groups(4, groups=2, per_group=3)
     serial, serial_stats = _one_by_one(_llm(folder), prompts)
     shared, stats = _together(_llm(folder), prompts)
-    assert shared == serial
+    side_by_side, _ = _together(_llm(folder, sharing=False), prompts)
+    assert shared == serial == side_by_side
     ceiling = serial_stats["prefix_cache_hit_rate"]
     assert ceiling > 0.4 and abs(stats["prefix_cache_hit_rate"] - ceiling) <= 0.02 * ceiling
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
