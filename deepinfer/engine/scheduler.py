@@ -17,8 +17,11 @@ usual; once the blocks are registered it is admitted and hits them (with chunked
 shared prefix is waited for chunk by chunk, until no block of it is left in progress). The wait is
 bounded by the computing request's progress: it holds others back only while it is in the step's
 batch, so a held request never leaves a step empty and is admitted as soon as that request is
-preempted, aborted, finished or not scheduled (e.g. out of budget) — it then computes the blocks
-itself, as without sharing.
+preempted, aborted, finished or not scheduled (e.g. sitting a step out for its drafts, or at its
+last token under an overlapped executor) — it then computes the blocks itself, as without sharing. In
+the synchronous executor a hold lasts one step (a computing request takes the whole budget until its
+last chunk, and the blocks are registered when that step is processed); under an overlapped executor
+up to two.
 """
 
 from __future__ import annotations
