@@ -1,0 +1,45 @@
+"""The one-row float32 kernel (``gemv.py``) against a float64 product, and the ``onednn`` backend's use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from deepinfer_cpu import gemv as gemv_module
+from deepinfer_cpu.gemv import fits, gemv
+from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
+
+
+@pytest.mark.parametrize(("n", "k"), [(1, 16), (5, 7), (192, 576), (1537, 576), (64, 1541)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_equals_a_float64_product(n: int, k: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(n + k)
+    x, w = torch.randn(1, 1, k, generator=gen), torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    assert fits(x, w)
+    got = gemv(x, w, bias)
+    want = x.double() @ w.double().t() + (bias.double() if bias is not None else 0)
+    assert got.shape == (1, 1, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_what_gemv_does_not_serve() -> None:
+    w = torch.randn(8, 16)
+    assert not fits(torch.randn(2, 16), w)  # two rows
+    assert not fits(torch.randn(1, 16), w.t().contiguous().t())  # column-major
+    assert not fits(torch.randn(1, 16).bfloat16(), w.bfloat16())
+
+
+@pytest.mark.skipif(not onednn_available(), reason="needs torch's oneDNN ops")
+def test_the_backend_sends_one_row_calls_to_gemv_and_keeps_weights_row_major(monkeypatch) -> None:
+    backend = OneDNNGemmBackend()
+    weight = torch.nn.Parameter(torch.randn(40, 24), requires_grad=False)
+    plain = backend.prepare_weight(weight)
+    assert plain.is_contiguous()
+    calls = []
+    real = gemv_module.gemv
+    monkeypatch.setattr("deepinfer_cpu.onednn.gemv", lambda *a: calls.append(1) or real(*a))
+    param = torch.nn.Parameter(plain, requires_grad=False)
+    one, many = torch.randn(1, 24), torch.randn(3, 24)
+    torch.testing.assert_close(backend.linear(one, param), one @ plain.t(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(backend.linear(many, param), many @ plain.t(), rtol=1e-5, atol=1e-5)
+    assert len(calls) == 1
