@@ -76,18 +76,18 @@ def run_transformers(model: Any, work: Work, *, batch_size: int, offline: bool, 
                 outputs.append(row[:m])
             bar.update(len(chunk))
         end = time.perf_counter()
-    run: dict[str, Any] = {
-        "engine": "transformers",
-        "mode": "offline" if offline else "concurrency",
-        "concurrency": None if offline else batch_size,
-        "batch_size": batch_size,
-        **compute_metrics(records, end - t0),
-        "output_digest": output_digest(outputs),
-        "samples": latency_samples(records),
-    }
+    run = peer_run("transformers", records, outputs, end - t0, offline=offline, batch_size=batch_size)
     run["samples"].pop("itl_ms")
-    run["_records"] = records
     return run, outputs
+
+
+def peer_run(engine: str, records: list[RequestRecord], outputs: list[list[int]], seconds: float, *,
+             offline: bool, batch_size: int, **extra: Any) -> dict[str, Any]:
+    """A baseline's run record, as the engine's (``engine`` names the peer; ``extra`` adds fields)."""
+    return {"engine": engine, "mode": "offline" if offline else "concurrency",
+            "concurrency": None if offline else batch_size, "batch_size": batch_size, **extra,
+            **compute_metrics(records, seconds), "output_digest": output_digest(outputs),
+            "samples": latency_samples(records), "_records": records}
 
 
 def token_match(a: list[list[int]], b: list[list[int]]) -> float:

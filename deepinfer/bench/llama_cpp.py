@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from deepinfer.bench.metrics import RequestRecord, compute_metrics, latency_samples, output_digest
+from deepinfer.bench.baseline import peer_run
+from deepinfer.bench.metrics import RequestRecord
 
 Work = list[tuple[list[int], int]]
 PEER_SCRIPT = Path(__file__).with_name("llama_cpp_peer.py")
@@ -62,16 +63,6 @@ def run_llama_cpp(python: str, gguf: Path, work: Work, *, threads: int, n_ctx: i
                              chunk_tokens=[1] * len(r["tokens"]), output_token_ids=r["tokens"])
                for (prompt, _), r in zip(work, result["requests"], strict=True)]
     outputs = [r["tokens"] for r in result["requests"]]
-    run: dict[str, Any] = {
-        "engine": f"llama.cpp {result['version']}",
-        "mode": "offline" if offline else "concurrency",
-        "concurrency": None if offline else 1,
-        "batch_size": 1,
-        "gguf": result["gguf"],
-        "baseline_dtype": dtype,
-        **compute_metrics(records, result["end"] - t0),
-        "output_digest": output_digest(outputs),
-        "samples": latency_samples(records),
-    }
-    run["_records"] = records
+    run = peer_run(f"llama.cpp {result['version']}", records, outputs, result["end"] - t0, offline=offline,
+                   batch_size=1, gguf=result["gguf"], baseline_dtype=dtype)
     return run, outputs

@@ -458,15 +458,16 @@ class DSparkDrafter:
         if self.linear is None:
             self._bind(rows)
         # Every committed row (prefill chunks included) enters the context cache before any request drafts; while
-        # no request drafts (every one paused) nothing reads the cache, so the rows wait and are written in order.
-        # A graph replay's slots and positions are its static buffers: copied.
-        self.pending.append((rows.hidden, rows.ctx.slot_mapping.clone(), rows.ctx.positions.clone()))
-        self.pending_rows += rows.hidden.shape[0]
+        # no request drafts (every one paused) nothing reads the cache, so the rows wait and are written in order
+        # (a graph replay's slots and positions are its static buffers: a waiting step's are copied).
         if batch == 0:
+            self.pending.append((rows.hidden, rows.ctx.slot_mapping.clone(), rows.ctx.positions.clone()))
+            self.pending_rows += rows.hidden.shape[0]
             if self.pending_rows > PENDING_ROWS:
                 self._write_pending()
             empty = torch.empty(0, k, device=dev)
             return DraftProposal(empty.long(), None, empty)
+        self.pending.append((rows.hidden, rows.ctx.slot_mapping, rows.ctx.positions))
         self._write_pending()
         slots, visible = self.window_slots(rows, inputs.positions - 1)
         # Padding requests: a window on slot 0 that nothing sees, the token 0 at position 1, greedy.

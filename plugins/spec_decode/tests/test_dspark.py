@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -99,6 +100,34 @@ def test_greedy_tokens_are_identical_with_dspark_under_both_plans(tiny_dir):
         assert layers and _dspark(llm).network.main_proj.weight.shape == (hidden, hidden * len(layers))
 
 
+def check_window_and_plant(drafter: DSparkDrafter, inputs, proposal: DraftProposal,
+                           features_of: Callable[[list[int]], torch.Tensor], full: dict[tuple[int, ...], list[int]],
+                           window: int, gen: torch.Generator, vocab: int) -> DraftProposal:
+    """At a draft: each request's context window equals ``context_kv`` of its committed tokens' features
+    (``features_of``, recomputed from scratch); then the proposal with accepted drafts planted — the reference
+    continuation (``full``: prompt → prompt + reference reply) for a random number of leading drafts, a wrong
+    token after — so rows committed by verification enter the cache."""
+    slots, visible = drafter.window_slots(inputs.rows, inputs.positions - 1)
+    context = drafter.context[slots]
+    tokens = proposal.tokens.clone()
+    for b, history in enumerate(inputs.history.tolist()):
+        committed = [t for t in history if t >= 0]
+        features = features_of(committed[:-1])
+        last = len(committed) - 2
+        pos = torch.arange(last - window + 1, last + 1).clamp_min(0)
+        expected = drafter.network.context_kv(features[pos], pos)
+        torch.testing.assert_close(context[b][visible[b]], expected[visible[b]], atol=1e-4, rtol=1e-4)
+        assert visible[b].sum() == min(window, last + 1)
+        whole = next(f for p, f in full.items() if tuple(committed[:len(p)]) == p)
+        right = whole[len(committed):len(committed) + inputs.k]
+        keep = int(torch.randint(0, inputs.k + 1, (), generator=gen))
+        for i, t in enumerate(right[:keep]):
+            tokens[b, i] = t
+        if keep < len(right):
+            tokens[b, keep] = (right[keep] + 1) % vocab
+    return DraftProposal(tokens, proposal.probs, proposal.confidence)
+
+
 @pytest.mark.parametrize("pauses", [False, True], ids=["every_step", "with_pauses"])
 def test_context_cache_equals_a_from_scratch_recomputation_at_every_step(tiny_dir, pauses):
     """Chunked prefill, a batch, accepted and rejected drafts: at every draft the window the drafter reads
@@ -129,26 +158,12 @@ def test_context_cache_equals_a_from_scratch_recomputation_at_every_step(tiny_di
         proposal = propose(inputs)
         if batch == 0:
             return proposal
-        slots, visible = drafter.window_slots(inputs.rows, inputs.positions - 1)
-        context = drafter.context[slots]
-        tokens = proposal.tokens.clone()
-        for b, history in enumerate(inputs.history.tolist()):
-            committed = [t for t in history if t >= 0]
-            features = scratch.teacher_force([committed[:-1]], top_k=1, layers=layers)[0].features
-            last = len(committed) - 2
-            pos = torch.arange(last - window + 1, last + 1).clamp_min(0)
-            expected = drafter.network.context_kv(features[pos], pos)
-            torch.testing.assert_close(context[b][visible[b]], expected[visible[b]], atol=1e-4, rtol=1e-4)
-            assert visible[b].sum() == min(window, last + 1)
-            whole = next(f for p, f in full.items() if tuple(committed[:len(p)]) == p)
-            right = whole[len(committed):len(committed) + inputs.k]
-            keep = int(torch.randint(0, inputs.k + 1, (), generator=gen))
-            for i, t in enumerate(right[:keep]):
-                tokens[b, i] = t
-            if keep < len(right):
-                tokens[b, keep] = (right[keep] + 1) % VOCAB
-            checked[0] += 1
-        return DraftProposal(tokens, proposal.probs, proposal.confidence)
+        checked[0] += batch
+
+        def features_of(tokens: list[int]) -> torch.Tensor:
+            return scratch.teacher_force([tokens], top_k=1, layers=layers)[0].features
+
+        return check_window_and_plant(drafter, inputs, proposal, features_of, full, window, gen, VOCAB)
 
     drafter.propose = checking
     outs = llm.generate(prompts, params, use_tqdm=False)

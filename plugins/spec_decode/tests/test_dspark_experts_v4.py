@@ -22,11 +22,10 @@ from deepinfer_spec_decode.dspark import DSparkDrafter, DSparkNetwork
 from test_deepseek_v4 import build as build_v4
 from test_deepseek_v4 import make_llm
 from test_deepseek_v41 import ENGRAM, build_v41
-from test_dspark import _dspark, _generate, _llm, _prompts, _spec, llama_dir, tiny_dir  # noqa: F401 (fixtures)
+from test_dspark import _dspark, _generate, _llm, _prompts, _spec, check_window_and_plant, llama_dir, tiny_dir  # noqa: F401 (fixtures)
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
-from deepinfer.interfaces import DraftProposal
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -234,26 +233,8 @@ def _check_context_every_step(llm: LLM, scratch: LLM, prompts: list[list[int]], 
         proposal = propose(inputs)
         if inputs.last_tokens.shape[0] == 0:
             return proposal
-        slots, visible = drafter.window_slots(inputs.rows, inputs.positions - 1)
-        context = drafter.context[slots]
-        tokens = proposal.tokens.clone()
-        for b, history in enumerate(inputs.history.tolist()):
-            committed = [t for t in history if t >= 0]
-            features = features_of(committed[:-1])
-            last = len(committed) - 2
-            pos = torch.arange(last - window + 1, last + 1).clamp_min(0)
-            expected = drafter.network.context_kv(features[pos], pos)
-            torch.testing.assert_close(context[b][visible[b]], expected[visible[b]], atol=1e-4, rtol=1e-4)
-            assert visible[b].sum() == min(window, last + 1)
-            whole = next(f for p, f in full.items() if tuple(committed[:len(p)]) == p)
-            right = whole[len(committed):len(committed) + inputs.k]
-            keep = int(torch.randint(0, inputs.k + 1, (), generator=gen))
-            for i, t in enumerate(right[:keep]):
-                tokens[b, i] = t
-            if keep < len(right):
-                tokens[b, keep] = (right[keep] + 1) % VOCAB
-            checked[0] += 1
-        return DraftProposal(tokens, proposal.probs, proposal.confidence)
+        checked[0] += inputs.last_tokens.shape[0]
+        return check_window_and_plant(drafter, inputs, proposal, features_of, full, window, gen, VOCAB)
 
     drafter.propose = checking
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -295,8 +276,8 @@ def test_the_trainer_trains_moe_blocks():
     ``train_drafter`` builds MoE blocks when its ``Recipe.drafter`` carries the MoE fields, which ``auto`` and
     ``deepinfer train-drafter`` put there when they are set (``drafter_cache.auto_recipe``); a dense shape's
     recipe is the one it had before MoE blocks existed."""
-    from deepinfer_spec_decode.drafter_training import DrafterTrainer, Recipe
-    from test_drafter_training import _counting_labels
+    from deepinfer_spec_decode.drafter_training import Recipe
+    from test_drafter_training import train_on_counting
 
     vocab, hidden, k = 64, 16, 4
     torch.manual_seed(0)
@@ -305,18 +286,8 @@ def test_the_trainer_trains_moe_blocks():
     for p in net.parameters():
         torch.nn.init.normal_(p, std=0.1)
     assert Recipe(drafter=MOE).spec_config().dspark_n_routed_experts == 4
-    embed = torch.nn.Embedding(vocab, hidden)
-    torch.nn.init.normal_(embed.weight, generator=torch.Generator().manual_seed(3))
-    recipe = Recipe(steps=150, batch=32, lr=1e-2, warmup=10)
-    trainer = DrafterTrainer(net, embed, embed.weight.detach(), vocab - 1, k, recipe)
-    train, held = _counting_labels(vocab, hidden, 32, 24, 1), _counting_labels(vocab, hidden, 8, 24, 2)
-    before = trainer.evaluate(held)
     experts_before = net.layers[0].moe.experts_gate_up.detach().clone()
-    anchors = train.anchors(k)
-    gen = torch.Generator().manual_seed(0)
-    losses = [float(trainer.train_step(train, anchors[torch.randint(0, len(anchors), (32,), generator=gen)])["loss"])
-              for _ in range(recipe.steps)]
-    after = trainer.evaluate(held)
+    losses, before, after = train_on_counting(net, vocab, hidden, k)
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:10]) / 10
     assert before["mean_acceptance_length"] < 1.5 < 3.0 < after["mean_acceptance_length"] <= k + 1
     assert not torch.equal(experts_before, net.layers[0].moe.experts_gate_up)  # the routed experts learned too
