@@ -40,14 +40,22 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K]`` (one row) times ``weight [N, K]``ᵀ (+ ``bias [N]``) → ``[..., N]`` (``fits`` holds)."""
-    n = weight.shape[0]
-    row = x.reshape(-1).contiguous()
-    out = torch.empty(n, dtype=torch.float32)
+    """``x [..., K]`` (one row) times ``weight [N, K]``ᵀ (+ ``bias [N]``) → ``[..., N]`` (``fits`` holds).
+
+    A decode step makes ~120 of these calls, so the wrapper does the least it can (issue 36): a row that is
+    already contiguous is passed as it is, and the output is allocated in its final shape."""
+    n, k = weight.shape
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     bias_arg = None
     if bias is not None:
         bias = bias.contiguous().float()
         bias_arg = bias.data_ptr()
-    load_kernel().gemv_f32(row.data_ptr(), weight.data_ptr(), bias_arg, out.data_ptr(), n, weight.shape[1],
-                           torch.get_num_threads())
-    return out.reshape(*x.shape[:-1], n)
+    _gemv_f32()(x.data_ptr(), weight.data_ptr(), bias_arg, out.data_ptr(), n, k, torch.get_num_threads())
+    return out
+
+
+@functools.cache
+def _gemv_f32() -> ctypes._CFuncPtr:
+    return load_kernel().gemv_f32

@@ -5,7 +5,8 @@ padded ``[batch, longest context, kv heads, dim]`` copy and running a masked SDP
 value is read, written and read again, and at batch 32 on SmolLM2 that was 160 of a 250 ms decode step
 (docs/benchmarks.md, issue 36). ``csrc/paged_attention.c`` reads each (request, KV head)'s keys and values
 once through the block table for every query row of the request and all the query heads of its GQA group,
-one OpenMP task per pair, with ``torch.get_num_threads()`` threads.
+one OpenMP task per pair, with ``torch.get_num_threads()`` threads. The same call first stores the step's own keys and
+values at their cache slots (in place of the core's ``write_kv``: one C call per layer instead of three).
 
 Steps whose every request has at most ``MAX_QUERY_ROWS`` query rows take the kernel: decode rows,
 speculative verification rows (1 + drafts), short prompt chunks, in any mix. A step with a longer chunk
@@ -28,7 +29,7 @@ import functools
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
-from deepinfer.ops import TorchAttentionBackend, write_kv
+from deepinfer.ops import TorchAttentionBackend
 from deepinfer_cpu.cbuild import CSRC, FLAGS, build_library, compiler
 
 __all__ = ["FLAGS", "MAX_QUERY_ROWS", "CPUPagedAttentionBackend", "compiler", "load_kernel", "paged_attention"]
@@ -45,16 +46,25 @@ def load_kernel() -> ctypes.CDLL:
     lib = build_library(SOURCE)
     i64, f32 = ctypes.c_int64, ctypes.c_float
     lib.paged_attention_f32.restype = ctypes.c_int
-    lib.paged_attention_f32.argtypes = [ctypes.c_void_p] * 8 + [i64] * 7 + [f32, ctypes.c_int]
+    lib.paged_attention_f32.argtypes = ([ctypes.c_void_p] * 8 + [i64] * 7 + [f32, ctypes.c_int]
+                                        + [ctypes.c_void_p] * 3 + [i64])
     return lib
+
+
+@functools.cache
+def _paged_attention_f32() -> ctypes._CFuncPtr:
+    return load_kernel().paged_attention_f32
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_starts: torch.Tensor, *, scale: float, window: int = 0,
-                    floors: torch.Tensor | None = None) -> torch.Tensor:
+                    floors: torch.Tensor | None = None,
+                    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q [T, Hq, D]``: request r's rows ``query_starts[r] : query_starts[r + 1]`` are its last tokens (its
     keys up to ``seq_lens[r]`` already in the cache), against the paged ``k_cache, v_cache [blocks,
-    block_size, Hkv, D]``; float32, every tensor on the CPU. Returns ``[T, Hq, D]``."""
+    block_size, Hkv, D]``; float32, every tensor on the CPU. ``new_kv = (k, v [T, Hkv, D], slot_mapping
+    [T])``: the step's keys and values, stored at their flat cache slots first (in the same C call).
+    Returns ``[T, Hq, D]``."""
     assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     q = q.contiguous()
@@ -65,12 +75,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if floors is not None:
         floors = floors.to(torch.int64).contiguous()
         floor_arg = floors.data_ptr()
+    new_k = new_v = slots = None
+    new_tokens = 0
+    if new_kv is not None:
+        new_k, new_v, slots = new_kv
+        assert new_k.dtype == new_v.dtype == torch.float32
+        new_k, new_v = new_k.contiguous(), new_v.contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        new_tokens = slots.shape[0]
     out = torch.empty_like(q)
     heads, dim = q.shape[1], q.shape[2]
-    failed = load_kernel().paged_attention_f32(
+    failed = _paged_attention_f32()(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
         floor_arg, out.data_ptr(), lens.shape[0], heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1],
-        window, scale, torch.get_num_threads())
+        window, scale, torch.get_num_threads(), None if new_k is None else new_k.data_ptr(),
+        None if new_v is None else new_v.data_ptr(), None if slots is None else slots.data_ptr(), new_tokens)
     if failed:
         raise MemoryError("cpu_paged attention: the kernel could not allocate its score buffer")
     return out
@@ -97,6 +116,6 @@ class CPUPagedAttentionBackend:
         """The ``AttentionBackend`` contract (``deepinfer/interfaces.py``)."""
         if ctx.max_query_len > MAX_QUERY_ROWS:  # a long prompt chunk in the step
             return self.reference.paged_attention(q, k, v, kv_cache, ctx, scale=scale, window=window)
-        write_kv(k, v, kv_cache, ctx.slot_mapping)
         return paged_attention(q, kv_cache[0], kv_cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
-                               scale=scale, window=window, floors=ctx.visibility_floor if window > 0 else None)
+                               scale=scale, window=window, floors=ctx.visibility_floor if window > 0 else None,
+                               new_kv=(k, v, ctx.slot_mapping))

@@ -9,7 +9,9 @@
  *
  * Layouts (all contiguous): q and out [tokens, heads, dim]; k_cache and v_cache [blocks, block_size,
  * kv_heads, dim]; tables [requests, table_width] (block ids); seq_lens [requests]; starts [requests + 1];
- * floors [requests] or NULL. Visible keys of a query at position p: j <= p; with window > 0 also
+ * floors [requests] or NULL. When new_k is not NULL, the step's own keys and values (new_k, new_v [new_tokens,
+ * kv_heads, dim], contiguous) are first stored at their flat cache slots (slots [new_tokens]), so a decode step
+ * writes its cache and attends in one call (the core's write_kv is two index_copy_ calls per layer). Visible keys of a query at position p: j <= p; with window > 0 also
  * j > p - window and (j >= floor or j == p), the core's rule (deepinfer/model/layers/reference.py, _visible).
  * Returns 0, or 1 when a score buffer could not be allocated.
  */
@@ -36,10 +38,18 @@ static int64_t block_span(const int64_t *table, int64_t blk, int64_t lo, int64_t
 int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
                         const int64_t *seq_lens, const int64_t *starts, const int64_t *floors, float *out,
                         int64_t requests, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                        int64_t table_width, int64_t window, float scale, int threads) {
+                        int64_t table_width, int64_t window, float scale, int threads, const float *new_k,
+                        const float *new_v, const int64_t *slots, int64_t new_tokens) {
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * dim; /* one cache position: every KV head's vector */
     int failed = 0;
+    if (new_k != NULL) {
+        float *kc = (float *)k_cache, *vc = (float *)v_cache;
+        for (int64_t t = 0; t < new_tokens; ++t) {
+            memcpy(kc + slots[t] * row, new_k + t * row, sizeof(float) * (size_t)row);
+            memcpy(vc + slots[t] * row, new_v + t * row, sizeof(float) * (size_t)row);
+        }
+    }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < requests * kv_heads; ++task) {
         const int64_t r = task / kv_heads, h = task % kv_heads;
