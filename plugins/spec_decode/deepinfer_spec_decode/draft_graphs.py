@@ -3,8 +3,10 @@
 Run eagerly, a drafting step is a few hundred small kernels (two drafter layers, then the draft loop
 over ``k`` positions), each paid in host launch time: on the H200 with SmolLM2 that was 7–15 ms per
 drafting step against a 3.4–5.7 ms replayed target step. ``PaddedGraphs`` replays such a function
-from CUDA graphs, one per bucket of its inputs' leading dimension (1, 2, 4, 8, then every 8 rows up to
-``limit``; larger calls return None and the caller runs eagerly) and per value of its flags.
+from CUDA graphs, one per bucket of its inputs' leading dimension (1, 2, 4, 8, every 8 rows to 64, every 32
+to 256, then every 128 up to ``limit``: few enough that a server's first minutes capture them all, since
+each capture costs tens of milliseconds in a step; larger calls return None and the caller runs eagerly)
+and per value of its flags.
 
 - **Inputs** are copied into the graph's static buffers; the rows past the real ones get each input's
   padding value, chosen by the caller so that a padding row is harmless (it writes only the reserved
@@ -30,16 +32,20 @@ import torch
 Padded = tuple[torch.Tensor, int | float | bool]  # an input and the value of its padding rows
 Outputs = tuple[torch.Tensor | None, ...]
 
-BUCKET_INTERVAL = 8
+# (up to rows, bucket interval) past 8 rows: fewer than 8 padding rows, or than half the real rows
+BUCKET_INTERVALS = ((64, 8), (256, 32))
+LARGE_INTERVAL = 128
 
 
 def bucket_of(rows: int, limit: int) -> int | None:
-    """The bucket that serves ``rows`` (≥ 1): 1, 2, 4, 8, then the next multiple of 8; None past ``limit``."""
+    """The bucket that serves ``rows`` (≥ 1): 1, 2, 4, 8, then the next multiple of 8 to 64, of 32 to 256,
+    of 128 above; None past ``limit``."""
     if rows > limit:
         return None
-    if rows <= BUCKET_INTERVAL:
+    if rows <= 8:
         return 1 << max(0, rows - 1).bit_length()
-    return -(-rows // BUCKET_INTERVAL) * BUCKET_INTERVAL
+    interval = next((step for top, step in BUCKET_INTERVALS if rows <= top), LARGE_INTERVAL)
+    return min(-(-rows // interval) * interval, limit)
 
 
 @dataclass
