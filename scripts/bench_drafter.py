@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--weights", type=Path, default=None, help="the drafter (default: the file beside --work)")
     ap.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE",
                     help="a further plugins.spec_decode field, e.g. dspark_context_window=1 (repeatable)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="an engine setting for every configuration, e.g. kernels.compile=inductor (repeatable)")
     ap.add_argument("--configs", nargs="+", default=["off", "fixed", "varlen"], choices=["off", "fixed", "varlen"],
                     help="the configurations to run (off is the speed-ups' baseline and always runs)")
     ap.add_argument("--output", type=Path, default=None)
@@ -120,14 +122,18 @@ def main() -> None:
         plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
     if args.overlap:
         plugins["scheduling"] = {"enabled": True}  # scheduler.executor auto: overlap
+    engine = set_flags_to_tree(args.set)
+    for name, section in engine.pop("plugins", {}).items():
+        plugins[name] = {**plugins.get(name, {}), **section}
     counts = args.prompts_per_batch or [8 if b == 1 else 2 * b for b in args.batches]
-    report: dict = {"model": args.model, "weights": str(weights), "spec": extra, "max_tokens": args.max_tokens,
+    report: dict = {"model": args.model, "weights": str(weights), "spec": extra, "engine": args.set,
+                    "max_tokens": args.max_tokens,
                     "threads": args.threads, "overlap": args.overlap, "device": args.device,
                     "date": time.strftime("%Y-%m-%d"), "batches": {}}
     for batch, count in zip(args.batches, counts, strict=True):
         work = prompts[:count]
         llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1), device=args.device,
-                        kv_cache_bytes=args.kv_cache_mb << 20, max_model_len=2048)
+                        kv_cache_bytes=args.kv_cache_mb << 20, max_model_len=2048, **engine)
                 for name, cfg in _configs(weights, plugins, extra).items() if name == "off" or name in args.configs}
         for llm in llms.values():  # warm-up: first-call costs (packing, calibration, the drafter's graphs) untimed;
             # on the GPU the whole workload, so every graph bucket it reaches (the tail's too) is captured
