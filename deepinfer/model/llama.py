@@ -62,13 +62,15 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         d, gemm = self.d, ctx.backends["linear"]
         qkv = gemm.linear(x, self.qkv_weight, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(-1, d.heads, d.head_dim)
-        k = k.reshape(-1, d.kv_heads, d.head_dim)
-        v = v.reshape(-1, d.kv_heads, d.head_dim)
+        qk_size = self.q_size + self.kv_size
+        v = qkv[:, qk_size:].reshape(-1, d.kv_heads, d.head_dim)
         if d.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q = self.q_norm(qkv[:, : self.q_size].reshape(-1, d.heads, d.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : qk_size].reshape(-1, d.kv_heads, d.head_dim))
+            q, k = self.rotary(positions, q, k)
+        else:  # q's and k's heads side by side: one rotation (a batch-1 step pays per op, issue 36)
+            qk = self.rotary.rotate(positions, qkv[:, :qk_size].reshape(-1, d.heads + d.kv_heads, d.head_dim))
+            q, k = (t.contiguous() for t in qk.split([d.heads, d.kv_heads], dim=1))  # views already are at T = 1
         out = ctx.backends["paged_attention"].paged_attention(q, k, v.contiguous(), self.kv_cache, ctx,
                                                               scale=self.scale)
         return gemm.linear(out.reshape(-1, self.q_size), self.o_weight)
@@ -84,7 +86,7 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         gemm = ctx.backends["linear"]
         gate, up = gemm.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return gemm.linear(F.silu(gate) * up, self.down_weight)
+        return gemm.linear(F.silu(gate).mul_(up), self.down_weight)
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -54,7 +54,8 @@ def inverse_frequencies(params: dict[str, Any], rotary_dim: int) -> tuple[torch.
 
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables; ``forward`` rotates q and k (``[T, heads, head_dim]``) in the
-    half-split layout (``rotate_half``) that Llama-family checkpoints use."""
+    half-split layout (``rotate_half``) that Llama-family checkpoints use; ``rotate`` rotates one tensor of
+    any number of heads (a model whose q and k heads lie side by side rotates both in one pass)."""
 
     def __init__(self, hf_config: dict[str, Any], rotary_dim: int, max_positions: int,
                  device: torch.device | None = None) -> None:
@@ -64,17 +65,29 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", (emb.cos() * scale).to(device), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scale).to(device), persistent=False)
+        # rotate_half(x) · sin = roll(x, half) · (sin with its first half negated): the same products
+        # (negation is exact), one roll instead of two slices, a negation and a cat.
+        sin = emb.sin() * scale
+        sin[:, : rotary_dim // 2] *= -1
+        self.register_buffer("sin_signed", sin.to(device), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self.tables(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, heads, head_dim]`` rotated at ``positions [T]``."""
+        return _rotate(x, *self.tables(positions))
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at ``positions [T]``, shaped ``[T, 1, rotary_dim]`` (broadcast over heads)."""
+        return (self.cos.index_select(0, positions).unsqueeze(1),
+                self.sin_signed.index_select(0, positions).unsqueeze(1))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """``x · cos + rotate_half(x) · sin`` in float32, cast back to ``x``'s dtype (the sum's order does not
+    change its bits)."""
     x32 = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x32[..., half:], x32[..., :half]], dim=-1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
+    return x32.roll(x.shape[-1] // 2, -1).mul_(sin_signed).add_(x32 * cos).to(x.dtype)
