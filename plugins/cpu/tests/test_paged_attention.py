@@ -63,6 +63,26 @@ def test_kernel_equals_a_float64_masked_softmax(window: int, with_floors: bool, 
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_the_call_stores_the_steps_keys_and_values_first() -> None:
+    """``new_kv``: the step's keys and values land at their slots (what the core's ``write_kv`` does) before
+    the step attends to them, in the same call (issue 36)."""
+    gen = torch.Generator().manual_seed(5)
+    bs, kv_heads, heads, dim, rows, lens = 4, 2, 6, 16, [1, 3], [6, 9]
+    k_cache = torch.randn(8, bs, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(8, bs, kv_heads, dim, generator=gen)
+    tables = torch.tensor([[5, 2, 7], [0, 3, 6]])
+    slots = torch.tensor([tables[0, 1] * bs + 1, tables[1, 1] * bs + 2, tables[1, 1] * bs + 3, tables[1, 2] * bs])
+    k_new, v_new = torch.randn(4, kv_heads, dim, generator=gen), torch.randn(4, kv_heads, dim, generator=gen)
+    q, starts = torch.randn(4, heads, dim, generator=gen), torch.tensor([0, *rows]).cumsum(0)
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    k_want.view(-1, kv_heads, dim)[slots], v_want.view(-1, kv_heads, dim)[slots] = k_new, v_new
+    want = paged_attention(q, k_want, v_want, tables, torch.tensor(lens), starts, scale=0.3)
+    got = paged_attention(q, k_cache, v_cache, tables, torch.tensor(lens), starts, scale=0.3,
+                          new_kv=(k_new, v_new, slots))
+    assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+    assert torch.equal(got, want)
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny("llama", tmp_path_factory.mktemp("llama"))[1]
