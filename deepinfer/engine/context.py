@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.interfaces import ForwardContext
-from deepinfer.model.transfer import to_device
+from deepinfer.model.transfer import to_device_many
 
 Span = tuple[Sequence[int], int, int]
 """``(block table, first position, count)`` of one request in a forward."""
@@ -67,15 +67,19 @@ def forward_context(layout: SpanLayout, *, block_size: int, backends: Mapping[st
     """The ``ForwardContext`` of ``layout`` on ``device``. ``state_slots`` (per span) and
     ``write_floors`` (per span, the shared-prefix positions exact replay must not rewrite) are for
     models with per-request state (``kv/state.py``); None leaves those fields unset."""
-    def tensor(values: list, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        return to_device(values, dtype, device)
-
+    i64 = torch.int64
+    fields = [(layout.positions, i64), (layout.slots, i64), (layout.starts, torch.int32), (layout.seq_lens, i64),
+              (layout.tables, i64)]
+    if state_slots is not None:
+        fields.append((list(state_slots), i64))
+    # One copy per dtype (``to_device_many``): the fields are views of it.
+    positions, slots, starts, seq_lens, tables, *slots_of_state = to_device_many(fields, device)
     ctx = ForwardContext(
-        positions=tensor(layout.positions),
-        slot_mapping=tensor(layout.slots),
-        query_start_loc=tensor(layout.starts, torch.int32),
-        seq_lens=tensor(layout.seq_lens),
-        block_tables=tensor(layout.tables).reshape(len(layout.seq_lens), layout.width),
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        block_tables=tables.reshape(len(layout.seq_lens), layout.width),
         num_decodes=layout.num_decodes,
         query_start_loc_host=layout.starts,
         seq_lens_host=layout.seq_lens,
@@ -85,7 +89,7 @@ def forward_context(layout: SpanLayout, *, block_size: int, backends: Mapping[st
     )
     if state_slots is not None:
         ctx.state_slots_host = list(state_slots)
-        ctx.state_slots = tensor(ctx.state_slots_host)
+        ctx.state_slots = slots_of_state[0]
     if write_floors is not None:
         ctx.write_floor_host = list(write_floors)
     return ctx

@@ -229,18 +229,27 @@ class ModelRunner:
         if has_truncation:
             ctx.truncation_floor_host = [t.visibility_floor if t else 0 for t in truncations]
             ctx.truncation_compact_host = [t is not None and t.mode == "compact" for t in truncations]
-        sampling = None
-        forcing = any(s.params.golden_token_ids for s in samplers)
+        # The rows read, the sampling batch and the verification inputs: one copy per dtype for all of them.
+        fields: dict[str, tuple[list, torch.dtype]] = {"logits": (logits_rows, torch.int64),
+                                                       "sample": (sample_rows, torch.int64)}
+        params = [s.params for s in samplers]
+        forcing = any(p.golden_token_ids for p in params)
+        verifying = any(s.draft_rows for s in samplers)
         if samplers:
-            sampling = SamplingBatch.build([s.params for s in samplers], [s.seed for s in samplers],
-                                           [s.counter for s in samplers], dev,
-                                           forced=[_forced(s, 0) for s in samplers] if forcing else None)
-        verify_batch = None
-        if any(s.draft_rows for s in samplers):
+            fields |= {f"sampling.{name}": value for name, value in SamplingBatch.fields(
+                params, [s.seed for s in samplers], [s.counter for s in samplers],
+                [_forced(s, 0) for s in samplers] if forcing else None).items()}
+        if verifying:
+            fields |= {f"verify.{name}": value for name, value in self._verify_fields(samplers, forcing).items()}
+        sent = dict(zip(fields, to_device_many(list(fields.values()), dev), strict=True))
+        sampling = verify_batch = None
+        if samplers:
+            sampling = SamplingBatch.of(_fields_of(sent, "sampling."), params)
+        if verifying:
             assert sampling is not None
-            verify_batch = self._verify_batch(samplers, sampling, forcing)
+            verify_batch = self._verify_batch(samplers, sampling, _fields_of(sent, "verify."))
         penalties = self._penalty_step(samplers)
-        return StepInputs(input_ids, ctx, tensor(logits_rows), samplers, tensor(sample_rows), sampling, spans,
+        return StepInputs(input_ids, ctx, sent["logits"], samplers, sent["sample"], sampling, spans,
                           pending_rows, pending_requests, verify_batch, graph=graph, penalties=penalties)
 
     def _penalty_step(self, samplers: list[StepRow]) -> PenaltyStep | None:
@@ -261,8 +270,9 @@ class ModelRunner:
         if self.penalties is not None:
             self.penalties.release(request_id)
 
-    def _verify_batch(self, samplers: list[StepRow], sampling: SamplingBatch, forcing: bool) -> VerifyBatch:
-        dev = self.device
+    @staticmethod
+    def _verify_fields(samplers: list[StepRow], forcing: bool) -> dict[str, tuple[list, torch.dtype]]:
+        """The host lists of the step's ``VerifyBatch`` by field, ``(values, dtype)`` (``_verify_batch``)."""
         k = max(s.draft_rows for s in samplers)
         row_start, row_request, row_offset = [], [], []
         for i, s in enumerate(samplers):
@@ -287,7 +297,13 @@ class ModelRunner:
         }
         if forcing:
             fields["forced"] = ([[_forced(s, j) for j in range(k + 1)] for s in samplers], i64)
-        sent = dict(zip(fields, to_device_many(list(fields.values()), dev), strict=True))
+        return fields
+
+    def _verify_batch(self, samplers: list[StepRow], sampling: SamplingBatch, sent: dict[str, torch.Tensor]
+                      ) -> VerifyBatch:
+        """The step's ``VerifyBatch`` from ``_verify_fields``' lists on the device (``sent``, by field)."""
+        dev = self.device
+        k = max(s.draft_rows for s in samplers)
         probs = None
         if any(s.draft_probs is not None for s in samplers):
             probs = torch.zeros(len(samplers), k, self.model.vocab_size, device=dev)
@@ -423,6 +439,11 @@ class ModelRunner:
         ids = torch.randint(0, self.model.vocab_size, (num_tokens,), generator=self._placeholder_ids).to(self.device)
         hidden = self.model.forward(ids, ctx)
         self.model.compute_logits(hidden, ctx)
+
+
+def _fields_of(sent: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of ``sent`` whose names start with ``prefix``, by the rest of their names."""
+    return {name.removeprefix(prefix): t for name, t in sent.items() if name.startswith(prefix)}
 
 
 def _forced(s: StepRow, j: int) -> int:

@@ -53,13 +53,15 @@ def to_device_many(items: Sequence[tuple[list, torch.dtype]], device: torch.devi
         else:
             shapes.append((len(values),))
             flat.extend(values)
-    buffers = {dtype: to_device(flat, dtype, device) for dtype, flat in flats.items()}
-    offsets = dict.fromkeys(flats, 0)
+    sizes: dict[torch.dtype, list[int]] = {dtype: [] for dtype in flats}
+    for (_, dtype), shape in zip(items, shapes, strict=True):
+        sizes[dtype].append(math.prod(shape))
+    # One split per buffer: its views in one dispatched op (a slice and a view per list cost host time too).
+    parts = {dtype: iter(to_device(flat, dtype, device).split(sizes[dtype])) for dtype, flat in flats.items()}
     out = []
     for (_, dtype), shape in zip(items, shapes, strict=True):
-        n = math.prod(shape)
-        out.append(buffers[dtype][offsets[dtype]:offsets[dtype] + n].view(shape))
-        offsets[dtype] += n
+        part = next(parts[dtype])
+        out.append(part.view(shape) if len(shape) > 1 else part)
     return out
 
 

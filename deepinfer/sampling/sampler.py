@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.model.transfer import to_device
+from deepinfer.model.transfer import to_device_many
 from deepinfer.sampling.params import SamplingParams
 from deepinfer.sampling.rng import Purpose, uniform
 
@@ -43,27 +43,41 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
               device: torch.device, forced: Sequence[int] | None = None) -> SamplingBatch:
+        """The batch of ``params`` (one per row) on ``device``, its lists sent in one copy per dtype."""
+        fields = cls.fields(params, seeds, positions, forced)
+        sent = dict(zip(fields, to_device_many(list(fields.values()), device), strict=True))
+        return cls.of(sent, params)
+
+    @staticmethod
+    def fields(params: Sequence[SamplingParams], seeds: Sequence[int], positions: Sequence[int],
+               forced: Sequence[int] | None = None) -> dict[str, tuple[list, torch.dtype]]:
+        """The batch's host lists by field, ``(values, dtype)``, for a caller that sends them with others in one
+        copy (``to_device_many``) and then builds the batch with ``of``."""
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        sorted_rows = [j for j, i in enumerate(random_rows) if params[i].needs_sorting]
-        plain_rows = [j for j, i in enumerate(random_rows) if not params[i].needs_sorting]
         picked = [params[i] for i in random_rows]
+        i64, f32 = torch.int64, torch.float32
+        fields: dict[str, tuple[list, torch.dtype]] = {
+            "temperature": ([p.temperature for p in picked], f32),
+            "top_k": ([p.top_k if p.top_k > 0 else 0 for p in picked], i64),
+            "top_p": ([p.top_p for p in picked], f32),
+            "min_p": ([p.min_p for p in picked], f32),
+            "seeds": ([seeds[i] for i in random_rows], i64),
+            "positions": ([positions[i] for i in random_rows], i64),
+            "random_rows": (random_rows, i64),
+            "sorted_rows": ([j for j, i in enumerate(random_rows) if params[i].needs_sorting], i64),
+            "plain_rows": ([j for j, i in enumerate(random_rows) if not params[i].needs_sorting], i64),
+        }
+        if forced is not None:
+            fields["forced"] = (list(forced), i64)
+        return fields
 
-        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return to_device(values, dtype, device)
-
-        return cls(
-            temperature=tensor([p.temperature for p in picked], torch.float32),
-            top_k=tensor([p.top_k if p.top_k > 0 else 0 for p in picked], torch.int64),
-            top_p=tensor([p.top_p for p in picked], torch.float32),
-            min_p=tensor([p.min_p for p in picked], torch.float32),
-            seeds=tensor([seeds[i] for i in random_rows], torch.int64),
-            positions=tensor([positions[i] for i in random_rows], torch.int64),
-            random_rows=tensor(random_rows, torch.int64),
-            sorted_rows=tensor(sorted_rows, torch.int64),
-            plain_rows=tensor(plain_rows, torch.int64),
-            num_logprobs=max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1),
-            forced=tensor(list(forced), torch.int64) if forced is not None else None,
-        )
+    @classmethod
+    def of(cls, sent: dict[str, torch.Tensor], params: Sequence[SamplingParams]) -> SamplingBatch:
+        """The batch from ``fields``' lists on the device (``sent``, by field; extra keys are ignored)."""
+        tensors = {name: sent[name] for name in ("temperature", "top_k", "top_p", "min_p", "seeds", "positions",
+                                                 "random_rows", "sorted_rows", "plain_rows")}
+        return cls(num_logprobs=max((p.logprobs or 0 for p in params if p.logprobs is not None), default=-1),
+                   forced=sent.get("forced"), **tensors)
 
 
 @dataclass(frozen=True)
