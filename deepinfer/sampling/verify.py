@@ -77,14 +77,18 @@ class VerifyResult:
     top_ids: torch.Tensor | None = None
 
 
-def _accepted(logits: torch.Tensor, batch: VerifyBatch) -> torch.Tensor:
-    """``[R, K]`` bool: whether each draft passes its own test (before the prefix rule). The target
-    distribution ``q`` (a sort over the vocabulary per row) is computed for sampling requests only."""
+def _accepted(logits: torch.Tensor, batch: VerifyBatch, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[R, K]`` bool: whether each draft passes its own test (before the prefix rule), and ``[R, K+1]`` the
+    argmax of each request's rows ``0..K`` (a row past the request's is another's: read only up to its
+    drafts). ``cols`` is ``arange(K + 1)``. The target distribution ``q`` (a sort over the vocabulary per
+    row) is computed for sampling requests only."""
     num_requests, k = batch.drafts.shape
-    cols = torch.arange(k, device=logits.device)
     rows = (batch.row_start.unsqueeze(1) + cols).clamp_(max=logits.shape[0] - 1)
+    argmax = logits.index_select(0, rows.reshape(-1)).argmax(dim=-1).reshape(num_requests, k + 1)
+    cols = cols[:k]
+    rows = rows[:, :k]
     drafts = batch.drafts.clamp(min=0)
-    ok = logits.index_select(0, rows.reshape(-1)).argmax(dim=-1).reshape(num_requests, k) == drafts
+    ok = argmax[:, :k] == drafts
     r = batch.random_requests
     if r.numel():
         def per_row(t: torch.Tensor) -> torch.Tensor:
@@ -103,7 +107,7 @@ def _accepted(logits: torch.Tensor, batch: VerifyBatch) -> torch.Tensor:
         positions = (batch.base.index_select(0, r).unsqueeze(1) + cols).reshape(-1)
         u = uniform(per_row(batch.seeds), positions, Purpose.ACCEPT)
         ok = ok.index_copy(0, r, (u * p_d < q_d).reshape(-1, k))
-    return ok & (cols < batch.num_drafts.unsqueeze(1))
+    return ok & (cols < batch.num_drafts.unsqueeze(1)), argmax
 
 
 def _residual_tokens(final_logits: torch.Tensor, batch: VerifyBatch, accepted: torch.Tensor) -> torch.Tensor:
@@ -134,30 +138,38 @@ def verify(logits: torch.Tensor, batch: VerifyBatch, raw_logits: torch.Tensor | 
     already grammar-masked for structured requests). Logprobs come from ``raw_logits`` when given (the
     model's unconstrained distribution, API.md §4), else from ``logits``."""
     num_requests, k = batch.drafts.shape
-    ok = _accepted(logits, batch) if k else torch.zeros(num_requests, 0, dtype=torch.bool, device=logits.device)
+    cols = torch.arange(k + 1, device=logits.device)
+    if k:
+        ok, argmax = _accepted(logits, batch, cols)
+    else:
+        ok, argmax = torch.zeros(num_requests, 0, dtype=torch.bool, device=logits.device), None
     if batch.forced is not None and k:
         forced = batch.forced[:, :k]
-        ok = torch.where(forced >= 0, batch.drafts == forced, ok) & (torch.arange(k, device=logits.device)
-                                                                    < batch.num_drafts.unsqueeze(1))
+        ok = torch.where(forced >= 0, batch.drafts == forced, ok) & (cols[:k] < batch.num_drafts.unsqueeze(1))
     num_accepted = torch.cumprod(ok.to(torch.int64), dim=1).sum(dim=1)
-    final_logits = logits.index_select(0, batch.row_start + num_accepted)
-    shifted = dataclasses.replace(
-        batch.sampling, positions=batch.sampling.positions + num_accepted.index_select(0, batch.sampling.random_rows),
-        forced=None)
-    bonus = sample(final_logits, dataclasses.replace(shifted, num_logprobs=-1)).tokens
-    final = bonus
+    at_accepted = num_accepted.unsqueeze(1)
     r = batch.random_requests
-    if r.numel():
-        rejected = num_accepted.index_select(0, r) < batch.num_drafts.index_select(0, r)
-        picked = torch.where(rejected, _residual_tokens(final_logits, batch, num_accepted), bonus.index_select(0, r))
-        final = bonus.index_copy(0, r, picked)
+    if argmax is not None and not batch.sampling.random_rows.numel() and not r.numel():
+        # Every request is greedy: its final token is the argmax of its row ``num_accepted``, computed above
+        # (what ``sample`` would return for that row).
+        final = argmax.gather(1, at_accepted).squeeze(1)
+    else:
+        final_logits = logits.index_select(0, batch.row_start + num_accepted)
+        shift = num_accepted.index_select(0, batch.sampling.random_rows)
+        shifted = dataclasses.replace(batch.sampling, positions=batch.sampling.positions + shift, forced=None)
+        bonus = sample(final_logits, dataclasses.replace(shifted, num_logprobs=-1)).tokens
+        final = bonus
+        if r.numel():
+            rejected = num_accepted.index_select(0, r) < batch.num_drafts.index_select(0, r)
+            picked = torch.where(rejected, _residual_tokens(final_logits, batch, num_accepted),
+                                 bonus.index_select(0, r))
+            final = bonus.index_copy(0, r, picked)
     if batch.forced is not None:
-        at = batch.forced.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
+        at = batch.forced.gather(1, at_accepted).squeeze(1)
         final = torch.where(at >= 0, at, final)
-    cols = torch.arange(k + 1, device=logits.device)
+    # The accepted drafts, then the final token at column ``num_accepted``, −1 after.
     padded = torch.cat([batch.drafts, batch.drafts.new_full((num_requests, 1), -1)], dim=1)
-    tokens = torch.where(cols < num_accepted.unsqueeze(1), padded,
-                         torch.where(cols == num_accepted.unsqueeze(1), final.unsqueeze(1), -1))
+    tokens = torch.where(cols < at_accepted, padded, -1).scatter_(1, at_accepted, final.unsqueeze(1))
     if batch.sampling.num_logprobs < 0:
         return VerifyResult(tokens, num_accepted)
     targets = tokens[batch.row_request, batch.row_offset].clamp(min=0)
