@@ -167,9 +167,12 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
         "tables": ([[*t] + [0] * (width - len(t)) for t in plan.tables], i64), "seeds": (plan.seeds, i64),
         "temperature": (plan.temperatures, torch.float32)}
     if hidden is not None:
-        sampler, j = zip(*plan.emitted_from, strict=True) if plan.emitted_rows else ((), ())
-        fields |= {"next_tokens": (plan.next_tokens, i64), "emitted_rows": (plan.emitted_rows, i64),
-                   "emitted_sampler": (list(sampler), i64), "emitted_j": (list(j), i64),
+        # The step's next tokens padded to its rows (a graph's bucket), and where each emitted one is in the
+        # step's ``[S, K+1]`` tokens, flat (the shapes are host facts).
+        pad = input_ids.shape[0] - len(plan.next_tokens)
+        emitted_width = tokens.emitted.shape[1]
+        fields |= {"next_tokens": ([*plan.next_tokens, *[0] * pad], i64), "emitted_rows": (plan.emitted_rows, i64),
+                   "emitted_at": ([s * emitted_width + j for s, j in plan.emitted_from], i64),
                    "coverage": (plan.coverage, i64), "last_rows": (plan.last_rows, i64)}
         if plan.state_slots is not None:
             fields["state_slots"] = (plan.state_slots, i64)
@@ -184,11 +187,10 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
     tables = sent["tables"].reshape(batch, width)
     rows = chain = None
     if hidden is not None:
-        next_tokens = torch.zeros(input_ids.shape[0], dtype=i64, device=dev)
-        next_tokens[:len(plan.next_tokens)] = sent["next_tokens"]
+        next_tokens = sent["next_tokens"]  # a view of this step's own copy: written in place
         if plan.emitted_rows:
-            emitted = tokens.emitted[sent["emitted_sampler"], sent["emitted_j"]].clamp(min=0)
-            next_tokens[sent["emitted_rows"]] = emitted
+            emitted = tokens.emitted.reshape(-1).index_select(0, sent["emitted_at"]).clamp(min=0)
+            next_tokens.index_copy_(0, sent["emitted_rows"], emitted)
         # The drafter's layers see the rows as the model's layers saw them, without bounded-replay floors.
         rows_ctx = dataclasses.replace(ctx, visibility_floor=None, visibility_floor_host=None,
                                        truncation_floor_host=None, truncation_compact_host=None)

@@ -346,15 +346,13 @@ class Speculator:
             caps = chain.draft_caps()
         drafts = proposal.tokens[:, :k]
         cols = torch.arange(k, device=drafts.device)
-        usable = torch.cumprod(((cols < caps.unsqueeze(1)) & (drafts >= 0)).to(torch.int64), dim=1).bool()
+        usable = torch.cumprod((cols < caps.unsqueeze(1)) & (drafts >= 0), dim=1).bool()  # a prefix of each row
         raw = proposal.raw_confidence if proposal.raw_confidence is not None else proposal.confidence
-        zero = torch.zeros((), dtype=torch.float32, device=drafts.device)
-
-        def kept(confidence: torch.Tensor) -> torch.Tensor:
-            return torch.where(usable, confidence[:, :k].float().clamp(MIN_CONFIDENCE, 1.0), zero)
-
+        # Both confidences in one [2, B, k] tensor: one clamp and one mask for the pair.
+        both = torch.stack([proposal.confidence[:, :k], raw[:, :k]]).float().clamp(MIN_CONFIDENCE, 1.0)
+        kept = torch.where(usable, both, 0.0)
         probs = proposal.probs[:, :k] if proposal.probs is not None else None
-        return DeviceProposal(plan, torch.where(usable, drafts, -1), kept(proposal.confidence), kept(raw), probs)
+        return DeviceProposal(plan, torch.where(usable, drafts, -1), kept[0], kept[1], probs)
 
     def record_tokens(self, input_ids: torch.Tensor, ctx: ForwardContext) -> None:
         """Note a step's input tokens at their cache slots (``TokenCache``; every step, drafting or not)."""
