@@ -62,10 +62,11 @@ class IsotonicCalibrator:
         if not raw.numel():
             return raw.float()
         if self._on_device is None or self._on_device.device != raw.device:
-            table = self.table().pin_memory() if raw.device.type == "cuda" else self.table()
-            self._on_device = table.to(raw.device, non_blocking=True)
+            table = self.table().float()  # float32 where the drafts are: the lookup is then the result
+            self._on_device = table.pin_memory().to(raw.device, non_blocking=True) if raw.device.type == "cuda" \
+                else table
         k = raw.shape[1]
-        return self._on_device[:k].gather(1, self._bin(raw).t()).t().to(torch.float32)
+        return self._on_device[:k].gather(1, self._bin(raw).t()).t()
 
     def observe(self, raw: Sequence[float], verified: int, accepted: int) -> None:
         """One request's verification: drafts ``0..verified-1`` with raw confidences ``raw``, the first
@@ -92,7 +93,7 @@ class CalibratedDrafter:
         proposal = self.inner.propose(inputs)
         raw = proposal.confidence
         calibrated = self.calibrator.calibrate(raw.float())
-        calibrated = torch.where(proposal.tokens >= 0, calibrated, torch.zeros_like(calibrated))
+        calibrated = calibrated.masked_fill(proposal.tokens < 0, 0.0)
         return dataclasses.replace(proposal, confidence=calibrated, raw_confidence=raw)
 
 
