@@ -18,6 +18,7 @@ and a rebuild per verification cost more host time than the calibration changes.
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,11 @@ from deepinfer.ops import pool_adjacent_violators
 
 PRIOR = 2.0  # pseudo-observations at the bin centre
 REFRESH_SHARE = 16  # the table lags the observations by at most 1/16 of them
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (what ``torch.tensor(x, dtype=torch.float32)`` holds)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 class IsotonicCalibrator:
@@ -72,7 +78,10 @@ class IsotonicCalibrator:
         """One request's verification: drafts ``0..verified-1`` with raw confidences ``raw``, the first
         ``accepted`` of them accepted; positions past the first rejection were not observed."""
         observed = min(verified, accepted + 1, len(self.seen))
-        for j, b in enumerate(self._bin(torch.tensor(raw[:observed], dtype=torch.float32)).tolist()):
+        # ``_bin`` on the host, value by value (a few per request and step: tensors would cost more): rounded to
+        # float32 as the drafts' confidences are, then × bins in float64, truncated and clamped.
+        bins = [min(max(int(_float32(x) * self.bins), 0), self.bins - 1) for x in raw[:observed]]
+        for j, b in enumerate(bins):
             self.seen[j][b] += 1
             self.accepted[j][b] += float(j < accepted)
         self._observed += 1
