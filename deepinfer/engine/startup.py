@@ -131,10 +131,11 @@ class StartUp:
             cuda_graphs=self.device.type == "cuda" and cfg.kernels.cuda_graphs,
         )
         host.notify("deepinfer_validate_config", config=cfg, info=self.info)
-        self.backends = self._select_backends()
-        # Paged KV rows are stored in this dtype (kv/fp8.py); per-request state stays in the model dtype.
+        # Paged KV rows are stored in this dtype (kv/fp8.py); per-request state stays in the model dtype but
+        # for V4/V4.1's sliding rings (kv/v41_cache.py). Checked before the backends, which name only the gap.
         self.kv_dtype = kv_storage_dtype(cfg.cache.kv_dtype, self.dtype)
         check_kv_dtype(specs, self.kv_dtype, self.dtype, cfg.cache.kv_dtype)
+        self.backends = self._select_backends()
         self.load_report = self._load_weights()
         if cfg.kernels.compile == "inductor":  # the fused decode step (engine/compiled.py)
             check_compile_support(self.device, cfg.kernels.batch_invariant)
@@ -451,7 +452,7 @@ class StartUp:
                     "or set cache.kv_cache_bytes")
         else:
             budget = CPU_DEFAULT_KV_BYTES
-        state = state_bytes(specs, self.num_state_slots, self.max_backtrack, self.dtype)
+        state = state_bytes(specs, self.num_state_slots, self.max_backtrack, self.dtype, self.kv_dtype)
         if state and state >= budget:
             raise ConfigError(
                 f"the model's per-request state takes {state} bytes for {self.num_state_slots} state slots "

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.errors import ConfigError
-
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 32
@@ -36,18 +34,20 @@ E8M0_BIAS = 127
 # kernel that writes it (plugins/attention's fp8_store) derives the same bytes.
 MIN_AMAX = 2.0 ** -100
 
-KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
+# ``cache.kv_dtype: fp4`` has no torch dtype of its own: torch's packed e2m1 dtype stands for it, so the pool
+# and the specs carry one value; only DeepSeek-V4.1's cache parts accept it (``kv/v41_cache.py``).
+FP4_KV_DTYPE = torch.float4_e2m1fn_x2
+KV_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE, "fp4": FP4_KV_DTYPE}
 
 
 def kv_storage_dtype(kv_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype paged KV rows are stored in for ``cache.kv_dtype`` (``auto``: the model's dtype)."""
+    """The dtype paged KV rows are stored in for ``cache.kv_dtype`` (``auto``: the model's dtype; ``fp4``:
+    ``FP4_KV_DTYPE``, which names V4.1's layouts, ``kv/v41_cache.py``). Which model reads which value is
+    the cache specs' business (``kv/pools.check_kv_dtype``)."""
     if kv_dtype == "auto":
         return model_dtype
-    if kv_dtype == "fp4":
-        raise ConfigError("cache.kv_dtype='fp4': DeepSeek-V4.1's FP4 main-KV layout (kv/v41_formats.py, 288 B a "
-                          "token) is a storage format only so far; no attention reads it. Use 'auto', 'bf16' or 'fp8'")
     if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"cache.kv_dtype={kv_dtype!r}: allowed values are 'auto', 'bf16', 'fp8'")
+        raise ValueError(f"cache.kv_dtype={kv_dtype!r}: allowed values are 'auto', 'bf16', 'fp8', 'fp4'")
     return KV_DTYPES[kv_dtype]
 
 

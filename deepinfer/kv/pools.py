@@ -7,26 +7,34 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer.errors import ConfigError
-from deepinfer.kv.specs import CacheSpec, PagedKVSpec, PagedLatentSpec
+from deepinfer.kv.specs import CacheSpec
 
 # Block 0 is never handed out: padding rows of a batch write into it.
 RESERVED_BLOCKS = 1
 
 
-# The specs that can store their rows in a dtype other than the model's (``cache.kv_dtype``).
-_KV_DTYPE_SPECS = (PagedKVSpec, PagedLatentSpec)
-
-
 def check_kv_dtype(specs: Sequence[CacheSpec], kv_dtype: torch.dtype, model_dtype: torch.dtype,
                    setting: str) -> None:
-    """Refuse a KV storage dtype other than the model's for layers whose cache keeps the model dtype
-    (DeepSeek-V4's compressed entries and state rings). ``setting``: the ``cache.kv_dtype`` value."""
+    """Refuse a ``cache.kv_dtype`` (``setting``; ``kv_dtype`` its storage dtype) that some layer's cache does
+    not store: each spec names the values besides ``auto`` it reads (``kv_dtypes``: GQA and MLA rows ``bf16``
+    and ``fp8``; DeepSeek-V4's hybrid caches ``fp8``, V4.1's ``fp8`` and ``fp4``, ``kv/v41_cache.py``). A
+    value whose storage dtype is the model's (``bf16`` on a bf16 model) is ``auto``."""
     if kv_dtype == model_dtype:
         return
-    kinds = sorted({type(s).__name__ for s in specs if not isinstance(s, _KV_DTYPE_SPECS)})
-    if kinds:
-        raise ConfigError(f"cache.kv_dtype={setting}: the model's {', '.join(kinds)} caches are stored in the "
-                          f"model dtype {model_dtype} only; use cache.kv_dtype=auto")
+    allowed = {"bf16", "fp8", "fp4"}
+    for spec in specs:
+        allowed &= set(getattr(spec, "kv_dtypes", ()))
+    if setting not in allowed:
+        kinds = ", ".join(sorted({type(s).__name__ for s in specs}))
+        values = ", ".join(repr(v) for v in ("auto", *sorted(allowed)))
+        raise ConfigError(f"cache.kv_dtype={setting!r}: the model's caches ({kinds}) do not store it; "
+                          f"allowed values for this model: {values}")
+    for spec in specs:
+        try:
+            if hasattr(spec, "layouts"):
+                spec.layouts(kv_dtype)
+        except ValueError as e:
+            raise ConfigError(f"cache.kv_dtype={setting!r}: {e}") from e
 
 
 def bytes_per_block(specs: Sequence[CacheSpec], block_size: int, dtype: torch.dtype) -> int:
@@ -47,9 +55,12 @@ def num_blocks_for(budget_bytes: int, specs: Sequence[CacheSpec], block_size: in
     return int(blocks)
 
 
-def state_bytes(specs: Sequence[CacheSpec], num_slots: int, max_backtrack: int, dtype: torch.dtype) -> int:
-    """Bytes the state-slot rings of all layers take (``kv/state.py``; 0 for models without state)."""
-    per_slot = sum(spec.bytes_per_slot(max_backtrack, dtype) for spec in specs if hasattr(spec, "bytes_per_slot"))
+def state_bytes(specs: Sequence[CacheSpec], num_slots: int, max_backtrack: int, dtype: torch.dtype,
+                kv_dtype: torch.dtype | None = None) -> int:
+    """Bytes the state-slot rings of all layers take (``kv/state.py``; 0 for models without state);
+    ``kv_dtype``: the KV storage dtype, which the sliding-window rings follow (``kv/v41_cache.py``)."""
+    per_slot = sum(spec.bytes_per_slot(max_backtrack, dtype, kv_dtype or dtype)
+                   for spec in specs if hasattr(spec, "bytes_per_slot"))
     return num_slots * per_slot
 
 
@@ -57,7 +68,7 @@ class KVPool:
     """One tuple of cache tensors per layer, all indexed by the same block ids; a layer whose spec keeps
     per-request state (``kv/state.py``) gets its ring tensors for ``num_state_slots`` slots appended.
     Paged rows are stored in ``kv_dtype`` (``None``: ``dtype``, the model's; ``kv/fp8.py``), state
-    rings in ``dtype``."""
+    rings in ``dtype`` but for the sliding-window rings of V4/V4.1 under ``fp8``/``fp4`` (``kv/v41_cache.py``)."""
 
     def __init__(self, specs: Sequence[CacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, num_state_slots: int = 0, max_backtrack: int = 1,
@@ -70,4 +81,5 @@ class KVPool:
         self.paged = [t for layer in self.layers for t in layer]
         for i, spec in enumerate(specs):
             if hasattr(spec, "allocate_state"):
-                self.layers[i] = self.layers[i] + spec.allocate_state(num_state_slots, max_backtrack, dtype, device)
+                self.layers[i] = self.layers[i] + spec.allocate_state(num_state_slots, max_backtrack, dtype, device,
+                                                                      kv_dtype or dtype)

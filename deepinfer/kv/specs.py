@@ -39,6 +39,7 @@ class PagedKVSpec:
     num_kv_heads: int
     head_dim: int
     window: int = 0
+    kv_dtypes = ("bf16", "fp8")  # cache.kv_dtype values besides auto (kv/pools.check_kv_dtype)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         per_head = self.head_dim * dtype.itemsize + (num_groups(self.head_dim) if dtype == FP8_DTYPE else 0)
@@ -71,6 +72,7 @@ class PagedLatentSpec:
 
     latent_dim: int
     rope_dim: int
+    kv_dtypes = ("bf16", "fp8")
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         row = (self.latent_dim + self.rope_dim) * dtype.itemsize

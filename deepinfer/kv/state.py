@@ -29,6 +29,7 @@ import torch
 
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import LayerCacheInfo
+from deepinfer.kv import v41_cache
 
 RESERVED_SLOTS = 1  # slot 0 is never handed out
 
@@ -41,10 +42,12 @@ def num_state_slots_for(max_num_seqs: int) -> int:
 
 @dataclass(frozen=True)
 class CompressedPart:
-    """Paged compressed entries: one ``width``-vector per ``ratio`` token positions."""
+    """Paged compressed entries: one ``width``-vector per ``ratio`` token positions; ``index``: V4.1's
+    indexer keys, which take the ``FP4_INDEX`` layout under ``cache.kv_dtype`` fp8/fp4 (``kv/v41_cache.py``)."""
 
     ratio: int
     width: int
+    index: bool = False
 
     def entries_per_block(self, block_size: int) -> int:
         if block_size % self.ratio:
@@ -55,10 +58,17 @@ class CompressedPart:
 
 @dataclass(frozen=True)
 class RingPart:
-    """A per-request ring of ``span + max_backtrack`` rows of ``width`` values."""
+    """A per-request ring of ``span + max_backtrack`` rows of ``width`` values; ``sliding``: a layer's
+    sliding-window keys, which take the ``MXFP8`` layout under ``cache.kv_dtype`` fp8/fp4 (``kv/v41_cache.py``;
+    other rings stay in the model dtype)."""
 
     span: int
     width: int
+    sliding: bool = False
+
+    def format(self, kv_dtype: torch.dtype) -> v41_cache.V41KVFormat | None:
+        """The ring's layout under KV storage dtype ``kv_dtype`` (None: the model dtype)."""
+        return v41_cache.ring_format(kv_dtype, self.width) if self.sliding else None
 
     def size(self, max_backtrack: int) -> int:
         return self.span + max_backtrack
@@ -70,7 +80,9 @@ class HybridLayerSpec:
 
     ``allocate`` returns the paged tensors (in ``paged`` order), ``allocate_state`` the rings (in
     ``rings`` order); ``KVPool`` hands the layer both, paged first. ``kind``/``window``/``ratio``/
-    ``role`` describe the layer for replay planners (``LayerCacheInfo``)."""
+    ``role`` describe the layer for replay planners (``LayerCacheInfo``). ``kv_dtypes``: the
+    ``cache.kv_dtype`` values besides ``auto`` the layer's attention reads (``kv/pools.check_kv_dtype``); under
+    them the paged parts and the sliding ring take V4.1's layouts (``kv/v41_cache.py``)."""
 
     paged: tuple[CompressedPart, ...]
     rings: tuple[RingPart, ...]
@@ -78,23 +90,37 @@ class HybridLayerSpec:
     window: int
     ratio: int = 1
     role: Literal["plain", "producer", "consumer"] = "plain"
+    kv_dtypes: tuple[str, ...] = ()
+
+    def layouts(self, kv_dtype: torch.dtype) -> list[v41_cache.V41KVFormat | None]:
+        """The layout of each paged part, then of each ring, under KV storage dtype ``kv_dtype`` (None: a float
+        dtype); ``ValueError`` naming the layout when a part's width is not a multiple of its scale group."""
+        return ([v41_cache.entry_format(kv_dtype, p.width, p.index) for p in self.paged]
+                + [r.format(kv_dtype) for r in self.rings])
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        return sum(p.entries_per_block(block_size) * p.width for p in self.paged) * dtype.itemsize
+        """Bytes of the paged parts per block, ``dtype`` being the KV storage dtype."""
+        return sum(p.entries_per_block(block_size)
+                   * v41_cache.row_bytes(v41_cache.entry_format(dtype, p.width, p.index), p.width, dtype)
+                   for p in self.paged)
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros(num_blocks, p.entries_per_block(block_size), p.width, dtype=dtype, device=device)
+        return tuple(v41_cache.allocate((num_blocks, p.entries_per_block(block_size)), p.width,
+                                        v41_cache.entry_format(dtype, p.width, p.index), dtype, device)
                      for p in self.paged)
 
-    def bytes_per_slot(self, max_backtrack: int, dtype: torch.dtype) -> int:
-        return sum(r.size(max_backtrack) * r.width for r in self.rings) * dtype.itemsize
+    def bytes_per_slot(self, max_backtrack: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
+        """Bytes of the rings per state slot: ``dtype`` the model's, ``kv_dtype`` the KV storage dtype."""
+        kv_dtype = kv_dtype or dtype
+        return sum(r.size(max_backtrack) * v41_cache.row_bytes(r.format(kv_dtype), r.width, dtype) for r in self.rings)
 
     def allocate_state(self, num_slots: int, max_backtrack: int, dtype: torch.dtype,
-                       device: torch.device) -> tuple[torch.Tensor, ...]:
+                       device: torch.device, kv_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, ...]:
         # Zeros, not empty: a replay reads ring rows older than its first token (they never reach
-        # the restored state, but they must be finite).
-        return tuple(torch.zeros(num_slots, r.size(max_backtrack), r.width, dtype=dtype, device=device)
+        # the restored state, but they must be finite; zero bytes decode to zeros in every layout).
+        kv_dtype = kv_dtype or dtype
+        return tuple(v41_cache.allocate((num_slots, r.size(max_backtrack)), r.width, r.format(kv_dtype), dtype, device)
                      for r in self.rings)
 
     def info(self) -> LayerCacheInfo:

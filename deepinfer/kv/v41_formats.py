@@ -15,14 +15,15 @@ FlashMLA's table) stores, per token:
   68 bytes; in a block the data of every token comes first, then every token's scales (block-wide sections).
 
 A paged block of a token-interleaved format is ``block_size × bytes_per_token`` bytes with its stride aligned
-to ``lcm(32, bytes_per_token)`` (``block_stride``). These are storage formats: no V4.1 attention here reads them yet
-(``cache.kv_dtype: fp4`` is refused at start-up naming it, ``kv/fp8.py``; docs/status.md, issue 33).
+to ``lcm(32, bytes_per_token)`` (``block_stride``). ``at(width)`` gives a layout for another width (tiny test
+models). The KV pool stores DeepSeek-V4.1's caches in these layouts under ``cache.kv_dtype: fp4`` / ``fp8``,
+and the reference attention and indexer read them (``kv/v41_cache.py``; docs/status.md, issue 33).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -57,6 +58,14 @@ class V41KVFormat:
     @property
     def bytes_per_token(self) -> int:
         return self.data_bytes + self.scale_bytes
+
+    def at(self, elements: int) -> V41KVFormat:
+        """This layout for ``elements`` values a token (the reference's widths are 512 and 128; tiny models have
+        fewer): the same value and scale types and group size. ``elements`` must be a multiple of the group."""
+        if elements <= 0 or elements % self.per_scale:
+            raise ValueError(f"{self.name}: {elements} values a token is not a positive multiple of its "
+                             f"{self.per_scale}-value scale group")
+        return self if elements == self.elements else replace(self, elements=elements)
 
     def block_stride(self, block_size: int) -> int:
         """Bytes between paged blocks: ``block_size`` records rounded up to ``lcm(32, bytes_per_token)``

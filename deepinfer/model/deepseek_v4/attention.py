@@ -56,14 +56,15 @@ class V4Attention(nn.Module):
 
     def cache_spec(self, role: str) -> HybridLayerSpec:
         d = self.d
-        rings = [RingPart(d.window, d.head_dim)]
+        rings = [RingPart(d.window, d.head_dim, sliding=True)]
         paged = []
         for comp in (self.compressor, self.indexer.compressor if self.indexer else None):
             if comp is not None:
                 paged.append(CompressedPart(comp.ratio, comp.width))
                 rings.append(RingPart(comp.ring_span(), 2 * comp.series))
         kind = "sliding" if self.kind == SLIDING else "compressed"
-        return HybridLayerSpec(tuple(paged), tuple(rings), kind, d.window, max(self.ratio, 1), role)
+        # cache.kv_dtype fp8: entries, indexer keys and the sliding ring in MXFP8 (kv/v41_cache.py).
+        return HybridLayerSpec(tuple(paged), tuple(rings), kind, d.window, max(self.ratio, 1), role, ("fp8",))
 
     def bind(self, cache: tuple[torch.Tensor, ...]) -> None:
         comps = [c for c in (self.compressor, self.indexer.compressor if self.indexer else None) if c is not None]

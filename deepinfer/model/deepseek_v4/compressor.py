@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from deepinfer.interfaces import ForwardContext
+from deepinfer.kv import v41_cache
 from deepinfer.model.deepseek_v4.config import V4Dims
 from deepinfer.model.deepseek_v4.norm import V4RMSNorm
 from deepinfer.model.deepseek_v4.rotary import V4Rotary
@@ -84,7 +85,6 @@ class Compressor(nn.Module):
             return
         size, r, dev = self.ring.shape[1], self.ratio, x.device
         per_block = self.paged.shape[1]
-        flat = self.paged.view(-1, self.width)
         for s in step_rows:
             w0, w1 = s.start // r, s.end // r
             if w1 > w0:
@@ -96,7 +96,7 @@ class Compressor(nn.Module):
                 ids = torch.arange(min(w1, max(w0, -(-s.floor // r))), w1, device=dev)
                 if ids.numel():
                     targets = entry_rows(ctx.block_tables[s.index], ids, per_block)
-                    self._store(flat, targets, entries[ids - w0])
+                    self._store(targets, entries[ids - w0])
             keep = min(s.hi - s.lo, size)
             self.ring[s.slot].index_copy_(0, ring_rows(s.end - keep, s.end, size, dev), proj[s.hi - keep:s.hi])
 
@@ -134,8 +134,7 @@ class Compressor(nn.Module):
         blocks = ctx.block_tables[rows.requests, window // per_block]
         closes = (pos + 1) % r == 0
         targets = torch.where(closes, blocks * per_block + window % per_block, 0)
-        flat = self.paged.view(-1, width)
-        self._store(flat, targets, entries.to(flat.dtype))
+        self._store(targets, entries)
 
     def _finish(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor, rotary: V4Rotary) -> torch.Tensor:
         """Entries from their windows' ``kv`` and biased ``gate`` ``[entries, slots, width]``: softmax over
@@ -148,17 +147,17 @@ class Compressor(nn.Module):
         keys = [keys_of(normed, positions).to(entries.dtype) for keys_of, _ in self.index_writers]
         return torch.cat([entries, *keys], dim=-1)
 
-    def _store(self, flat: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor) -> None:
-        """Write entry rows ``rows`` (with the index writers' keys appended, V4.1) at ``targets`` of ``flat``."""
+    def _store(self, targets: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write entry rows ``rows`` (with the index writers' keys appended, V4.1) at flat rows ``targets`` of
+        the paged tensors, each in its own storage (model dtype, or a V4.1 layout: ``kv/v41_cache.py``)."""
+        assert self.paged is not None
+        v41_cache.write(self.paged, targets, rows[:, : self.width])
         if not self.index_writers:
-            flat.index_copy_(0, targets, rows)
             return
-        flat.index_copy_(0, targets, rows[:, : self.width].to(flat.dtype))
-        start = self.width
-        for _, paged in self.index_writers:
-            keys = paged.view(-1, paged.shape[-1])
-            keys.index_copy_(0, targets, rows[:, start:start + keys.shape[1]].to(keys.dtype))
-            start += keys.shape[1]
+        key_width = (rows.shape[1] - self.width) // len(self.index_writers)
+        for i, (_, paged) in enumerate(self.index_writers):
+            start = self.width + i * key_width
+            v41_cache.write(paged, targets, rows[:, start:start + key_width])
 
     def _pool(self, rows: torch.Tensor, w0: int, w1: int, first_window: int, rotary: V4Rotary) -> torch.Tensor:
         """Entries ``[w0, w1)`` from the projections of windows ``[first_window, w1)``."""

@@ -68,18 +68,20 @@ class V41Attention(nn.Module):
         """The sliding ring; a KV source also its compressor ring and paged entries; an index-K source its
         paged indexer keys."""
         d = self.d
-        rings, paged = [RingPart(d.window, d.head_dim)], []
+        rings, paged = [RingPart(d.window, d.head_dim, sliding=True)], []
         if self.compressor is not None:
             paged.append(CompressedPart(self.ratio, d.head_dim))
             rings.append(RingPart(self.compressor.ring_span(), 2 * self.compressor.series))
         if self.index_keys is not None:
-            paged.append(CompressedPart(self.ratio, d.index_dim))
+            paged.append(CompressedPart(self.ratio, d.index_dim, index=True))
         kind = "compressed" if self.ratio else "sliding"
         # For replay planners the window is the layer's reach back: an Engram layer also reads the n − 1
         # tokens before each one (its n-grams), so exact replay starts that much earlier.
         engram = d.engram is not None and self.layer in d.engram.layer_ids
         reach = d.window + (d.engram.max_ngram - 1 if engram and d.engram is not None else 0)
-        return HybridLayerSpec(tuple(paged), tuple(rings), kind, reach, max(self.ratio, 1), role)
+        # Under cache.kv_dtype fp8 / fp4 entries, indexer keys and the sliding ring take V4.1's layouts
+        # (kv/v41_cache.py), which the reference attention reads.
+        return HybridLayerSpec(tuple(paged), tuple(rings), kind, reach, max(self.ratio, 1), role, ("fp8", "fp4"))
 
     def bind(self, cache: tuple[torch.Tensor, ...], kv_source: V41Attention, index_k_source: V41Attention) -> None:
         """Bind this layer's own tensors (``cache_spec``'s order: paged, then rings); a KV consumer reads

@@ -64,7 +64,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, tab
                  positions: torch.Tensor, count: int, ratio: int, scale: float) -> torch.Tensor:
     """One request's float32 scores ``[rows, count]`` (−inf for incomplete entries) of its queries
     ``q [rows, heads, dim]`` at ``positions [rows]`` over its first ``count`` entries in the paged ``keys``."""
-    entries = gather_entries(keys, table, count).float()
+    entries = gather_entries(keys, table, count, q.shape[-1]).float()
     scores = torch.einsum("nhd,cd->nhc", q.float(), entries).relu_().mul_(scale)
     scores = scores.mul_(weights.unsqueeze(-1)).sum(dim=1)
     complete = ((positions + 1) // ratio).unsqueeze(1)

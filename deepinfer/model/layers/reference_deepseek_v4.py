@@ -37,6 +37,7 @@ import math
 import torch
 
 from deepinfer.interfaces import BackendCapabilities, ForwardContext
+from deepinfer.kv import v41_cache
 
 _ALL_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 # Float32 elements of one score (or gathered-entry) tensor per block of query rows (512 MiB): the peak extra
@@ -50,11 +51,16 @@ def entry_rows(table: torch.Tensor, entries: torch.Tensor, per_block: int) -> to
     return table[entries // per_block] * per_block + entries % per_block
 
 
-def gather_entries(paged: torch.Tensor, table: torch.Tensor, count: int) -> torch.Tensor:
-    """The first ``count`` compressed entries ``[count, width]`` of a request (block table ``table``)."""
-    per_block, width = paged.shape[1], paged.shape[2]
-    blocks = -(-count // per_block)
-    return paged.index_select(0, table[:blocks]).reshape(-1, width)[:count]
+def gather_entries(paged: torch.Tensor, table: torch.Tensor, count: int, width: int | None = None) -> torch.Tensor:
+    """The first ``count`` compressed entries ``[count, width]`` of a request (block table ``table``): in the
+    cache's dtype, or dequantized to float32 when the cache holds one of V4.1's layouts (``kv/v41_cache.py``;
+    then ``width``, the values a token, is required)."""
+    per_block = paged.shape[1]
+    blocks = paged.index_select(0, table[: -(-count // per_block)])
+    if paged.dtype != torch.uint8:
+        return blocks.reshape(-1, paged.shape[2])[:count]
+    assert width is not None, "a quantized cache part needs its width"
+    return v41_cache.read(blocks, width).reshape(-1, width)[:count]
 
 
 def ring_rows(first: int, end: int, size: int, device: torch.device) -> torch.Tensor:
@@ -80,7 +86,8 @@ class TorchSinkAttentionBackend:
     name = "torch_v4"
     priority = 0
     ops = frozenset({"sink_attention", "indexer_topk"})
-    capabilities = BackendCapabilities(dtypes=_ALL_DTYPES, varlen=True)
+    # cache.kv_dtype fp8 / fp4: V4.1's layouts (kv/v41_cache.py), dequantized to float32 on read.
+    capabilities = BackendCapabilities(dtypes=_ALL_DTYPES, kv_dtypes=frozenset({"auto", "fp8", "fp4"}), varlen=True)
 
     def available(self) -> bool:
         return True
@@ -94,9 +101,12 @@ class TorchSinkAttentionBackend:
         entries already written) or None; ``selected [T, k]`` the distinct entries each query may see
         (−1: none) or None (every complete entry). Reads the window's older keys from the ring, then writes
         this step's keys there (the last ``size`` positions of each request); window keys below
-        ``ctx.visibility_floor_host`` are invisible but a query's own. Returns ``[T, H, D]``."""
+        ``ctx.visibility_floor_host`` are invisible but a query's own. Returns ``[T, H, D]``. ``ring`` and
+        ``compressed`` may hold V4.1's layouts (``kv/v41_cache.py``): reads dequantize, ring writes quantize,
+        and this step's window keys are attended as they read back from the ring."""
         assert ctx.state_slots_host is not None, "sink_attention needs ctx.state_slots_host"
-        size, heads = ring.shape[1], q.shape[1]
+        size, heads, width = ring.shape[1], q.shape[1], kv.shape[-1]
+        seen = v41_cache.roundtrip(kv, v41_cache.format_of(ring, width))
         out = torch.empty_like(q)
         starts, lens = ctx.query_start_loc_host, ctx.seq_lens_host
         dev = q.device
@@ -104,11 +114,12 @@ class TorchSinkAttentionBackend:
             lo, hi, end = starts[i], starts[i + 1], lens[i]
             n = hi - lo
             first = max(0, end - n - window + 1)  # the oldest window key of the chunk's first query
-            keys = torch.cat([ring[slot].index_select(0, ring_rows(first, end - n, size, dev)), kv[lo:hi]]).float()
+            older = v41_cache.read(ring[slot].index_select(0, ring_rows(first, end - n, size, dev)), width)
+            keys = torch.cat([older, seen[lo:hi].float()])
             entries = picks = None
             extra = 0  # score columns of a row besides its band and sink
             if compressed is not None and end // ratio > 0:
-                entries = gather_entries(compressed, ctx.block_tables[i], end // ratio).float()
+                entries = gather_entries(compressed, ctx.block_tables[i], end // ratio, width).float()
                 if selected is None:
                     extra = entries.shape[0]
                 else:
@@ -119,7 +130,7 @@ class TorchSinkAttentionBackend:
             if picks is not None:
                 rows = min(rows, row_block(picks.shape[1] * entries.shape[1]))  # the gathered [rows, k, D]
             keep = min(n, size)
-            ring[slot].index_copy_(0, ring_rows(end - keep, end, size, dev), kv[hi - keep:hi])
+            v41_cache.write(ring[slot], ring_rows(end - keep, end, size, dev), kv[hi - keep:hi])
             floor = 0 if ctx.visibility_floor_host is None else ctx.visibility_floor_host[i]
             for a in range(0, n, rows):
                 b = min(n, a + rows)
@@ -181,7 +192,7 @@ class TorchSinkAttentionBackend:
             count = end // ratio
             if count == 0:
                 continue
-            entries = gather_entries(keys, ctx.block_tables[i], count).float()
+            entries = gather_entries(keys, ctx.block_tables[i], count, q.shape[-1]).float()
             rows = row_block(q.shape[1] * count)
             for a in range(lo, hi, rows):
                 b = min(hi, a + rows)
