@@ -176,10 +176,12 @@ def test_dummy_weights_fill_the_stored_bytes(tmp_path):
     assert 0.01 < w13.std().item() < 0.04 and len(w13.unique()) == 15  # every value of e2m1 (±0 are one)
 
 
-def test_fp4_kv_dtype_is_refused_at_start_up_naming_it(checkpoints):
-    """``cache.kv_dtype: fp4`` names V4.1's FP4 main-KV layout, a storage format only (kv/v41_formats.py)."""
+def test_fp4_kv_dtype_refuses_index_keys_narrower_than_a_scale_group(checkpoints):
+    """``cache.kv_dtype: fp4`` stores V4.1's indexer keys as FP4_INDEX (32-value groups, kv/v41_cache.py): this
+    tiny config's 16-wide keys are refused at start-up naming the setting and the format (a 32-wide config
+    runs: tests/test_v41_kv_cache.py)."""
     _, fp4_folder, _ = checkpoints
-    with pytest.raises(ConfigError, match=r"cache\.kv_dtype='fp4'.*storage format only"):
+    with pytest.raises(ConfigError, match=r"cache\.kv_dtype='fp4': fp4_index: 16 values a token"):
         v41_llm(fp4_folder, cache={"kv_dtype": "fp4"})
 
 

@@ -101,22 +101,29 @@ def test_kv_dtype_settings() -> None:
     assert fp8.kv_storage_dtype("auto", torch.float32) == torch.float32
     assert fp8.kv_storage_dtype("bf16", torch.float32) == torch.bfloat16
     assert fp8.kv_storage_dtype("fp8", torch.bfloat16) == fp8.FP8_DTYPE
-    with pytest.raises(ValueError, match=r"cache\.kv_dtype='fp4'"):
-        fp8.kv_storage_dtype("fp4", torch.float32)
+    assert fp8.kv_storage_dtype("fp4", torch.float32) == fp8.FP4_KV_DTYPE  # V4.1's layouts (kv/v41_cache.py)
+    with pytest.raises(ValueError, match=r"cache\.kv_dtype='fp16': allowed values are 'auto', 'bf16', 'fp8', 'fp4'"):
+        fp8.kv_storage_dtype("fp16", torch.float32)
 
 
-def test_caches_kept_in_the_model_dtype_refuse_another_kv_dtype() -> None:
-    """DeepSeek-V4's compressed entries and state rings stay in the model dtype; its sink-attention backend
-    does not read FP8, so selection names the gap before the pool is built."""
+def test_each_cache_kind_names_the_kv_dtypes_it_stores() -> None:
+    """GQA and MLA rows store bf16 and fp8; DeepSeek-V4's hybrid caches fp8 (V4.1's also fp4, in V4.1's layouts:
+    tests/test_v41_kv_cache.py), not bf16 on a float32 model; the V4 reference backend reads fp8 and fp4."""
     from deepinfer.kv.state import HybridLayerSpec
     from deepinfer.model.layers.reference_deepseek_v4 import TorchSinkAttentionBackend
 
-    v4 = HybridLayerSpec(paged=(), rings=(), kind="sliding", window=128)
-    with pytest.raises(ConfigError, match=r"cache\.kv_dtype=fp8: the model's HybridLayerSpec"):
-        check_kv_dtype([PagedKVSpec(2, 16), v4], fp8.FP8_DTYPE, torch.bfloat16, "fp8")
+    v4 = HybridLayerSpec(paged=(), rings=(), kind="sliding", window=128, kv_dtypes=("fp8",))
+    with pytest.raises(ConfigError, match=r"cache\.kv_dtype='bf16': the model's caches \(HybridLayerSpec, "
+                                          r"PagedKVSpec\) do not store it; allowed values for this model: "
+                                          r"'auto', 'fp8'"):
+        check_kv_dtype([PagedKVSpec(2, 16), v4], torch.bfloat16, torch.float32, "bf16")
+    check_kv_dtype([PagedKVSpec(2, 16), v4], fp8.FP8_DTYPE, torch.bfloat16, "fp8")
     check_kv_dtype([PagedKVSpec(2, 16), PagedLatentSpec(16, 8)], fp8.FP8_DTYPE, torch.bfloat16, "fp8")
+    with pytest.raises(ConfigError, match=r"cache\.kv_dtype='fp4'.*allowed values for this model: "
+                                          r"'auto', 'bf16', 'fp8'"):
+        check_kv_dtype([PagedLatentSpec(16, 8)], fp8.FP4_KV_DTYPE, torch.bfloat16, "fp4")
     req = RunRequirements(device="cpu", dtype=torch.float32, kv_dtype="fp8", graph_safe=False, batch_invariant=False)
-    assert req.missing(TorchSinkAttentionBackend.capabilities) == ["kv_dtype fp8"]
+    assert req.missing(TorchSinkAttentionBackend.capabilities) == []
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
