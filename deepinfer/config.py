@@ -50,8 +50,8 @@ class CacheSection(_Section):
     block_size: int = Field(default=128, ge=1, le=4096)
     gpu_memory_utilization: float = Field(default=0.9, gt=0.0, le=1.0)
     kv_cache_bytes: int | None = Field(default=None, ge=1)
-    # fp8: MXFP8 rows (kv/fp8.py); fp4: V4.1's FP4 main-KV layout, a storage format only (kv/v41_formats.py),
-    # refused at start-up until an attention reads it
+    # fp8: MXFP8 rows (kv/fp8.py); fp4: DeepSeek-V4.1's FP4 main KV with MXFP8 sliding-window KV (kv/v41_cache.py),
+    # V4.1 only. Each model's caches name the values they store; others fail at start-up (kv/pools.check_kv_dtype).
     kv_dtype: Literal["auto", "bf16", "fp8", "fp4"] = "auto"
     prefix_caching: bool = True
     # In-step prefix sharing (engine/scheduler.py): admission holds a request back while a request of the

@@ -19,7 +19,8 @@ Reference backends (plain torch, correct on CPU and GPU; the ops they implement 
     kernel bounds its temporaries the same way.
 KV writes (the paged cache layouts of ``kv/specs.py``, bf16 or FP8):
     ``write_kv(k, v, kv_cache, slot_mapping)`` for GQA caches, ``write_latent(latent, k_pe, cache,
-    slot_mapping)`` for MLA caches; ``ALL_KV_DTYPES``: every ``cache.kv_dtype`` a backend can declare.
+    slot_mapping)`` for MLA caches; ``ALL_KV_DTYPES``: the ``cache.kv_dtype`` values of GQA/MLA caches a
+    backend can declare (DeepSeek-V4.1's ``fp4`` is read by ``TorchSinkAttentionBackend`` alone, ``kv/v41_cache.py``).
 FP8 packing: ``fp8``, the FP8 KV-cache format module (e4m3 data, one UE8M0 scale byte per 32 elements:
     ``quantize``, ``dequantize``, ``store``, ``gather``, ``roundtrip``, ``num_groups``, ``scale_values``
     and the format's constants ``FP8_DTYPE``, ``FP8_MAX``, ``GROUP``, ``E8M0_BIAS``, ``MIN_AMAX``).
