@@ -150,13 +150,8 @@ def test_cached_decode_reads_what_prefill_wrote(tmp_path, kv_dtype):
     batch = prompts([5, 23, 40], seed=3)
     steps = record_logits(llm)
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True), use_tqdm=False)
-    rows: dict[str, list[torch.Tensor]] = {}
-    for ids, logits in steps:
-        for rid, row in zip(ids, logits, strict=True):
-            rows.setdefault(rid, []).append(row)
     errors = []
-    for prompt, out in zip(batch, outs, strict=True):
-        ours = torch.stack(rows[out.request_id])
+    for prompt, out, ours in zip(batch, outs, _by_request(steps, outs), strict=True):
         ref = oracle(torch.tensor([prompt + out.outputs[0].token_ids[:24]])).logits[0, len(prompt) - 1:]
         errors.append(((ours - ref).abs().max() / ref.abs().max()).item())
     assert max(errors) <= CONSISTENCY_TOLERANCE, errors
@@ -165,12 +160,17 @@ def test_cached_decode_reads_what_prefill_wrote(tmp_path, kv_dtype):
 def _step_logits(llm) -> list[torch.Tensor]:
     steps = record_logits(llm)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    return _by_request(steps, outs)
+
+
+def _by_request(steps, outs) -> list[torch.Tensor]:
+    """Each output's recorded logits ``[steps, V]`` (``record_logits``' rows gathered by request id)."""
     rows: dict[str, list[torch.Tensor]] = {}
     for ids, logits in steps:
         for rid, row in zip(ids, logits, strict=True):
             rows.setdefault(rid, []).append(row)
-    stats = llm.get_stats()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     return [torch.stack(rows[o.request_id]) for o in outs]
 
 
