@@ -183,10 +183,11 @@ def test_features_off_equals_v4(tmp_path):
 
 
 class FromScratch:
-    """The oracle of ``assert_cached_logits_match``: one forward over the whole sequence on a fresh cache."""
+    """The oracle of ``assert_cached_logits_match``: one forward over the whole sequence on a fresh cache
+    (zeroed; ``overrides`` go to ``v41_llm``, e.g. the cache's ``kv_dtype``)."""
 
-    def __init__(self, folder: Path) -> None:
-        self.llm = v41_llm(folder)
+    def __init__(self, folder: Path, **overrides) -> None:
+        self.llm = v41_llm(folder, **overrides)
 
     def __call__(self, full: torch.Tensor) -> SimpleNamespace:
         engine = self.llm.engine

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
-from test_deepseek_v4 import BLOCK, make_llm, prompts, request_ctx
-from test_deepseek_v41 import build_v41, v41_llm
+from test_deepseek_v4 import BLOCK, make_llm, prompts
+from test_deepseek_v41 import FromScratch, build_v41, v41_llm
 from tiny_models import record_logits, save_tiny
 
 from deepinfer import SamplingParams
@@ -119,24 +118,6 @@ def test_writes_at_flat_rows_lay_blocks_out_as_the_format(fmt):
 # -------------------------------------------------------------------------------------------- engines
 
 
-class FromScratch:
-    """One forward over the whole sequence on a fresh (zeroed) cache of the same ``cache.kv_dtype``."""
-
-    def __init__(self, folder: Path, kv_dtype: str) -> None:
-        self.llm = v41_llm(folder, cache={"kv_dtype": kv_dtype})
-
-    def __call__(self, full: torch.Tensor) -> SimpleNamespace:
-        engine = self.llm.engine
-        model, ids = engine.model, full[0]
-        for cache in engine.pool.layers:
-            for t in cache:
-                t.zero_()
-        table = list(range(1, 2 + len(ids) // BLOCK))
-        ctx = request_ctx(engine.runner.backends, 0, len(ids), table, slot=1)
-        with torch.inference_mode():
-            return SimpleNamespace(logits=model.compute_logits(model.forward(ids, ctx), ctx).unsqueeze(0))
-
-
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp4"])
 def test_cached_decode_reads_what_prefill_wrote(tmp_path, kv_dtype):
     """Every V4.1 feature on (shifted HC, sharing, candidate limit): chunked prefill and 24 cached decode steps
@@ -146,7 +127,7 @@ def test_cached_decode_reads_what_prefill_wrote(tmp_path, kv_dtype):
     float32 differ in the last bits, which can move a value across a rounding boundary of the format."""
     build_v41(tmp_path, index_head_dim=32)
     llm = v41_llm(tmp_path, max_num_batched_tokens=32, cache={"kv_dtype": kv_dtype})
-    oracle = FromScratch(tmp_path, kv_dtype)
+    oracle = FromScratch(tmp_path, cache={"kv_dtype": kv_dtype})
     batch = prompts([5, 23, 40], seed=3)
     steps = record_logits(llm)
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=25, ignore_eos=True), use_tqdm=False)
