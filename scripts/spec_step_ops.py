@@ -1,8 +1,9 @@
-"""Eager torch ops and host time per speculative step, split by phase, on CPU (issue 28).
+"""Eager torch ops and host time per speculative step, split by phase (issue 28).
 
     python scripts/spec_step_ops.py [--model smollm2-135m-instruct] [--drafters oracle dspark]
         [--plans fixed varlen] [--executors sync overlap] [--batches 1 16] [--steps 16] [--repeats 3]
-        [--dspark-weights random|FILE] [--output ops.json]
+        [--dspark-weights random|FILE] [--spec FIELD=VALUE ...] [--device cpu|cuda] [--cprofile DIR]
+        [--output ops.json]
 
 On the H200 the target's forward and the drafter's passes replay CUDA graphs; everything else in a
 speculative step is eager: each op a kernel launch (or a copy) and host time. This counts, per steady
@@ -22,6 +23,11 @@ alias (no kernel on a GPU), ``from_lists`` the tensors built from Python lists (
 on CUDA unless packed by ``to_device_many``). Host time (µs per step, the phase's own time without its
 inner phases) comes from separate runs without the counter; the median of ``--repeats``.
 
+``--device cuda`` runs the ``attention`` plugin with CUDA graphs (the host times are then the launch path's,
+which is what bounds a small model's step there); ``--cprofile DIR`` also writes a ``cProfile`` of the
+timed runs' steps per configuration (the calling thread only: under ``overlap`` the device worker is not in
+it), ``DIR/NAME.prof`` and the top functions by own time in ``DIR/NAME.txt``.
+
 Workload: ``B`` chat questions, greedy, EOS ignored, prefix caching off, ``--warmup`` steps before the
 ``--steps`` measured ones (every request decoding throughout). ``oracle`` drafts the recorded greedy reply
 with corruption ``1 − --acceptance``; ``dspark`` random weights accept almost nothing, so its ``varlen``
@@ -31,8 +37,11 @@ steps are mostly paused decodes (use ``--dspark-weights FILE`` for a trained dra
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import threading
@@ -47,6 +56,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import deepinfer.engine.runner as runner_module
 from deepinfer import LLM, SamplingParams
+from deepinfer.config import set_flags_to_tree
 from deepinfer.engine.followup import FollowUps
 
 GRAPHED = ("model", "drafter-net")  # CUDA graphs on the GPU: not eager
@@ -159,13 +169,13 @@ def patch_process_wide(meter: PhaseMeter) -> Callable[[], None]:
     return undo
 
 
-def _engine(model: str, batch: int, executor: str, spec: dict | None) -> LLM:
-    plugins: dict = {"cpu": {"enabled": True}}
+def _engine(model: str, batch: int, executor: str, spec: dict | None, device: str = "cpu") -> LLM:
+    plugins: dict = {"attention" if device == "cuda" else "cpu": {"enabled": True}}
     if executor == "overlap":
         plugins["scheduling"] = {"enabled": True}
     if spec is not None:
         plugins["spec_decode"] = {"enabled": True, "max_draft": 5, **spec}
-    return LLM(model, max_num_seqs=max(batch, 1), max_model_len=1024,
+    return LLM(model, max_num_seqs=max(batch, 1), max_model_len=1024, device=device,
                cache={"kv_cache_bytes": 128 << 20, "prefix_caching": False}, plugins=plugins)
 
 
@@ -175,8 +185,10 @@ def _prompts(llm: LLM, batch: int) -> list[list[int]]:
     return [tok.encode_chat([{"role": "user", "content": q}])[1] for q in questions]
 
 
-def measure(llm: LLM, prompts: list[list[int]], warmup: int, steps: int, count_ops: bool) -> dict:
-    """Per-step ops and host µs by phase over ``steps`` steps after ``warmup`` (requests fresh each call)."""
+def measure(llm: LLM, prompts: list[list[int]], warmup: int, steps: int, count_ops: bool,
+            profiler: cProfile.Profile | None = None) -> dict:
+    """Per-step ops and host µs by phase over ``steps`` steps after ``warmup`` (requests fresh each call),
+    those steps also in ``profiler`` when given."""
     meter = PhaseMeter(count_ops)
     instrument(llm, meter)
     undo = patch_process_wide(meter)
@@ -191,10 +203,14 @@ def measure(llm: LLM, prompts: list[list[int]], warmup: int, steps: int, count_o
         for _ in range(warmup):
             engine.step()
         meter.active = True
+        if profiler is not None:
+            profiler.enable()
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
         wall = time.perf_counter() - start
+        if profiler is not None:
+            profiler.disable()
         meter.active = False
     finally:
         undo()
@@ -215,6 +231,18 @@ def measure(llm: LLM, prompts: list[list[int]], warmup: int, steps: int, count_o
             "top": {p: meter.names[p].most_common(16) for p in meter.names if p not in GRAPHED}}
 
 
+def _write_profile(profiler: cProfile.Profile, directory: Path, name: str, steps: int) -> None:
+    """``NAME.prof`` and ``NAME.txt`` (the 40 functions with the most own time; µs per step in the header)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    profiler.dump_stats(directory / f"{name}.prof")
+    text = io.StringIO()
+    print(f"{name}: {steps} profiled steps (divide the times by it)", file=text)
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(r"deepinfer|plugins", 60)
+    (directory / f"{name}.txt").write_text(text.getvalue())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -227,6 +255,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
     ap.add_argument("--acceptance", type=float, default=0.7, help="the oracle's acceptance rate")
     ap.add_argument("--dspark-weights", default="random")
+    ap.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a further plugins.spec_decode field, e.g. dspark_num_layers=2 (repeatable)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--cprofile", type=Path, default=None, metavar="DIR",
+                    help="write a cProfile of each configuration's timed steps here")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--top", action="store_true", help="print the most frequent eager ops per phase")
     ap.add_argument("--output", type=Path)
@@ -234,9 +267,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "date": time.strftime("%Y-%m-%d %H:%M"),
                     "torch": torch.__version__, "configs": {}}
+    extra = set_flags_to_tree([f"spec_decode.{item}" for item in args.spec]).get("spec_decode", {})
     oracle = Path(tempfile.mkdtemp()) / "oracle.jsonl"
     for batch in args.batches:
-        recorder = _engine(args.model, batch, "sync", None)
+        recorder = _engine(args.model, batch, "sync", None, args.device)
         prompts = _prompts(recorder, batch)
         replies = recorder.generate(prompts, SamplingParams(temperature=0, max_tokens=4 * (args.warmup + args.steps)
                                                             + 64, ignore_eos=True), use_tqdm=False)
@@ -248,15 +282,18 @@ def main() -> None:
             if drafter == "oracle":
                 spec = {"drafter": "oracle", "oracle_file": str(oracle), "oracle_corruption": 1.0 - args.acceptance}
             else:
-                spec = {"drafter": "dspark", "dspark_weights": args.dspark_weights}
+                spec = {"drafter": "dspark", "dspark_weights": args.dspark_weights, **extra}
             for plan in args.plans:
                 for executor in args.executors:
                     name = f"{drafter}-{plan}-{executor}-b{batch}"
-                    llm = _engine(args.model, batch, executor, {**spec, "plan": plan})
+                    llm = _engine(args.model, batch, executor, {**spec, "plan": plan}, args.device)
                     measure(llm, prompts, args.warmup, args.steps, count_ops=False)  # warm-up
                     counted = measure(llm, prompts, args.warmup, args.steps, count_ops=True)
-                    timed = [measure(llm, prompts, args.warmup, args.steps, count_ops=False)
+                    profiler = cProfile.Profile() if args.cprofile else None
+                    timed = [measure(llm, prompts, args.warmup, args.steps, count_ops=False, profiler=profiler)
                              for _ in range(args.repeats)]
+                    if profiler is not None:
+                        _write_profile(profiler, args.cprofile, name, args.steps * max(args.repeats, 1))
                     llm.shutdown()
                     del llm
                     gc.collect()  # the phase wrappers hold the engine in cycles: free it before the next one
