@@ -134,26 +134,41 @@ class _Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def instrument(llm: LLM, meter: PhaseMeter) -> None:
+def instrument(llm: LLM, meter: PhaseMeter) -> Callable[[], None]:
     """Wrap the step's parts of ``llm``'s engine in ``meter``'s phases (instance attributes, and the runner
-    module's ``verify`` / ``_sample`` and ``FollowUps.apply`` for the process)."""
+    module's ``verify`` / ``_sample`` and ``FollowUps.apply`` for the process); returns the undo (a later
+    ``measure`` must not run inside this one's wrappers: their counting mode would tax its timings)."""
     engine = llm.engine
     core, speculator, runner = engine.core, engine.speculator, engine.core.runner
-    for obj, name, phase in ((core, "schedule", "schedule"), (core, "prepare", "prepare"), (core, "run", "run"),
-                             (core, "process", "process"), (runner.model, "forward", "model"),
-                             (runner.model, "compute_logits", "model")):
-        setattr(obj, name, meter.wrap(phase, getattr(obj, name)))
+    targets = [(core, "schedule", "schedule"), (core, "prepare", "prepare"), (core, "run", "run"),
+               (core, "process", "process"), (runner.model, "forward", "model"),
+               (runner.model, "compute_logits", "model")]
     if speculator is not None:
-        for name, phase in (("plan_drafts", "plan"), ("draft", "draft"), ("keep", "keep")):
-            setattr(speculator, name, meter.wrap(phase, getattr(speculator, name)))
-        engine.scheduler.draft_planner = speculator.plan_drafts  # bound when the engine was built
+        targets += [(speculator, name, phase) for name, phase in
+                    (("plan_drafts", "plan"), ("draft", "draft"), ("keep", "keep"))]
         drafter = speculator.drafter
-        drafter.propose = meter.wrap("drafter", drafter.propose)
         inner = getattr(drafter, "inner", drafter)  # CalibratedDrafter wraps the drafter
-        for name in ("draft", "write_context"):
-            if hasattr(inner, name):
-                setattr(inner, name, meter.wrap("drafter-net", getattr(inner, name)))
-        inner.propose = meter.wrap("drafter", inner.propose)
+        targets += [(inner, name, "drafter-net") for name in ("draft", "write_context") if hasattr(inner, name)]
+        targets += [(drafter, "propose", "drafter")] + ([(inner, "propose", "drafter")] if inner is not drafter else [])
+    missing = object()
+    saved = [(obj, name, vars(obj).get(name, missing)) for obj, name, _ in targets]
+    for obj, name, phase in targets:
+        setattr(obj, name, meter.wrap(phase, getattr(obj, name)))
+    planner = None
+    if speculator is not None:
+        planner = engine.scheduler.draft_planner
+        engine.scheduler.draft_planner = speculator.plan_drafts  # bound when the engine was built
+
+    def undo() -> None:
+        for obj, name, original in reversed(saved):
+            if original is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, original)
+        if planner is not None:
+            engine.scheduler.draft_planner = planner
+
+    return undo
 
 
 def patch_process_wide(meter: PhaseMeter) -> Callable[[], None]:
@@ -190,7 +205,7 @@ def measure(llm: LLM, prompts: list[list[int]], warmup: int, steps: int, count_o
     """Per-step ops and host µs by phase over ``steps`` steps after ``warmup`` (requests fresh each call),
     those steps also in ``profiler`` when given."""
     meter = PhaseMeter(count_ops)
-    instrument(llm, meter)
+    unwrap = instrument(llm, meter)
     undo = patch_process_wide(meter)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4 * (warmup + steps) + 64, ignore_eos=True)
@@ -214,6 +229,7 @@ def measure(llm: LLM, prompts: list[list[int]], warmup: int, steps: int, count_o
         meter.active = False
     finally:
         undo()
+        unwrap()
         for rid in ids:
             engine.abort(rid)
         while engine.has_unfinished():
