@@ -51,7 +51,8 @@ def _kernel():  # imports triton: only when a GEMV first runs
 
     @triton.jit
     def gemv_splitk(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, k_per_split,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PRECISION: tl.constexpr):
         """``out[split, m, n] = Σ_{k in split} x[m, k] · w[n, k]`` in fp32."""
         pid_n = tl.program_id(0)
         split = tl.program_id(1)
@@ -65,11 +66,18 @@ def _kernel():  # imports triton: only when a GEMV first runs
                         mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
                         mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+            acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32, input_precision=PRECISION)
         offsets = split * M * N + rows[:, None] * N + cols[None, :]
         tl.store(out_ptr + offsets, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     return gemv_splitk
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision``: float32 operands multiply in IEEE float32, not TF32 (``tl.dot``'s
+    default, which rounds them to 10 mantissa bits: an fp32 model would then decode other tokens than with
+    cuBLAS, whose float32 GEMMs are IEEE unless torch allows TF32); other dtypes are not affected by it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
@@ -85,7 +93,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, *, block_n: int = BLOCK_N, block
     splits = -(-k // per_split)
     partial = torch.empty(splits, m, n, dtype=torch.float32, device=x.device)
     _kernel()[(-(-n // block_n), splits)](x, weight, partial, m, n, k, x.stride(0), weight.stride(0), per_split,
-                                          BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k)
+                                          BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+                                          PRECISION=_precision(x.dtype))
     out = partial[0] if splits == 1 else partial.sum(dim=0)
     return out.to(x.dtype)
 

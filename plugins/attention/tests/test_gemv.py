@@ -3,7 +3,7 @@ row count it takes, with and without a K split, N and K off the tiles; larger in
 in the engine, greedy tokens and logprobs equal the torch GEMM's.
 
 Without a GPU the kernel runs in Triton's interpreter (the root conftest sets ``TRITON_INTERPRET=1``);
-tests marked ``gpu`` check bfloat16 on CUDA at the Llama-3-8B projection shapes."""
+tests marked ``gpu`` check bfloat16 on CUDA at the Llama-3-8B projection shapes, and float32 at IEEE precision."""
 
 from __future__ import annotations
 
@@ -86,3 +86,16 @@ def test_gemv_bf16_on_cuda_at_llama_shapes(rows: int) -> None:
         w = torch.randn(n, k, generator=g, device="cuda", dtype=torch.bfloat16) / 64
         want = x.float() @ w.float().t()
         torch.testing.assert_close(gemv(x, w).float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gemv_float32_on_cuda_multiplies_in_ieee_float32() -> None:
+    """float32 operands are not rounded to TF32 (``tl.dot``'s default): at K = 4096 TF32 errs by ~3e-2 on
+    these sums of magnitude ~64, IEEE float32 by ~1e-4."""
+    from deepinfer_attention.gemv import gemv
+
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(4, 4096, generator=g)
+    w = torch.randn(1024, 4096, generator=g)
+    want = (x.double() @ w.double().t()).float()
+    torch.testing.assert_close(gemv(x.cuda(), w.cuda()).cpu(), want, rtol=0, atol=2e-3)
