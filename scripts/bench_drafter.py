@@ -155,7 +155,7 @@ def main() -> None:
                 off_reference[name] = off_reference.get(name, 0) + differ
                 seconds[name].append(dt)
                 steps[name].extend(step_times)
-        row = {"prompts": count, "output_tokens": tokens}
+        row = {"prompts": count, "output_tokens": tokens, "dtype": str(llms["off"].engine.dtype).removeprefix("torch.")}
         for name, llm in llms.items():
             med = statistics.median(seconds[name])
             row[name] = {"tok_s": tokens / med, "seconds": seconds[name], "outputs_differing": off_reference[name],
