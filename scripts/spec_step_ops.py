@@ -136,8 +136,9 @@ class _Counting(TorchDispatchMode):
 
 def instrument(llm: LLM, meter: PhaseMeter) -> Callable[[], None]:
     """Wrap the step's parts of ``llm``'s engine in ``meter``'s phases (instance attributes, and the runner
-    module's ``verify`` / ``_sample`` and ``FollowUps.apply`` for the process); returns the undo (a later
-    ``measure`` must not run inside this one's wrappers: their counting mode would tax its timings)."""
+    module's ``verify`` / ``_sample`` and ``FollowUps.apply`` for the process, ``patch_process_wide``); returns
+    the undo of both (a later ``measure`` must not run inside this one's wrappers: their counting mode would
+    tax its timings)."""
     engine = llm.engine
     core, speculator, runner = engine.core, engine.speculator, engine.core.runner
     targets = [(core, "schedule", "schedule"), (core, "prepare", "prepare"), (core, "run", "run"),
@@ -158,8 +159,10 @@ def instrument(llm: LLM, meter: PhaseMeter) -> Callable[[], None]:
     if speculator is not None:
         planner = engine.scheduler.draft_planner
         engine.scheduler.draft_planner = speculator.plan_drafts  # bound when the engine was built
+    unpatch = patch_process_wide(meter)
 
     def undo() -> None:
+        unpatch()
         for obj, name, original in reversed(saved):
             if original is missing:
                 delattr(obj, name)
@@ -205,8 +208,7 @@ def measure(llm: LLM, prompts: list[list[int]], warmup: int, steps: int, count_o
     """Per-step ops and host µs by phase over ``steps`` steps after ``warmup`` (requests fresh each call),
     those steps also in ``profiler`` when given."""
     meter = PhaseMeter(count_ops)
-    unwrap = instrument(llm, meter)
-    undo = patch_process_wide(meter)
+    undo = instrument(llm, meter)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4 * (warmup + steps) + 64, ignore_eos=True)
     ids = []
@@ -229,7 +231,6 @@ def measure(llm: LLM, prompts: list[list[int]], warmup: int, steps: int, count_o
         meter.active = False
     finally:
         undo()
-        unwrap()
         for rid in ids:
             engine.abort(rid)
         while engine.has_unfinished():

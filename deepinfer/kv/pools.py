@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from deepinfer.errors import ConfigError
+from deepinfer.kv.fp8 import KV_DTYPES
 from deepinfer.kv.specs import CacheSpec
 
 # Block 0 is never handed out: padding rows of a batch write into it.
@@ -21,7 +22,7 @@ def check_kv_dtype(specs: Sequence[CacheSpec], kv_dtype: torch.dtype, model_dtyp
     value whose storage dtype is the model's (``bf16`` on a bf16 model) is ``auto``."""
     if kv_dtype == model_dtype:
         return
-    allowed = {"bf16", "fp8", "fp4"}
+    allowed = set(KV_DTYPES)
     for spec in specs:
         allowed &= set(getattr(spec, "kv_dtypes", ()))
     if setting not in allowed:
@@ -59,7 +60,7 @@ def state_bytes(specs: Sequence[CacheSpec], num_slots: int, max_backtrack: int, 
                 kv_dtype: torch.dtype | None = None) -> int:
     """Bytes the state-slot rings of all layers take (``kv/state.py``; 0 for models without state);
     ``kv_dtype``: the KV storage dtype, which the sliding-window rings follow (``kv/v41_cache.py``)."""
-    per_slot = sum(spec.bytes_per_slot(max_backtrack, dtype, kv_dtype or dtype)
+    per_slot = sum(spec.bytes_per_slot(max_backtrack, dtype, kv_dtype)
                    for spec in specs if hasattr(spec, "bytes_per_slot"))
     return num_slots * per_slot
 
@@ -82,4 +83,4 @@ class KVPool:
         for i, spec in enumerate(specs):
             if hasattr(spec, "allocate_state"):
                 self.layers[i] = self.layers[i] + spec.allocate_state(num_state_slots, max_backtrack, dtype, device,
-                                                                      kv_dtype or dtype)
+                                                                      kv_dtype)
