@@ -267,6 +267,25 @@ class Drafter(Protocol):
     def propose(self, inputs: DraftInputs) -> DraftProposal: ...
 
 
+@runtime_checkable
+class GraphDrafter(Protocol):
+    """A drafter whose ``propose`` the core may capture in a CUDA graph with the step's verification and
+    replay on later steps' inputs (the speculative tail, ``engine/tail_graphs.py``), when
+    ``graph_capturable`` is true. ``propose`` must then read no device value on the host, read and write
+    only tensors that keep their addresses from call to call (its weights and caches, the inputs), depend
+    on host state only through the inputs' shapes, and replay no CUDA graph of its own while the stream is
+    capturing (``torch.cuda.is_current_stream_capturing``)."""
+
+    graph_capturable: bool
+
+    def propose(self, inputs: DraftInputs) -> DraftProposal: ...
+
+    def settle(self) -> None:
+        """Do now, eagerly, the device work earlier ``propose`` calls deferred (e.g. rows buffered while no
+        request drafted): a replayed tail repeats only the work of the call it captured."""
+        ...
+
+
 class StepCostModel(Protocol):
     """Step time (seconds) of a decode step as a function of its total query tokens (``engine/cost.py``).
 

@@ -5,7 +5,8 @@
   comparison is tight; also under speculative decoding and the overlapped executor.
 - DeepSeek-V4 (per-request state slots) decode steps replay graphs too, equal to eager, and so do its
   verification steps under speculative decoding (``oracle`` and ``mtp`` drafters); so do ``dspark``'s,
-  whose target layers' features the graphs keep, and its drafting replays graphs of its own equal to eager.
+  whose target layers' features the graphs keep, and its drafting replays graphs of its own equal to eager;
+  and its whole speculative tail replays one graph per step (``engine/tail_graphs.py``), equal to eager.
 - The router statistics of replayed steps count the step's tokens, not the bucket's padding rows.
 - Sampling and verification on the device draw from the target distribution (chi-square against the
   exact distribution computed on CPU).
@@ -55,10 +56,11 @@ def _prompts(n: int) -> list[list[int]]:
 
 
 def _run(llm: LLM, prompts: list[list[int]], **params: Any) -> list[tuple[list[int], list[float]]]:
+    """(tokens, their logprobs) per prompt; no logprobs (``logprobs=None``): an empty list."""
     sp = SamplingParams(**{"temperature": 0.0, "max_tokens": 12, "ignore_eos": True, "logprobs": 0, **params})
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [d[t] for t, d in zip(o.outputs[0].token_ids, o.outputs[0].logprobs,
-                                                            strict=True)]) for o in outs]
+    out = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+    return [(o.token_ids, [d[t] for t, d in zip(o.token_ids, o.logprobs, strict=True)] if o.logprobs else [])
+            for o in out]
 
 
 def _compare(eager: list, graphed: list) -> None:
@@ -240,6 +242,32 @@ def test_dspark_steps_replay_graphs_equal_eager(folder: Path, executor: str) -> 
     _compare(eager, _run(llm, prompts))
     assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
     assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("executor", ["sync", "overlap"])
+def test_dspark_speculative_tail_replays_one_graph_equal_eager(folder: Path, executor: str) -> None:
+    """Greedy requests without logprobs: each verification step's tail (verification, the drafter's inputs,
+    its passes, the proposal's masks) replays one captured graph (``engine/tail_graphs.py``), and the greedy
+    tokens equal eager decoding without speculation, under the overlapped executor with no sync; every block
+    comes back."""
+    prompts = _prompts(9)
+    eager_llm = _llm(folder, graphs=False)
+    eager = _run(eager_llm, prompts, logprobs=None)
+    eager_llm.shutdown()
+    plugins: dict[str, Any] = {"spec_decode": {"enabled": True, "drafter": "dspark", "dspark_weights": "random",
+                                               "plan": "fixed", "max_draft": 3}}
+    if executor == "overlap":
+        plugins["scheduling"] = {"enabled": True, "sync_guard": True}
+    llm = _llm(folder, graphs=True, plugins=plugins)
+    tail = llm.engine.core.tail
+    assert tail is not None, "the speculative tail's graphs were not built"
+    outputs = _run(llm, prompts, logprobs=None)
+    assert [ids for ids, _ in outputs] == [ids for ids, _ in eager]
+    assert tail.replays > 0 and tail.tails, "no tail replayed a graph"
+    stats = llm.get_stats()
+    assert stats["spec_decode"]["verify_steps"] > 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     llm.shutdown()
 
 

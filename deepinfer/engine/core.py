@@ -32,6 +32,7 @@ from deepinfer.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOut
 from deepinfer.engine.speculation import Speculator
 from deepinfer.engine.stats import EngineStats, StepTimer
 from deepinfer.engine.structured import StructuredRuntime
+from deepinfer.engine.tail_graphs import TailGraphs
 from deepinfer.interfaces import StepStats
 from deepinfer.model.transfer import to_device
 from deepinfer.outputs import FinishReason, RequestOutput
@@ -71,9 +72,10 @@ class EngineCore:
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Tokenizer | None,
                  stats: EngineStats, on_step_end: Callable[[StepStats], None] | None,
                  on_request_end: Callable[[RequestOutput], None] | None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, tail: TailGraphs | None = None) -> None:
         self.scheduler = scheduler
         self.speculator = speculator
+        self.tail = tail  # the speculative tail's CUDA graphs (engine/tail_graphs.py)
         self.runner = runner
         self.tokenizer = tokenizer
         self.stats = stats
@@ -115,6 +117,8 @@ class EngineCore:
             # Grammar bitmasks of structured rows, filled when their tokens are known; a row whose request
             # was preempted or finished since (a newer epoch) is left unfilled.
             self.structured.attach(inputs, lambda row: requests[row.request_id].epoch == row.epoch)
+            if self.tail is not None:
+                inputs.tail = self.tail.stage(inputs)
             if not inputs.pending_rows:
                 return Prepared(inputs, scheduled.timer)
             assert previous is not None, "a pending input token needs the step that sampled it"
@@ -135,7 +139,13 @@ class EngineCore:
             results = self.runner.execute(inputs, fill, previous_results)
             if self.speculator is not None:
                 self.speculator.record_tokens(inputs.input_ids, inputs.ctx)
-            if inputs.drafting is not None:
+            if inputs.tail is not None:  # verification and drafting in one replay: charged as drafting
+                assert self.tail is not None
+                start = time.perf_counter()
+                self.tail.run(inputs.tail, inputs, results)
+                forward, sampler, _ = results.host_split
+                results.host_split = (forward, sampler, time.perf_counter() - start)
+            elif inputs.drafting is not None:
                 assert self.speculator is not None
                 start = time.perf_counter()
                 results.proposal = self.speculator.draft(inputs.drafting, inputs.input_ids, inputs.ctx, results.hidden,

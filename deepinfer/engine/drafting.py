@@ -13,7 +13,8 @@ proposal together with the step's tokens (one read).
 - ``TokenCache``: the token id of every computed position, in the main pool's slot of that position
   (it follows the KV cache's blocks like the dspark context cache), from which ``DraftInputs.history``
   is gathered for the drafters that read it (``ngram``, ``oracle``).
-- ``draft_inputs``: the ``DraftInputs`` (and ``CommittedRows``) of one step, on the device.
+- ``draft_fields`` / ``draft_inputs``: the plan's host lists, and from them on the device the ``DraftInputs``
+  (and ``CommittedRows``) of one step.
 """
 
 from __future__ import annotations
@@ -151,32 +152,45 @@ class ChainRows:
         return torch.minimum(self.caps, (self.coverage - self.positions + 1).clamp(min=1))
 
 
-def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torch.Tensor, ctx: ForwardContext,
-                 hidden: torch.Tensor | None, token_cache: TokenCache | None, block_size: int,
-                 exact_host_lists: Callable[[ForwardContext], None]
-                 ) -> tuple[DraftInputs, ChainRows | None, torch.Tensor]:
-    """The ``DraftInputs`` of the drafting after a step, from its plan and its results on the device.
-    ``input_ids`` / ``ctx`` / ``hidden`` are the step's (a CUDA graph's static ones, padding rows included);
-    ``hidden`` None: the drafter reads no rows. Returns the inputs, their chain (with rows) and the drafts
-    each request may keep ``[B]`` (what it may still use, at most ``k``; the chain may lower it)."""
-    dev, i64 = input_ids.device, torch.int64
-    batch = len(plan.samplers)
+def draft_fields(plan: DraftPlan, *, rows: int, emitted_width: int, with_rows: bool
+                 ) -> dict[str, tuple[list, torch.dtype]]:
+    """The host lists ``draft_inputs`` reads, by field, ``(values, dtype)``: sent to the device in one copy per
+    dtype, or packed by the speculative tail's graphs (``engine/tail_graphs.py``). ``rows``: the step's token
+    rows (a graph's bucket, padding included); ``emitted_width`` the width of the step's ``[S, K+1]`` tokens;
+    ``with_rows``: the drafter reads the step's rows."""
+    i64 = torch.int64
     width = max((len(t) for t in plan.tables), default=1)
     fields: dict[str, tuple[list, torch.dtype]] = {
         "samplers": (plan.samplers, i64), "positions": (plan.positions, i64), "rooms": (plan.rooms, i64),
         "tables": ([[*t] + [0] * (width - len(t)) for t in plan.tables], i64), "seeds": (plan.seeds, i64),
         "temperature": (plan.temperatures, torch.float32)}
-    if hidden is not None:
-        # The step's next tokens padded to its rows (a graph's bucket), and where each emitted one is in the
-        # step's ``[S, K+1]`` tokens, flat (the shapes are host facts).
-        pad = input_ids.shape[0] - len(plan.next_tokens)
-        emitted_width = tokens.emitted.shape[1]
-        fields |= {"next_tokens": ([*plan.next_tokens, *[0] * pad], i64), "emitted_rows": (plan.emitted_rows, i64),
+    if with_rows:
+        # The step's next tokens padded to its rows, and where each emitted one is in the step's ``[S, K+1]``
+        # tokens, flat (the shapes are host facts).
+        fields |= {"next_tokens": ([*plan.next_tokens, *[0] * (rows - len(plan.next_tokens))], i64),
+                   "emitted_rows": (plan.emitted_rows, i64),
                    "emitted_at": ([s * emitted_width + j for s, j in plan.emitted_from], i64),
                    "coverage": (plan.coverage, i64), "last_rows": (plan.last_rows, i64)}
         if plan.state_slots is not None:
             fields["state_slots"] = (plan.state_slots, i64)
-    sent = dict(zip(fields, to_device_many(list(fields.values()), dev), strict=True))
+    return fields
+
+
+def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torch.Tensor, ctx: ForwardContext,
+                 hidden: torch.Tensor | None, token_cache: TokenCache | None, block_size: int,
+                 exact_host_lists: Callable[[ForwardContext], None], sent: dict[str, torch.Tensor] | None = None
+                 ) -> tuple[DraftInputs, ChainRows | None, torch.Tensor]:
+    """The ``DraftInputs`` of the drafting after a step, from its plan and its results on the device.
+    ``input_ids`` / ``ctx`` / ``hidden`` are the step's (a CUDA graph's static ones, padding rows included);
+    ``hidden`` None: the drafter reads no rows. ``sent``: ``draft_fields``' tensors already on the device (the
+    speculative tail's static buffers; ``next_tokens`` is written in place); None sends them now. Returns the
+    inputs, their chain (with rows) and the drafts each request may keep ``[B]`` (what it may still use, at
+    most ``k``; the chain may lower it)."""
+    if sent is None:
+        fields = draft_fields(plan, rows=input_ids.shape[0], emitted_width=tokens.emitted.shape[1],
+                              with_rows=hidden is not None)
+        sent = dict(zip(fields, to_device_many(list(fields.values()), input_ids.device), strict=True))
+    batch = len(plan.samplers)
     samplers = sent["samplers"]
     accepted = tokens.num_accepted.index_select(0, samplers)
     last_tokens = tokens.last().index_select(0, samplers)
@@ -184,7 +198,7 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
     shift = accepted if tokens.moved is None else accepted + tokens.moved.index_select(0, samplers)
     positions = sent["positions"] + shift
     caps = (sent["rooms"] - shift).clamp(min=0, max=k)
-    tables = sent["tables"].reshape(batch, width)
+    tables = sent["tables"].reshape(batch, -1) if batch else sent["tables"].reshape(0, 1)  # [B, table width]
     rows = chain = None
     if hidden is not None:
         next_tokens = sent["next_tokens"]  # a view of this step's own copy: written in place

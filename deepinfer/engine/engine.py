@@ -53,7 +53,7 @@ class LLMEngine:
             self.scheduler, self.runner, self.tokenizer, self.stats,
             on_step_end=self._on_step_end if self.host.has_observers("deepinfer_step_end") else None,
             on_request_end=self._on_request_end if self.host.has_observers("deepinfer_request_end") else None,
-            speculator=self.speculator,
+            speculator=self.speculator, tail=parts.tail,
         )
         factory = self.host.select("deepinfer_step_executors", self.config.scheduler.executor, "scheduler.executor")
         self.executor = factory(self.core)

@@ -240,9 +240,10 @@ class DecodeGraphs:
         points the model's ``captured_hidden`` at its static features (``keeps``)."""
         graph = self.graphs[bucket]
         self.replays += 1
-        if self.emulate:
-            hidden = self.model.forward(graph.input_ids, graph.ctx)
-            return hidden, self.model.compute_logits(hidden, graph.ctx)
+        if self.emulate:  # the outputs stand where a capture's would (the speculative tail reads them there)
+            graph.hidden = self.model.forward(graph.input_ids, graph.ctx)
+            graph.logits = self.model.compute_logits(graph.hidden, graph.ctx)
+            return graph.hidden, graph.logits
         assert graph.graph is not None and graph.hidden is not None and graph.logits is not None
         graph.graph.replay()
         if graph.captured:

@@ -14,7 +14,7 @@ import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,9 @@ from deepinfer.sampling.penalties import PenaltyRow, PenaltyState, PenaltyStep
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch, logprobs_of, sample
 from deepinfer.sampling.verify import VerifyBatch, VerifyResult, verify
 from deepinfer.structured.masks import StepMasks
+
+if TYPE_CHECKING:
+    from deepinfer.engine.tail_graphs import TailStep
 
 
 @dataclass
@@ -69,6 +72,9 @@ class StepInputs:
     # follow-up rows fixed up on the device from the previous step's results before the forward.
     drafting: DraftPlan | None = None
     followups: FollowUps | None = None
+    # Set when the step's verification and drafting replay the speculative tail's graph (engine/tail_graphs.py):
+    # ``execute`` then runs the forward alone.
+    tail: TailStep | None = None
 
 
 @dataclass
@@ -342,7 +348,8 @@ class ModelRunner:
         if inputs.graph is not None:
             assert self.graphs is not None
             hidden, all_logits = self.graphs.replay(inputs.graph.bucket)
-            logits = all_logits.index_select(0, inputs.logits_indices)
+            # (the speculative tail reads the bucket's logits itself)
+            logits = all_logits if inputs.tail is not None else all_logits.index_select(0, inputs.logits_indices)
         else:
             hidden = self.model.forward(inputs.input_ids, inputs.ctx)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
@@ -351,7 +358,7 @@ class ModelRunner:
             forwarded = torch.cuda.Event(enable_timing=True)
             forwarded.record()
         sampled = verified = None
-        if inputs.verify is not None or inputs.sampling is not None:
+        if inputs.tail is None and (inputs.verify is not None or inputs.sampling is not None):
             rows = logits.index_select(0, inputs.sample_rows)
             # Penalties and biases adjust a copy; grammar masks go on top; logprobs read the raw rows.
             adjusted = rows
@@ -369,11 +376,11 @@ class ModelRunner:
                 emitted = verified.tokens if verified is not None else sampled.tokens  # type: ignore[union-attr]
                 self.penalties.record(inputs.penalties, emitted)
         host_split = (t1 - t0, time.perf_counter() - t1, 0.0)
-        kept = None
-        if self.keep_hidden and self.hidden_layers:
-            kept = torch.cat([self.model.captured_hidden[i] for i in self.hidden_layers], dim=-1)
-        elif self.keep_hidden:
+        kept = None  # the speculative tail's graph reads the bucket's static features itself
+        if inputs.tail is None and self.keep_hidden:
             kept = hidden
+            if self.hidden_layers:
+                kept = torch.cat([self.model.captured_hidden[i] for i in self.hidden_layers], dim=-1)
         results = StepResults(inputs.samplers, sampled, inputs.prompt_spans,
                               logits if inputs.prompt_spans else None, verified, kept, moved=moved,
                               host_split=host_split)

@@ -329,13 +329,15 @@ class Speculator:
         return plan.build()
 
     def draft(self, plan: DraftPlan, input_ids: torch.Tensor, ctx: ForwardContext, hidden: torch.Tensor | None,
-              tokens: StepTokens) -> DeviceProposal:
+              tokens: StepTokens, sent: dict[str, torch.Tensor] | None = None) -> DeviceProposal:
         """Draft after a step, on the device, from its results (``tokens``) as they are there: nothing here
         reads the device. ``input_ids`` / ``ctx`` / ``hidden`` are the step's (``hidden`` only when the drafter
-        reads rows). Drafts a request may not use are dropped (−1, confidence 0)."""
+        reads rows); ``sent``: the plan's fields already on the device (``draft_inputs``). Drafts a request may
+        not use are dropped (−1, confidence 0)."""
         inputs, chain, caps = draft_inputs(plan, tokens, k=self.max_draft, input_ids=input_ids, ctx=ctx,
                                            hidden=hidden if self.reads_rows else None, token_cache=self.token_cache,
-                                           block_size=self.block_size, exact_host_lists=self.exact_host_lists)
+                                           block_size=self.block_size, exact_host_lists=self.exact_host_lists,
+                                           sent=sent)
         proposal = self.drafter.propose(inputs)
         k = self.max_draft
         if not plan.samplers:  # nobody drafts (the drafter took the step's rows): nothing to mask or copy back

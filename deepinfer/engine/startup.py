@@ -27,8 +27,9 @@ from deepinfer.engine.intake import RequestIntake, load_tokenizer
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ReplayStart, Scheduler
 from deepinfer.engine.speculation import Speculator
+from deepinfer.engine.tail_graphs import TailGraphs
 from deepinfer.errors import ConfigError, ModelLoadError
-from deepinfer.interfaces import CacheLayout, Drafter, EngineInfo, RunRequirements, VerificationPlan
+from deepinfer.interfaces import CacheLayout, Drafter, EngineInfo, GraphDrafter, RunRequirements, VerificationPlan
 from deepinfer.kv.blocks import KVCacheManager
 from deepinfer.kv.fp8 import kv_storage_dtype
 from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_kv_dtype, num_blocks_for, state_bytes
@@ -178,6 +179,7 @@ class StartUp:
         drafting = self._drafting()
         graphs = self._decode_graphs()
         self.runner, self.speculator = self._runner_and_speculator(graphs, drafting)
+        self.tail = self._tail_graphs(graphs)
         self.scheduler = Scheduler(self.kv, policy, max_num_seqs=cfg.scheduler.max_num_seqs,
                                    max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
                                    chunked_prefill=cfg.scheduler.chunked_prefill,
@@ -368,6 +370,18 @@ class StartUp:
         tokens = TokenCache(self.pool.num_blocks * block_size, block_size, self.device)
         return runner, Speculator(drafter, plan, cost, settings.max_draft, block_size=block_size,
                                   reads_rows=keep_hidden, token_cache=tokens, exact_host_lists=runner.exact_host_lists)
+
+    def _tail_graphs(self, graphs: DecodeGraphs | None) -> TailGraphs | None:
+        """The speculative tail's CUDA graphs (``engine/tail_graphs.py``): when verification steps replay graphs
+        that keep what the drafter reads, on a model without per-request state, and the drafter can be
+        captured (``interfaces.GraphDrafter``); else None (the tail runs eagerly)."""
+        spec, runner = self.speculator, self.runner
+        if spec is None or graphs is None or self.num_state_slots or not graphs.keeps(runner.hidden_layers):
+            return None
+        drafter = spec.drafter
+        if not isinstance(drafter, GraphDrafter) or not drafter.graph_capturable:
+            return None
+        return TailGraphs(graphs, spec, runner.hidden_layers)
 
     def _step_cost(self, measure: Callable[[int], float], largest: int, query_len: int,
                    graphs: DecodeGraphs | None) -> StepCost:

@@ -43,7 +43,10 @@ class IsotonicCalibrator:
         self.seen = [[0.0] * bins for _ in range(max_draft)]  # host lists: observed per verify row, per step
         self.accepted = [[0.0] * bins for _ in range(max_draft)]
         self._table: torch.Tensor | None = None
-        self._on_device: torch.Tensor | None = None  # ``table()`` where the drafts are (rebuilt after observations)
+        # ``table()`` where the drafts are, refreshed in place after observations: its address never changes (the
+        # core's speculative-tail graphs read it).
+        self._on_device: torch.Tensor | None = None
+        self._fresh = False
         self._observed = 0  # verifications observed, and since the table was last rebuilt
         self._since_rebuild = 0
 
@@ -67,12 +70,25 @@ class IsotonicCalibrator:
         device between steps); the table is copied there once per change."""
         if not raw.numel():
             return raw.float()
-        if self._on_device is None or self._on_device.device != raw.device:
-            table = self.table().float()  # float32 where the drafts are: the lookup is then the result
-            self._on_device = table.pin_memory().to(raw.device, non_blocking=True) if raw.device.type == "cuda" \
-                else table
+        table = self.refresh(raw.device)
         k = raw.shape[1]
-        return self._on_device[:k].gather(1, self._bin(raw).t()).t()
+        return table[:k].gather(1, self._bin(raw).t()).t()
+
+    def refresh(self, device: torch.device | None = None) -> torch.Tensor | None:
+        """The table's copy on ``device`` (None: where it is already; nothing before the first calibration),
+        brought up to date in place when observations changed it."""
+        if device is None:
+            if self._on_device is None:
+                return None
+            device = self._on_device.device
+        if self._on_device is None or self._on_device.device != device:
+            self._on_device = torch.empty(self.table().shape, dtype=torch.float32, device=device)
+            self._fresh = False
+        if not self._fresh:
+            table = self.table().float()  # float32 where the drafts are: the lookup is then the result
+            self._on_device.copy_(table.pin_memory() if device.type == "cuda" else table, non_blocking=True)
+            self._fresh = True
+        return self._on_device
 
     def observe(self, raw: Sequence[float], verified: int, accepted: int) -> None:
         """One request's verification: drafts ``0..verified-1`` with raw confidences ``raw``, the first
@@ -87,7 +103,8 @@ class IsotonicCalibrator:
         self._observed += 1
         self._since_rebuild += 1
         if self._since_rebuild >= max(1, self._observed // REFRESH_SHARE):
-            self._table = self._on_device = None
+            self._table = None
+            self._fresh = False
             self._since_rebuild = 0
 
 
@@ -97,6 +114,15 @@ class CalibratedDrafter:
     def __init__(self, inner: Drafter, calibrator: IsotonicCalibrator) -> None:
         self.inner = inner
         self.calibrator = calibrator
+        # ``interfaces.GraphDrafter``: capturable when the inner drafter is (the calibration reads its table).
+        self.graph_capturable = bool(getattr(inner, "graph_capturable", False))
+
+    def settle(self) -> None:
+        """Bring the calibration table on the device up to date, then the inner drafter's deferred work."""
+        self.calibrator.refresh()
+        settle = getattr(self.inner, "settle", None)
+        if settle is not None:
+            settle()
 
     def propose(self, inputs: DraftInputs) -> DraftProposal:
         proposal = self.inner.propose(inputs)

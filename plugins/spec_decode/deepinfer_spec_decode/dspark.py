@@ -381,6 +381,8 @@ class DSparkDrafter:
         # CUDA graphs of the context write and of the block drafting (draft_graphs.py), built on the first
         # step whose GEMM backend is graph-safe; MoE blocks read their experts on the host, so they stay eager.
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and not any(layer.moe for layer in network.layers)
+        # The core may capture ``propose`` in its speculative-tail graphs (``interfaces.GraphDrafter``).
+        self.graph_capturable = self.cuda_graphs
         self.linear: Linear | None = None
         # Context rows not written yet (``propose``): (features, slots, positions) per step, and their rows.
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -436,8 +438,20 @@ class DSparkDrafter:
             newest.scatter_reduce_(0, slots, order, reduce="amax")
             slots = torch.where(newest[slots] == order, slots, 0)
         written = [(features, 0), (slots, 0), (positions, 0)]
-        if self.write_graphs is None or self.write_graphs(features.shape[0], written) is None:
+        graphs = self._own_graphs(self.write_graphs)
+        if graphs is None or graphs(features.shape[0], written) is None:
             self.write_context(features, slots, positions)
+
+    @staticmethod
+    def _own_graphs(graphs: PaddedGraphs | None) -> PaddedGraphs | None:
+        """The drafter's own graphs, unless the core is capturing it in a graph of its own (the speculative tail)."""
+        return None if graphs is None or torch.cuda.is_current_stream_capturing() else graphs
+
+    @torch.inference_mode()
+    def settle(self) -> None:
+        """Write the context rows still waiting (``interfaces.GraphDrafter``: before a replayed tail)."""
+        if self.pending:
+            self._write_pending()
 
     def _bind(self, rows: CommittedRows) -> None:
         """The engine's GEMMs (on CPU: packed once, not per call), and the graphs when they may capture them."""
@@ -473,7 +487,8 @@ class DSparkDrafter:
         # Padding requests: a window on slot 0 that nothing sees, the token 0 at position 1, greedy.
         drafting = [(slots, 0), (visible, False), (inputs.last_tokens, 0), (inputs.positions, 1),
                     (inputs.temperature, 0.0), (inputs.seeds, 0)]
-        out = self.draft_graphs(batch, drafting, k, inputs.sampling) if self.draft_graphs is not None else None
+        graphs = self._own_graphs(self.draft_graphs)
+        out = graphs(batch, drafting, k, inputs.sampling) if graphs is not None else None
         if out is None:
             return DraftProposal(*self.draft(*(t for t, _ in drafting), k, inputs.sampling))
         # A graph's outputs live until the next replay of the drafter's graphs; the proposal may outlast it.
