@@ -43,15 +43,26 @@ def acceptance_rates(confidence: torch.Tensor) -> torch.Tensor:
 
 
 class FixedPlan:
-    """Verify every draft."""
+    """Verify every draft. The ranking by position needs no sort: a request's drafts are a prefix of its
+    row, so the slots of position ``j`` are the requests with more than ``j`` drafts, taken in request order
+    (a few host operations per step, where ``take_best`` costs a dozen tensor ops of host time)."""
 
     def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
         return int(stale_confidence.shape[0] + (stale_confidence > 0).sum())
 
     def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
-        k = confidence.shape[1]
-        by_position = -torch.arange(k, dtype=torch.float64, device=confidence.device).expand_as(confidence)
-        return take_best(by_position, confidence > 0, total - confidence.shape[0])
+        counts = (confidence > 0).sum(dim=1).tolist()
+        grants = [0] * len(counts)
+        left, j = total - len(counts), 0
+        while left > 0:
+            rows = [i for i, n in enumerate(counts) if n > j][:left]
+            if not rows:
+                break
+            for i in rows:
+                grants[i] += 1
+            left -= len(rows)
+            j += 1
+        return torch.tensor(grants, dtype=torch.int64, device=confidence.device)
 
 
 class VarlenPlan:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 from deepinfer_spec_decode.calibration import IsotonicCalibrator
-from deepinfer_spec_decode.plans import FixedPlan, VarlenPlan, acceptance_rates
+from deepinfer_spec_decode.plans import FixedPlan, VarlenPlan, acceptance_rates, take_best
 
 from deepinfer.engine.cost import StepCost
 from deepinfer.ops import pool_adjacent_violators
@@ -54,6 +54,17 @@ def test_split_never_skips_a_draft_and_keeps_the_total():
                     valid = conf > 0
                     if taken.any() and (valid & ~taken).any():
                         assert rates[taken].min() >= rates[valid & ~taken].max()
+
+
+def test_fixed_split_ranks_slots_by_position_then_request():
+    """The fixed plan's split equals ``take_best`` over scores falling with the position (ties: the earlier
+    request), for every total."""
+    for seed in range(10):
+        conf = _random_confidence(7, 4, seed)
+        by_position = -torch.arange(4, dtype=torch.float64).expand_as(conf)
+        for extra in range(int((conf > 0).sum()) + 2):
+            want = take_best(by_position, conf > 0, extra)
+            assert FixedPlan().split(conf, 7 + extra).tolist() == want.tolist()
 
 
 def test_varlen_budget_maximizes_expected_tokens_per_second_over_all_budgets():
