@@ -5,8 +5,8 @@ greedy verification of the drafts, the drafter's inputs from the accepted counts
 the drafter's passes and the proposal's masks (``Speculator.draft``). Eagerly that is ~130 small kernels,
 each paid in host launch time: on the H200 with SmolLM2 ~2 ms of a 5.3 ms step, against a 2.9 ms step
 without speculation. ``TailGraphs`` captures the whole tail once per (rows bucket ``t`` of the target's
-graph, samplers bucket ``s``, whether follow-up rows moved) and replays it, so a speculative step is two
-replays and a few copies, as the reference's drafting graph runner makes it.
+graph, samplers bucket ``s``: the power of two at or above the step's requests) and replays it, so a
+speculative step is two replays and a few copies, as the reference's drafting graph runner makes it.
 
 **Which steps.** Decode-only steps that replay a target graph, every request greedy, with no grammar
 mask, logits processing, logprobs or forced tokens, and a drafter that can be captured
@@ -46,14 +46,14 @@ import numpy as np
 import torch
 
 from deepinfer.engine.drafting import DraftPlan, StepTokens
-from deepinfer.engine.graphs import DecodeGraphs, graph_buckets
+from deepinfer.engine.graphs import DecodeGraphs
 from deepinfer.engine.runner import StepInputs, StepResults
 from deepinfer.engine.speculation import DeviceProposal, Speculator
 from deepinfer.interfaces import GraphDrafter
 from deepinfer.sampling.sampler import SampleResult, SamplingBatch
 from deepinfer.sampling.verify import VerifyBatch, VerifyResult, verify
 
-TailKey = tuple[int, int, bool]  # (target graph's rows bucket, samplers bucket, follow-up rows moved)
+TailKey = tuple[int, int]  # (target graph's rows bucket, samplers bucket)
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ class TailGraphs:
                        or s.draft_probs is not None for s in samplers)):
             return None
         t = graph.bucket[0]
-        s = next(b for b in graph_buckets(t) if b >= len(samplers))
+        s = 1 << (len(samplers) - 1).bit_length()  # few keys: each costs a capture while serving
         layout = TailLayout(s, t, self.k)
         packed = np.zeros(layout.size, dtype=np.int64)
         views = {name: packed[at:at + n] for name, (at, n) in layout.fields().items()}
@@ -201,8 +201,7 @@ class TailGraphs:
             rooms=[*plan.rooms, *[0] * pad], coverage=[*plan.coverage, *[0] * pad],
             tables=[[0]] * s, seeds=[*plan.seeds, *[0] * pad], temperatures=[0.0] * s, next_tokens=[0] * t,
             emitted_rows=views["emitted_rows"].tolist(), emitted_from=[(0, 0)] * t)
-        return TailStep((t, s, inputs.followups is not None), len(samplers), plan, padded,
-                        inputs.verify is not None, staged)
+        return TailStep((t, s), len(samplers), plan, padded, inputs.verify is not None, staged)
 
     # ---------------------------------------------------------------------------------- device side
 
@@ -216,9 +215,8 @@ class TailGraphs:
         if tail is None:
             tail = self.tails[step.key] = _Tail(TailLayout(step.key[1], step.key[0], self.k), self.device)
         tail.packed.copy_(step.staged)
-        if step.key[2]:
-            assert results.moved is not None
-            tail.moved.zero_()
+        tail.moved.zero_()  # how far follow-up rows moved (engine/followup.py); 0 for the others
+        if results.moved is not None:
             tail.moved[:results.moved.shape[0]].copy_(results.moved)
         if self.emulate:
             tail.outputs = self._tail(tail, step, inputs)
@@ -243,7 +241,7 @@ class TailGraphs:
         assert graph.logits is not None and graph.hidden is not None
         views = tail.views
         verified = verify(graph.logits, _greedy_batch(views, self.device))
-        tokens = StepTokens(verified.tokens, verified.num_accepted, tail.moved if step.key[2] else None)
+        tokens = StepTokens(verified.tokens, verified.num_accepted, tail.moved)
         hidden = graph.hidden
         if self.hidden_layers:  # the bucket's static features (an emulated replay leaves them in the model)
             features = graph.captured or self.graphs.model.captured_hidden

@@ -70,9 +70,10 @@ def _known_drafts(monkeypatch: pytest.MonkeyPatch, sequences: list[list[int]]) -
     monkeypatch.setattr(DSparkDrafter, "propose", propose)
 
 
-def _emulated(llm: LLM, tail: bool) -> tuple[list[TailStep], TailGraphs | None]:
+def _emulated(llm: LLM, tail: bool) -> tuple[list[tuple[TailStep, bool]], TailGraphs | None]:
     """Put emulated target graphs (host lists made exact before each replay: the CPU attention reads them) and,
-    with ``tail``, emulated tail graphs into ``llm``'s engine; returns the list the staged tails go to."""
+    with ``tail``, emulated tail graphs into ``llm``'s engine; returns the list the staged tails go to, each with
+    whether the step had follow-up rows."""
     engine = llm.engine
     graphs = DecodeGraphs(engine.model, engine.runner.backends, BLOCK, torch.device("cpu"),
                           max_tokens=MAX_SEQS * (1 + K), max_query_lens=(1, 1 + K),
@@ -86,7 +87,7 @@ def _emulated(llm: LLM, tail: bool) -> tuple[list[TailStep], TailGraphs | None]:
 
     graphs.replay = replaying
     engine.runner.graphs = graphs
-    staged: list[TailStep] = []
+    staged: list[tuple[TailStep, bool]] = []
     if not tail:
         return staged, None
     tails = TailGraphs(graphs, engine.speculator, engine.runner.hidden_layers, emulate=True)
@@ -95,7 +96,7 @@ def _emulated(llm: LLM, tail: bool) -> tuple[list[TailStep], TailGraphs | None]:
     def staging(inputs: Any) -> TailStep | None:
         step = stage(inputs)
         if step is not None:
-            staged.append(step)
+            staged.append((step, inputs.followups is not None))
         return step
 
     tails.stage = staging
@@ -103,7 +104,8 @@ def _emulated(llm: LLM, tail: bool) -> tuple[list[TailStep], TailGraphs | None]:
     return staged, tails
 
 
-def _run(folder: Path, plan: str, executor: str, tail: bool) -> tuple[list[list[int]], dict, list[TailStep], LLM]:
+def _run(folder: Path, plan: str, executor: str, tail: bool
+         ) -> tuple[list[list[int]], dict, list[tuple[TailStep, bool]], LLM]:
     plugins: dict[str, Any] = {"spec_decode": {"enabled": True, "drafter": "dspark", "dspark_weights": "random",
                                                "plan": plan, "max_draft": K}}
     if executor == "overlap":
@@ -121,14 +123,15 @@ def test_the_replayed_tail_equals_the_eager_tail_and_decoding_without_speculatio
     _known_drafts(monkeypatch, [p + r for p, r in zip(_prompts(), reference, strict=True)])
     eager_tail, eager_stats, _, llm = _run(folder, plan, executor, tail=False)
     llm.shutdown()
-    outs, stats, staged, llm = _run(folder, plan, executor, tail=True)
+    outs, stats, staged_steps, llm = _run(folder, plan, executor, tail=True)
     assert outs == reference and eager_tail == reference
+    staged = [step for step, _ in staged_steps]
     assert staged, "no step went through the tail"
     assert any(s.verifying for s in staged), "no verification step went through the tail"
     assert any(s.num_samplers < s.key[1] for s in staged), "no tail padded its samplers"
     assert any(len(s.plan.emitted_rows) < s.key[0] for s in staged), "no tail padded its rows"
     if executor == "overlap":
-        assert any(s.key[2] for s in staged), "no follow-up row moved under the tail"
+        assert any(follows for _, follows in staged_steps), "no follow-up row moved under the tail"
     spec, eager_spec = stats["spec_decode"], eager_stats["spec_decode"]
     assert 1.2 < spec["mean_acceptance_length"] < 1 + K  # drafts accepted and rolled back
     if plan == "fixed":  # (varlen's grants follow measured step times: they differ from run to run)
