@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 from test_deepseek_v3 import _build, _prompts
+from tiny_models import save_tiny
 
-from deepinfer import LLM
+from deepinfer import LLM, SamplingParams
 from deepinfer.config import build_config
 from deepinfer.engine.cost import CurveCache, StepCost
 from deepinfer.engine.graphs import DecodeGraphs, graph_buckets, pack_step
@@ -149,3 +150,43 @@ def test_a_cached_step_cost_curve_is_reused_until_it_expires(tmp_path, monkeypat
     now = time.time()
     monkeypatch.setattr(time, "time", lambda: now + 61)
     assert cache.load(key) is None  # expired
+
+
+def test_an_eager_curve_is_cached_as_it_is_profiled_and_resumed_by_the_next_model(tmp_path):
+    calls: list[int] = []
+
+    def measure(q: int) -> float:
+        calls.append(q)
+        return 0.001 * q
+
+    key = {"model": "m", "buckets": "eager"}
+    cache = CurveCache(tmp_path, ttl_s=60)
+    cost = StepCost(measure, 64)
+    cost.on_profiled = lambda points: cache.save(key, points)
+    cost.step_time(5)  # profiles the powers of two up to the first at or above 5
+    assert calls == [1, 2, 4, 8] and cache.load(key) == cost.points
+    again = StepCost(measure, 64)
+    again.load(cache.load(key))
+    calls.clear()
+    assert again.step_time(5) == cost.step_time(5) and calls == []  # nothing re-measured
+    again.step_time(20)
+    assert calls == [16, 32]  # only the sizes the cache lacks
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_an_engine_keeps_its_eager_step_cost_curve_for_the_next(tmp_path):
+    """``scheduler.step_cost_cache_dir`` on an eager (CPU) engine with ``varlen``: the points its steps
+    profiled are on disk, and the next engine of the same shape starts with them."""
+    folder = save_tiny("llama", tmp_path / "llama")[1]
+    kw = {"kv_cache_bytes": 1 << 22, "block_size": 16, "plugins": {"spec_decode": {
+        "enabled": True, "drafter": "ngram", "plan": "varlen", "max_draft": 3}},
+        "scheduler": {"step_cost_cache_dir": str(tmp_path / "curves")}}
+    llm = LLM(folder, **kw)
+    llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]] * 3, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                 use_tqdm=False)
+    points = llm.engine.speculator.cost.points
+    llm.shutdown()
+    assert points and list((tmp_path / "curves").glob("step-cost-*.json"))
+    again = LLM(folder, **kw)
+    assert again.engine.speculator.cost.points == points
+    again.shutdown()

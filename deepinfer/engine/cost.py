@@ -16,9 +16,11 @@ drafted for ``r`` requests afterwards is charged
   (``bucketed``) the whole curve is profiled at start-up, one point per graph bucket (the time of a
   replay on ``DecodeGraphs.load_placeholder``'s inputs: random ids at distinct positions), and a step
   is charged as the smallest bucket ≥ ``q``, padding included: that is the graph it replays (a step
-  past the largest bucket runs eagerly and is extended linearly). The curve may
-  be cached on disk (``CurveCache``: one JSON file per run shape, reused while younger than its
-  TTL), as the reference's decode-perf cache does. It is corrected online: each observed decode step
+  past the largest bucket runs eagerly and is extended linearly). The points may be cached on disk as
+  they are profiled (``CurveCache``: one JSON file per run shape, reused while younger than its TTL), as
+  the reference's decode-perf cache does: a later engine of the same shape profiles only the sizes none
+  before it reached (on CPU a fresh engine's first large steps otherwise stall for the profile of every
+  power of two up to them: seconds). It is corrected online: each observed decode step
   adds its residual ``seconds − curve(b)`` (``b`` the charged tokens) to a window, a median is kept per
   profiled size (sizes with at least ``min_samples`` samples count), and the least-squares line through
   those medians (slope never negative; through the origin while one size is observed, the reference's
@@ -211,6 +213,8 @@ class StepCost:
         self.drafting = DraftingCost(term_window, min_samples)
         self.errors = WindowedMedian(term_window, 1)
         self.predicted_steps = 0
+        # Called with every point so far after each newly profiled size (the engine's on-disk CurveCache).
+        self.on_profiled: Callable[[list[tuple[int, float]]], None] | None = None
 
     @property
     def points(self) -> list[tuple[int, float]]:
@@ -223,17 +227,20 @@ class StepCost:
             self._profile_up_to(self._todo[-1])
 
     def load(self, points: Sequence[tuple[int, float]]) -> None:
-        """Take a profiled curve (e.g. from ``CurveCache``) instead of measuring it."""
+        """Take profiled points (e.g. from ``CurveCache``) instead of measuring them; sizes past the last of
+        them are still profiled when a step reaches them."""
         self._sizes = [int(q) for q, _ in points]
         self._seconds = [float(t) for _, t in points]
         self._fit = None
-        self._todo = []
+        self._todo = [q for q in self._todo if not self._sizes or q > self._sizes[-1]]
 
     def _profile_up_to(self, query_tokens: int) -> None:
         while self._todo and (not self._sizes or self._sizes[-1] < query_tokens):
             size = self._todo.pop(0)
             self._sizes.append(size)
             self._seconds.append(self._measure(size))
+            if self.on_profiled is not None:
+                self.on_profiled(self.points)
 
     def _fitted(self) -> list[float]:
         """The profiled seconds made non-decreasing in the query tokens (pool-adjacent-violators): a

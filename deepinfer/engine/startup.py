@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import platform
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -386,31 +387,39 @@ class StartUp:
     def _step_cost(self, measure: Callable[[int], float], largest: int, query_len: int,
                    graphs: DecodeGraphs | None) -> StepCost:
         """The varlen plan's step-cost model: its curve profiled on demand on eager placeholder steps, or,
-        when ``graphs`` serve verification steps, at start-up from one replay per graph bucket (cached on
-        disk when ``scheduler.step_cost_cache_dir`` is set), each step then charged as its bucket."""
-        if graphs is None or query_len not in graphs.max_query_lens:  # verification steps run eagerly
-            return StepCost(measure, largest)
+        when ``graphs`` serve verification steps, at start-up from one replay per graph bucket, each step then
+        charged as its bucket. With ``scheduler.step_cost_cache_dir`` set, the points profiled so far are kept
+        on disk per run shape and a later engine of the same shape starts from them (an eager curve then
+        profiles only the sizes its predecessors never reached)."""
+        bucketed = graphs is not None and query_len in graphs.max_query_lens  # else verification runs eagerly
+        if bucketed:
+            assert graphs is not None
 
-        def replay(query_tokens: int) -> float:
-            graphs.load_placeholder((query_tokens, query_len))
-            return time_call(lambda: graphs.replay((query_tokens, query_len)), self.device)
+            def replay(query_tokens: int) -> float:
+                graphs.load_placeholder((query_tokens, query_len))
+                return time_call(lambda: graphs.replay((query_tokens, query_len)), self.device)
 
-        cost = StepCost(replay, largest, sizes=graphs.buckets, bucketed=True)  # a step replays its bucket's graph
+            cost = StepCost(replay, largest, sizes=graphs.buckets, bucketed=True)  # a step replays its bucket's graph
+        else:
+            cost = StepCost(measure, largest)
         sched = self.config.scheduler
         folder = sched.step_cost_cache_dir
-        cache = CurveCache(folder, sched.step_cost_cache_ttl_s) if folder else None
-        key = {"model": str(self.model_path), "architecture": self.info.architecture, "dtype": self.info.dtype,
-               "device": torch.cuda.get_device_name(self.device),
-               "backends": sorted(f"{op}={self.backends[op].name}" for op in self._model_ops() if op in self.backends),
-               "buckets": graphs.buckets, "query_len": query_len, "block_size": self.config.cache.block_size,
-               "kv_dtype": str(self.kv_dtype), "placeholder": "random ids, distinct positions"}
-        cached = cache.load(key) if cache else None
-        if cached:
-            cost.load(cached)
-            return cost
-        cost.profile_all()
-        if cache:
-            cache.save(key, cost.points)
+        if folder:
+            cache = CurveCache(folder, sched.step_cost_cache_ttl_s)
+            device = (torch.cuda.get_device_name(self.device) if self.device.type == "cuda"
+                      else f"{platform.machine()} {platform.processor()} x{torch.get_num_threads()} threads")
+            key = {"model": str(self.model_path), "architecture": self.info.architecture, "dtype": self.info.dtype,
+                   "device": device, "backends": sorted(f"{op}={self.backends[op].name}" for op in self._model_ops()
+                                                        if op in self.backends),
+                   "buckets": graphs.buckets if bucketed and graphs is not None else "eager", "largest": largest,
+                   "query_len": query_len, "block_size": self.config.cache.block_size, "kv_dtype": str(self.kv_dtype),
+                   "placeholder": "random ids, distinct positions"}
+            cached = cache.load(key)
+            if cached:
+                cost.load(cached)
+            cost.on_profiled = lambda points: cache.save(key, points)
+        if bucketed:
+            cost.profile_all()
         return cost
 
     # ------------------------------------------------------------------------------ cache and graphs
