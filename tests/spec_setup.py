@@ -64,19 +64,21 @@ def running_with_drafts(engine: Any) -> list[WithDrafts]:
     return [WithDrafts(r, engine.speculator.drafts_of(r)) for r in engine.scheduler.running]
 
 
-def known_mtp_drafts(monkeypatch: pytest.MonkeyPatch, sequences: list[list[int]], vocab: int) -> None:
-    """Let the MTP drafter run (it writes its cache rows) but propose the known greedy continuation of
-    ``sequences`` with planted corruptions: some drafts are accepted, others rolled back."""
-    inner = MTPDrafter.propose
+def known_drafts(monkeypatch: pytest.MonkeyPatch, sequences: list[list[int]], vocab: int,
+                 drafter: type = MTPDrafter) -> None:
+    """Let the ``drafter`` class run (an MTP or dspark drafter writes its cache rows) but propose the known
+    greedy continuation of ``sequences`` with planted corruptions: some drafts are accepted, others rolled
+    back."""
+    inner = drafter.propose
     oracle = OracleDrafter(sequences, vocab, corruption=0.3, draft_probs=False)
 
-    def propose(self: MTPDrafter, inputs: DraftInputs) -> DraftProposal:
+    def propose(self: Any, inputs: DraftInputs) -> DraftProposal:
         proposal = inner(self, inputs)
         if inputs.last_tokens.numel() == 0:
             return proposal
         return dataclasses.replace(proposal, tokens=oracle.propose(inputs).tokens)
 
-    monkeypatch.setattr(MTPDrafter, "propose", propose)
+    monkeypatch.setattr(drafter, "propose", propose)
 
 
 def check_drafts_every_step(engine: Any, k: int, reference: Callable[[list[int], int], tuple[list[int], list[float]]],

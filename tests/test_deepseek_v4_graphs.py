@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spec_setup import known_mtp_drafts, write_oracle_file
+from spec_setup import known_drafts, write_oracle_file
 from test_deepseek_v4 import BLOCK, VOCAB, build, make_llm, prompts
 from test_deepseek_v4_mtp import _write_mtp
 
@@ -80,7 +80,7 @@ def test_verification_steps_replayed_from_emulated_graphs_equal_eager(folder, ea
     if drafter == "oracle":
         spec.update(oracle_file=write_oracle_file(tmp_path, BATCH, [ids for ids, _ in eager]), oracle_corruption=0.3)
     else:  # the MTP layer runs on every step's final streams; its proposals are replaced by known ones
-        known_mtp_drafts(monkeypatch, known, VOCAB)
+        known_drafts(monkeypatch, known, VOCAB)
     outputs, replayed, llm = _generate(folder, {"spec_decode": spec}, emulate=True)
     verified = [s for s in replayed if s.bucket[1] == 1 + K]
     assert verified, "no verification step replayed a graph"

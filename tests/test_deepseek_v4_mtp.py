@@ -15,7 +15,7 @@ import pytest
 import torch
 from abort_drills import run_with_staged_aborts
 from safetensors.torch import load_file, save_file
-from spec_setup import check_drafts_every_step, known_mtp_drafts, running_with_drafts
+from spec_setup import check_drafts_every_step, known_drafts, running_with_drafts
 from test_deepseek_v4 import BLOCK, VOCAB, build, greedy, make_llm, prompts, request_ctx
 
 from deepinfer import LLM, SamplingParams
@@ -129,7 +129,7 @@ def test_drafts_are_a_fresh_mtp_pass_over_the_committed_tokens(with_mtp, known, 
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     if known:
         outputs = greedy(reference.llm, batch, max_new=12)
-        known_mtp_drafts(monkeypatch, [p + o for p, o in zip(batch, outputs, strict=True)], VOCAB)
+        known_drafts(monkeypatch, [p + o for p, o in zip(batch, outputs, strict=True)], VOCAB)
     llm = make_llm(folder, max_num_batched_tokens=16, plugins=_spec())
     engine = llm.engine
     assert engine.model.captured_layers == (LAYERS,) and engine.runner.keep_hidden
@@ -182,7 +182,7 @@ def test_greedy_tokens_are_identical_with_mtp(with_mtp, plan, monkeypatch):
         batch, params, use_tqdm=False)]
     for known in (False, True):
         if known:
-            known_mtp_drafts(monkeypatch, [p + r for p, r in zip(batch, reference, strict=True)], VOCAB)
+            known_drafts(monkeypatch, [p + r for p, r in zip(batch, reference, strict=True)], VOCAB)
         llm = make_llm(folder, max_num_batched_tokens=32, plugins=_spec(plan, max_draft=4))
         assert [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)] == reference
         stats = llm.get_stats()["spec_decode"]
@@ -200,7 +200,7 @@ def test_mtp_survives_preemption_and_aborts_without_leaking(with_mtp, monkeypatc
     plain = make_llm(folder, max_model_len=96)
     reference, later_reference = greedy(plain, batch), greedy(plain, later)
     sequences = [p + r for p, r in zip(batch + later, reference + later_reference, strict=True)]
-    known_mtp_drafts(monkeypatch, sequences, VOCAB)
+    known_drafts(monkeypatch, sequences, VOCAB)
     probe = make_llm(folder, plugins=_spec()).engine
     specs = [*probe.model.cache_specs(), *probe.model.mtp_cache_specs()]
     budget = (state_bytes(specs, probe.num_state_slots, probe.max_backtrack, torch.float32)

@@ -133,7 +133,7 @@ def test_deepseek_v4_verification_steps_replay_graphs_equal_eager(tmp_path: Path
     compressors updated on the device (``Compressor._update_rows``), windows closing inside the graph,
     padding on state slot 0, the ``mtp`` drafter reading the replayed graph's final streams — with the
     eager run's greedy tokens and logprobs, drafts accepted and rolled back; every block comes back."""
-    from spec_setup import known_mtp_drafts, write_oracle_file
+    from spec_setup import known_drafts, write_oracle_file
     from test_deepseek_v4 import V4_BASE
 
     (tmp_path / "config.json").write_text(json.dumps(
@@ -147,7 +147,7 @@ def test_deepseek_v4_verification_steps_replay_graphs_equal_eager(tmp_path: Path
     if drafter == "oracle":
         spec.update(oracle_file=write_oracle_file(tmp_path, prompts, known), oracle_corruption=0.3)
     else:  # the MTP layer runs on each step's final streams; its proposals are replaced by known ones
-        known_mtp_drafts(monkeypatch, [p + ids for p, ids in zip(prompts, known, strict=True)], V4_BASE["vocab_size"])
+        known_drafts(monkeypatch, [p + ids for p, ids in zip(prompts, known, strict=True)], V4_BASE["vocab_size"])
     llm = _llm(tmp_path, graphs=True, load_format="dummy", plugins={"spec_decode": spec})
     runner = llm.engine.runner
     assert runner.graphs is not None and runner.graphs.keeps(runner.hidden_layers)
@@ -224,6 +224,16 @@ def test_follow_up_rows_under_overlap_replay_graphs_equal_eager_without_a_sync(f
     llm.shutdown()
 
 
+def _dspark_llm(folder: Path, executor: str) -> LLM:
+    """An engine with CUDA graphs and the ``dspark`` drafter (random weights, ``fixed``-3), on the ``executor``
+    (``overlap``: with the sync guard)."""
+    plugins: dict[str, Any] = {"spec_decode": {"enabled": True, "drafter": "dspark", "dspark_weights": "random",
+                                               "plan": "fixed", "max_draft": 3}}
+    if executor == "overlap":
+        plugins["scheduling"] = {"enabled": True, "sync_guard": True}
+    return _llm(folder, graphs=True, plugins=plugins)
+
+
 @pytest.mark.parametrize("executor", ["sync", "overlap"])
 def test_dspark_steps_replay_graphs_equal_eager(folder: Path, executor: str) -> None:
     """``dspark`` has the model capture its target layers before the graphs are captured, so the graphs
@@ -233,11 +243,7 @@ def test_dspark_steps_replay_graphs_equal_eager(folder: Path, executor: str) -> 
     eager_llm = _llm(folder, graphs=False)
     eager = _run(eager_llm, prompts)
     eager_llm.shutdown()
-    plugins: dict[str, Any] = {"spec_decode": {"enabled": True, "drafter": "dspark", "dspark_weights": "random",
-                                               "plan": "fixed", "max_draft": 3}}
-    if executor == "overlap":
-        plugins["scheduling"] = {"enabled": True, "sync_guard": True}
-    llm = _llm(folder, graphs=True, plugins=plugins)
+    llm = _dspark_llm(folder, executor)
     used = _graph_buckets_used(llm)
     _compare(eager, _run(llm, prompts))
     assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
@@ -255,11 +261,7 @@ def test_dspark_speculative_tail_replays_one_graph_equal_eager(folder: Path, exe
     eager_llm = _llm(folder, graphs=False)
     eager = _run(eager_llm, prompts, logprobs=None)
     eager_llm.shutdown()
-    plugins: dict[str, Any] = {"spec_decode": {"enabled": True, "drafter": "dspark", "dspark_weights": "random",
-                                               "plan": "fixed", "max_draft": 3}}
-    if executor == "overlap":
-        plugins["scheduling"] = {"enabled": True, "sync_guard": True}
-    llm = _llm(folder, graphs=True, plugins=plugins)
+    llm = _dspark_llm(folder, executor)
     tail = llm.engine.core.tail
     assert tail is not None, "the speculative tail's graphs were not built"
     outputs = _run(llm, prompts, logprobs=None)

@@ -15,7 +15,7 @@ from abort_drills import run_with_staged_aborts
 from deepinfer_spec_decode.mtp import choose_drafts
 from safetensors import safe_open
 from safetensors.torch import save_file
-from spec_setup import check_drafts_every_step, known_mtp_drafts, running_with_drafts
+from spec_setup import check_drafts_every_step, known_drafts, running_with_drafts
 from test_deepseek_v3 import _build as build_deepseek
 from test_deepseek_v3_mtp import _mtp_checkpoint
 from test_sampling import _chi_square_p
@@ -102,7 +102,7 @@ def test_mtp_cache_rows_are_a_fresh_pass_over_the_committed_tokens(with_mtp, tmp
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
     ref = LLM(folder, block_size=BLOCK, kv_cache_bytes=1 << 22)
     reference = [o.outputs[0].token_ids for o in ref.generate(prompts, params, use_tqdm=False)]
-    known_mtp_drafts(monkeypatch, [p + r for p, r in zip(prompts, reference, strict=True)], VOCAB)
+    known_drafts(monkeypatch, [p + r for p, r in zip(prompts, reference, strict=True)], VOCAB)
     model = ref.engine.model
     fresh = KVPool(model.mtp_cache_specs(), ref.engine.pool.num_blocks, BLOCK, torch.float32, torch.device("cpu"))
     model.bind_mtp_cache(fresh.layers)

@@ -12,20 +12,18 @@ GPU (``tests/test_gpu_graphs.py``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from deepinfer_spec_decode.dspark import DSparkDrafter
-from deepinfer_spec_decode.oracle import OracleDrafter
+from spec_setup import known_drafts
 from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.graphs import DecodeGraphs
 from deepinfer.engine.tail_graphs import TailGraphs, TailStep
-from deepinfer.interfaces import DraftInputs, DraftProposal
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -53,21 +51,6 @@ def reference(folder: Path) -> list[list[int]]:
     outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)]
     llm.shutdown()
     return outs
-
-
-def _known_drafts(monkeypatch: pytest.MonkeyPatch, sequences: list[list[int]]) -> None:
-    """dspark runs (it writes its context rows and drafts), but its drafts are replaced by the known greedy
-    continuation with planted corruptions."""
-    inner = DSparkDrafter.propose
-    oracle = OracleDrafter(sequences, VOCAB, corruption=0.3, draft_probs=False)
-
-    def propose(self: DSparkDrafter, inputs: DraftInputs) -> DraftProposal:
-        proposal = inner(self, inputs)
-        if inputs.last_tokens.numel() == 0:
-            return proposal
-        return dataclasses.replace(proposal, tokens=oracle.propose(inputs).tokens)
-
-    monkeypatch.setattr(DSparkDrafter, "propose", propose)
 
 
 def _emulated(llm: LLM, tail: bool) -> tuple[list[tuple[TailStep, bool]], TailGraphs | None]:
@@ -120,7 +103,7 @@ def _run(folder: Path, plan: str, executor: str, tail: bool
 @pytest.mark.parametrize("plan", ["fixed", "varlen"])
 def test_the_replayed_tail_equals_the_eager_tail_and_decoding_without_speculation(folder, reference, plan, executor,
                                                                                  monkeypatch):
-    _known_drafts(monkeypatch, [p + r for p, r in zip(_prompts(), reference, strict=True)])
+    known_drafts(monkeypatch, [p + r for p, r in zip(_prompts(), reference, strict=True)], VOCAB, DSparkDrafter)
     eager_tail, eager_stats, _, llm = _run(folder, plan, executor, tail=False)
     llm.shutdown()
     outs, stats, staged_steps, llm = _run(folder, plan, executor, tail=True)
