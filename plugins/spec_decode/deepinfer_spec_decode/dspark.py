@@ -89,7 +89,9 @@ bound cache, outside the KV budget) instead of in per-request SWA rings; block k
 cache (they live one pass); the attention key range is not padded to 64; drafting replays CUDA graphs
 (``draft_graphs``: the context write per bucket of the step's rows, the block pass per bucket of the drafting
 batch; ``kernels.cuda_graphs`` on a CUDA device) with dense blocks only (MoE blocks read their experts on the
-host and run eagerly); V4.1's ``dspark_target_layer_ids`` / ``dspark_noise_token_id`` /
+host and run eagerly), and after a greedy step that replayed a target graph the core captures the drafting with
+the verification in one graph of its own (``engine/tail_graphs.py``; ``graph_capturable``, ``settle``), its own
+graphs then stepping aside; V4.1's ``dspark_target_layer_ids`` / ``dspark_noise_token_id`` /
 ``dspark_markov_rank`` in its ``config.json`` are not read (the plugin's fields apply); under YoCo compact
 prefill truncation (V4/V4.1) the rows below a request's truncation floor have zero features in target layers
 past the YoCo boundary (the reference writes only the kept rows too, but its drafter window is the model's
