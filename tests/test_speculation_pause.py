@@ -1,9 +1,14 @@
-"""The drafting pause of ``deepinfer/engine/speculation.py``: back-off, and resumption on shared rounds."""
+"""The drafting pause of ``deepinfer/engine/speculation.py``: back-off, resumption on shared rounds, and follow-up
+rows whose proposal is still on the device."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import torch
+
 from deepinfer.engine.scheduler import SchedulerOutput
-from deepinfer.engine.speculation import PAUSE_LIMIT, Speculator
+from deepinfer.engine.speculation import EXPLORE_DRAFTS, PAUSE_LIMIT, Drafts, Speculator
 
 
 def test_paused_requests_resume_drafting_on_shared_rounds():
@@ -52,3 +57,31 @@ def test_a_new_request_starts_at_the_pause_its_predecessors_reached():
     speculator._note_grants([("d", 4, 2)])  # a round whose plan granted drafts
     speculator._start_paused("e")
     assert not speculator.paused("e")
+
+
+class _NoDrafts:
+    """A plan that never grants a draft (a batch where drafts do not pay)."""
+
+    def budget(self, stale_confidence: torch.Tensor, cost: object) -> int:
+        return stale_confidence.shape[0]
+
+    def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
+        return torch.zeros(confidence.shape[0], dtype=torch.int64)
+
+
+def test_a_follow_up_row_without_a_proposal_on_the_host_probes_and_keeps_its_pause():
+    """Under an overlapped executor a request resuming after a pause has its first proposal on the device
+    when its next row is planned: no confidence is known, so the plan's grant says nothing and must not
+    double the pause (the request would otherwise never see its drafts judged); the row verifies a probe's
+    draft. Once a proposal is on the host, a grant of none doubles the pause as before."""
+    speculator = Speculator(drafter=None, plan=_NoDrafts(), cost=None, max_draft=4, block_size=16)
+    req = SimpleNamespace(request_id="r", epoch=0, params=SimpleNamespace(max_tokens=100), num_output_tokens=10,
+                          max_total_tokens=1000, num_tokens=50)
+    speculator._pause["r"] = 4  # the pause just ended: it drafted after the step in flight
+    speculator._drafted = {"r"}
+    grants = speculator.plan_drafts([req], following={"r"})
+    assert len(grants["r"].tokens) == EXPLORE_DRAFTS and grants["r"].on_device
+    assert speculator._pause["r"] == 4 and not speculator.paused("r")
+    speculator.proposals["r"] = Drafts(0, (5, 6, 7, 8), (0.3, 0.2, 0.1, 0.1), (0.3, 0.2, 0.1, 0.1))
+    speculator.plan_drafts([req], following={"r"})  # the proposal it verifies is known now: judged
+    assert speculator._pause["r"] == 8 and speculator.paused("r")
