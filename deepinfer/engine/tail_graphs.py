@@ -105,7 +105,6 @@ class _Tail:
 
     def __init__(self, layout: TailLayout, device: torch.device) -> None:
         s = layout.s
-        self.layout = layout
         self.packed = torch.zeros(layout.size, dtype=torch.int64, device=device)
         self.views = layout.views(self.packed)
         self.moved = torch.zeros(s, dtype=torch.int64, device=device)
