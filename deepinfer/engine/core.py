@@ -139,17 +139,15 @@ class EngineCore:
             results = self.runner.execute(inputs, fill, previous_results)
             if self.speculator is not None:
                 self.speculator.record_tokens(inputs.input_ids, inputs.ctx)
-            if inputs.tail is not None:  # verification and drafting in one replay: charged as drafting
-                assert self.tail is not None
+            if inputs.drafting is not None:
                 start = time.perf_counter()
-                self.tail.run(inputs.tail, inputs, results)
-                forward, sampler, _ = results.host_split
-                results.host_split = (forward, sampler, time.perf_counter() - start)
-            elif inputs.drafting is not None:
-                assert self.speculator is not None
-                start = time.perf_counter()
-                results.proposal = self.speculator.draft(inputs.drafting, inputs.input_ids, inputs.ctx, results.hidden,
-                                                         results.tokens(inputs.input_ids.device))
+                if inputs.tail is not None:  # verification and drafting in one replay: charged as drafting
+                    assert self.tail is not None
+                    self.tail.run(inputs.tail, inputs, results)
+                else:
+                    assert self.speculator is not None
+                    results.proposal = self.speculator.draft(inputs.drafting, inputs.input_ids, inputs.ctx,
+                                                             results.hidden, results.tokens(inputs.input_ids.device))
                 forward, sampler, _ = results.host_split
                 results.host_split = (forward, sampler, time.perf_counter() - start)
             results.hidden = None  # read by the drafting alone
