@@ -1,6 +1,7 @@
 """How far low-precision SmolLM2 runs stray from the float32 one (issue 36 item 2; docs/benchmarks.md).
 
-For each of ``--modes`` (``bf16``: ``model.dtype=bfloat16``; ``int8`` / ``q4_1``: ``model.quantization``) and
+For each of ``--modes`` (``bf16``: ``model.dtype=bfloat16``; ``int8`` / ``q4_1``: ``model.quantization`` with
+int8 inputs, ``int8-w`` / ``q4_1-w`` the same weights with float32 inputs, ``plugins.cpu.quant_inputs``) and
 real chat prompts:
 
 * free-running greedy: each run generates ``--tokens`` tokens per prompt (EOS ignored); the token match rate
@@ -8,8 +9,10 @@ real chat prompts:
 * teacher-forced on the float32 run's sequences: the engine's own full next-token distributions
   (``LLM.teacher_force`` with ``top_k`` = vocabulary) at the generated positions, against float32's: argmax
   agreement and the mean KL(p_fp32 ‖ p_mode) in nats. Teacher forcing is a prefill (many rows per GEMM); with
-  ``plugins.cpu`` it runs oneDNN's GEMM on the rounded weights, so it measures the format, and free-running
-  decode at ``--max-num-seqs 1`` (one row per GEMM) runs the quantized kernels.
+  ``plugins.cpu`` it runs oneDNN's GEMM on the rounded weights, so for the weight-only modes it measures the
+  format, and free-running decode at ``--max-num-seqs 1`` (one row per GEMM) runs the quantized kernels. The
+  int8-input modes send every GEMM call to the quantized kernel (``quant_dense_rows`` unbounded), so both
+  measures include the inputs' rounding.
 
     python scripts/quant_agreement.py --modes bf16 int8 q4_1 --tokens 128 --output agreement.json
 """
@@ -41,11 +44,18 @@ MODES: dict[str, dict[str, Any]] = {
     "bf16": {"dtype": "bfloat16"},
     "int8": {"dtype": "float32", "quantization": "int8"},
     "q4_1": {"dtype": "float32", "quantization": "q4_1"},
+    # weight-only: the quantized kernels multiply float32 inputs (plugins.cpu.quant_inputs=float32)
+    "int8-w": {"dtype": "float32", "quantization": "int8", "inputs": "float32"},
+    "q4_1-w": {"dtype": "float32", "quantization": "q4_1", "inputs": "float32"},
 }
 
 
 def build(mode: str, max_num_seqs: int) -> LLM:
-    return LLM("smollm2-135m-instruct", plugins={"cpu": {"enabled": True}}, max_num_seqs=max_num_seqs, **MODES[mode])
+    settings = dict(MODES[mode])
+    cpu = {"enabled": True, "quant_inputs": settings.pop("inputs", "int8")}
+    if "quantization" in settings and cpu["quant_inputs"] == "int8":
+        cpu["quant_dense_rows"] = 1 << 30  # every call in the kernel: teacher forcing measures the int8 inputs
+    return LLM("smollm2-135m-instruct", plugins={"cpu": cpu}, max_num_seqs=max_num_seqs, **settings)
 
 
 def generate(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -20,3 +22,7 @@ class CPUConfig(BaseModel):
         "under model.quantization, calls with at least this many rows run oneDNN's float32 GEMM on the weights "
         "rounded to the format; fewer rows (a batch-1 decode step) run the quantized kernel, which on this "
         "project's 2-core AVX-512 VM lost to oneDNN from 8 rows on (docs/benchmarks.md)"))
+    quant_inputs: Literal["int8", "float32"] = Field("int8", description=(
+        "under model.quantization, what the quantized kernel multiplies the weights with: int8 quantizes each "
+        "block of 32 inputs (step max|x| / 127) and runs integer dot products, as llama.cpp does for its Q4_1 / "
+        "Q8_0 weights; float32 multiplies the inputs as they are (weight-only quantization, slower)"))

@@ -56,7 +56,8 @@ class Plugin:
         backends: list[Any] = [OneDNNGemmBackend(min_rows=self.config.min_rows, pack_rows=self.config.pack_rows)]
         if self.quantization is not None:
             backends.append(QuantizedGemmBackend(self.quantization, head_rows=self.vocab_size,
-                                                 dense_rows=self.config.quant_dense_rows))
+                                                 dense_rows=self.config.quant_dense_rows,
+                                                 inputs=self.config.quant_inputs))
         return backends
 
     @hookimpl

@@ -46,6 +46,7 @@ from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
 
 BLOCK = 32  # inputs per Q4_1 / Q8_0 block
 FORMATS = ("int8", "q4_1")
+INPUT_MODES = ("float32", "int8")  # what the quantized kernels multiply the weights with
 
 
 @functools.cache
@@ -57,6 +58,10 @@ def load_kernel() -> ctypes.CDLL:
     lib.linear_int8_f32.argtypes = [ptr] * 5 + [i64] * 4 + [ctypes.c_int]
     lib.linear_q4_1_f32.restype = ctypes.c_int
     lib.linear_q4_1_f32.argtypes = [ptr] * 6 + [i64] * 3 + [ctypes.c_int]
+    lib.linear_int8_q8.restype = ctypes.c_int
+    lib.linear_int8_q8.argtypes = lib.linear_int8_f32.argtypes
+    lib.linear_q4_1_q8.restype = ctypes.c_int
+    lib.linear_q4_1_q8.argtypes = lib.linear_q4_1_f32.argtypes
     return lib
 
 
@@ -124,11 +129,27 @@ def quantize_q4_1(weight: torch.Tensor) -> Q41Weight:
     return Q41Weight(qs.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous())
 
 
-def quantized_linear(x: torch.Tensor, weight: Int8Weight | Q41Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] @ wᵀ (+ bias)`` through the C kernel, ``x`` float32 on the CPU; returns ``[..., N]``."""
+def quantize_inputs(x: torch.Tensor) -> torch.Tensor:
+    """The float32 values the ``int8`` input mode computes with: each block of 32 inputs of a row rounded to
+    int8 codes of step ``max|x| / 127`` (llama.cpp's Q8 activations; ``x [..., K]``, ``K`` a multiple of 32).
+    The kernel keeps the exact float sum of each block for a Q4_1 minimum's term, which this does not model."""
+    blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
+    amax = blocks.abs().amax(dim=-1, keepdim=True)
+    codes = torch.round(blocks * torch.where(amax > 0, 127.0 / amax, 0.0))  # the kernel's float32 operations
+    return (codes * (amax / 127.0)).reshape(x.shape)
+
+
+def quantized_linear(x: torch.Tensor, weight: Int8Weight | Q41Weight, bias: torch.Tensor | None = None,
+                     inputs: str = "float32") -> torch.Tensor:
+    """``x [..., K] @ wᵀ (+ bias)`` through the C kernel, ``x`` float32 on the CPU; returns ``[..., N]``.
+    ``inputs="int8"`` quantizes ``x`` in blocks of 32 and multiplies with integer dot products
+    (``quantize_inputs``; ``K`` a multiple of 32), ``"float32"`` multiplies ``x`` as it is."""
     n, k = weight.q.shape if isinstance(weight, Int8Weight) else (weight.d.shape[0], weight.qs.shape[1] * 2)
     if x.dtype != torch.float32 or x.shape[-1] != k:
         raise ValueError(f"quantized linear takes float32 inputs of width {k}, got {x.dtype} {tuple(x.shape)}")
+    if inputs not in INPUT_MODES or (inputs == "int8" and k % BLOCK):
+        raise ValueError(f"quantized linear: inputs must be one of {list(INPUT_MODES)} (int8 needs a width "
+                         f"divisible by {BLOCK}), got {inputs!r} at width {k}")
     flat = x.reshape(-1, k).contiguous()
     out = torch.empty(flat.shape[0], n, dtype=torch.float32)
     bias_arg = None
@@ -136,12 +157,15 @@ def quantized_linear(x: torch.Tensor, weight: Int8Weight | Q41Weight, bias: torc
         bias = bias.detach().float().contiguous()
         bias_arg = bias.data_ptr()
     lib, rows, threads = load_kernel(), flat.shape[0], torch.get_num_threads()
+    quantize = inputs == "int8"
     if isinstance(weight, Int8Weight):
-        failed = lib.linear_int8_f32(flat.data_ptr(), weight.q.data_ptr(), weight.scale.data_ptr(), bias_arg,
-                                     out.data_ptr(), rows, n, k, weight.group, threads)
+        run = lib.linear_int8_q8 if quantize else lib.linear_int8_f32
+        failed = run(flat.data_ptr(), weight.q.data_ptr(), weight.scale.data_ptr(), bias_arg, out.data_ptr(),
+                     rows, n, k, weight.group, threads)
     else:
-        failed = lib.linear_q4_1_f32(flat.data_ptr(), weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(),
-                                     bias_arg, out.data_ptr(), rows, n, k, threads)
+        run = lib.linear_q4_1_q8 if quantize else lib.linear_q4_1_f32
+        failed = run(flat.data_ptr(), weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(), bias_arg,
+                     out.data_ptr(), rows, n, k, threads)
     if failed:
         raise MemoryError("plugins.cpu quantized linear: the kernel could not allocate its row buffer")
     return out.view(*x.shape[:-1], n)
@@ -157,13 +181,18 @@ class _Entry:
 class QuantizedGemmBackend:
     """Op ``linear`` on weights quantized to ``fmt`` (``int8`` or ``q4_1``; module docstring). Serves the runs
     whose ``model.quantization`` is ``fmt`` (the plugin offers it only to those); ``head_rows`` is the
-    vocabulary size, whose weight (the LM head) ``q4_1`` keeps in 8-bit blocks."""
+    vocabulary size, whose weight (the LM head) ``q4_1`` keeps in 8-bit blocks; ``inputs`` is
+    ``plugins.cpu.quant_inputs`` (``quantized_linear``)."""
 
     priority = 20  # above onednn (10): under model.quantization the quantizing backend is the one that fits
 
-    def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 2) -> None:
+    def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 2,
+                 inputs: str = "int8") -> None:
         if fmt not in FORMATS:
             raise ValueError(f"model.quantization: no CPU kernel for {fmt!r}; choose one of {list(FORMATS)}")
+        if inputs not in INPUT_MODES:
+            raise ValueError(f"plugins.cpu.quant_inputs must be one of {list(INPUT_MODES)}, got {inputs!r}")
+        self.inputs = inputs
         self.format = fmt
         self.name = f"cpu_{fmt}"
         self.ops = frozenset({"linear"})
@@ -182,6 +211,9 @@ class QuantizedGemmBackend:
         if weight.dim() != 2:
             raise ValueError(f"model.quantization={self.format!r}: a GEMM weight must be 2-D, "
                              f"got {tuple(weight.shape)}")
+        if self.inputs == "int8" and weight.shape[1] % BLOCK:
+            raise ValueError(f"plugins.cpu.quant_inputs='int8' needs GEMM input widths divisible by {BLOCK}, got a "
+                             f"weight of shape {tuple(weight.shape)} (set plugins.cpu.quant_inputs=float32)")
         if self.format == "int8":
             return quantize_int8(weight)
         if weight.shape[0] == self.head_rows:
@@ -208,7 +240,7 @@ class QuantizedGemmBackend:
         if entry.version != weight._version:  # written in place since: quantize the new values
             entry = _Entry(entry.weight, weight._version, self.quantize(weight))
             self._entries[self._key(weight)] = entry
-        return quantized_linear(x, entry.quantized, bias)
+        return quantized_linear(x, entry.quantized, bias, self.inputs)
 
     @staticmethod
     def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

@@ -14,13 +14,14 @@ from deepinfer_cpu.quant_linear import (
     Int8Weight,
     Q41Weight,
     QuantizedGemmBackend,
+    quantize_inputs,
     quantize_int8,
     quantize_q4_1,
     quantized_linear,
 )
 from tiny_models import assert_cached_logits_match, save_tiny
 
-from deepinfer import LLM
+from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
 
 pytestmark = [pytest.mark.skipif(compiler() is None, reason="no C compiler for the plugin's kernels"),
@@ -49,6 +50,35 @@ def test_kernel_equals_a_float64_product_of_the_dequantized_weight(fmt: str, row
     assert got.shape == (rows, 70) and got.dtype == torch.float32
     assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert quantized_linear(x.view(rows, 1, 96), quantized, bias).shape == (rows, 1, 70)
+
+
+def _int8_input_product(x: torch.Tensor, quantized: Int8Weight | Q41Weight) -> torch.Tensor:
+    """float64 model of ``inputs="int8"``: the inputs rounded in blocks of 32, except in a Q4_1 block's minimum
+    term, which takes the exact input sum."""
+    weight, xq = quantized.dequantize().double(), quantize_inputs(x).double()
+    if isinstance(quantized, Int8Weight):
+        return xq @ weight.t()
+    minimum = quantized.m.double().repeat_interleave(32, dim=1)
+    return xq @ (weight - minimum).t() + x.double() @ minimum.t()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_int8_inputs_kernel_equals_a_float64_product_of_the_rounded_inputs(fmt: str, rows: int) -> None:
+    weight = _randn(70, 160, seed=rows) * 0.1  # 5 blocks of 32: an odd count
+    quantized = _quantized(fmt, weight)
+    x = _randn(rows, 160, seed=200 + rows)
+    x[0, :32] = 0.0  # an all-zero block has step 0
+    bias = _randn(70, seed=11)
+    got = quantized_linear(x, quantized, bias, inputs="int8")
+    ref = _int8_input_product(x, quantized) + bias.double()
+    assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    # the inputs' rounding is the only loss: within a step of the codes of the float32-input product
+    exact = quantized_linear(x, quantized, bias)
+    bound = (x.abs().view(rows, 5, 32).amax(-1) / 254).repeat_interleave(32, dim=1) @ quantized.dequantize().abs().t()
+    assert ((got - exact).abs() <= bound + 1e-5).all()
+    with pytest.raises(ValueError, match="inputs must be one of"):
+        quantized_linear(x, quantized, inputs="int4")
 
 
 def test_formats_bound_their_error_and_round_trip() -> None:
@@ -84,7 +114,7 @@ def test_q4_1_recovers_a_gguf_style_block_exactly() -> None:
 
 
 def test_backend_keeps_rounded_weights_follows_writes_and_leaves_temporaries() -> None:
-    backend = QuantizedGemmBackend("q4_1", head_rows=40, dense_rows=8)
+    backend = QuantizedGemmBackend("q4_1", head_rows=40, dense_rows=8, inputs="float32")
     weight = torch.nn.Parameter(_randn(32, 64, seed=4), requires_grad=False)
     weight.data = backend.prepare_weight(weight.data)
     rounded = quantize_q4_1(weight.data).dequantize()
@@ -123,15 +153,51 @@ def _round_linear_weights(model: torch.nn.Module, fmt: str, vocab: int) -> None:
 @pytest.mark.parametrize("tied", [False, True])
 def test_engine_runs_the_kernel_and_matches_transformers_on_rounded_weights(tmp_path: Path, fmt: str,
                                                                           tied: bool) -> None:
+    """Weight-only (``quant_inputs=float32``): the engine equals transformers on the rounded weights."""
     # vocab 320: no other GEMM weight has that many rows (fused gate/up has 256), so only the head is 8-bit
     model, folder = save_tiny("llama", tmp_path / "llama", 0, tie_word_embeddings=tied, vocab_size=320)
-    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, quantization=fmt, plugins={"cpu": {"enabled": True}})
+    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, quantization=fmt,
+              plugins={"cpu": {"enabled": True, "quant_inputs": "float32"}})
     assert llm.engine.runner.backends["linear"].name == f"cpu_{fmt}"
     _round_linear_weights(model, fmt, vocab=320)
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (3, 11, 20)]
     assert_cached_logits_match(llm, model, prompts, decode_steps=6)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q4_1"])
+def test_engine_sends_every_gemm_through_the_int8_input_kernel(tmp_path: Path, fmt: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ``quant_inputs=int8`` with ``quant_dense_rows`` unbounded: every GEMM call of prefill and
+    decode rounds its inputs, and each call equals the float64 model of that rounding on its own inputs. (The
+    logits are not compared with transformers rounding its inputs too: a 1e-6 difference upstream flips an
+    input code, which a tiny random model amplifies; the weight-only test above checks the model.)"""
+    import deepinfer_cpu.quant_linear as module
+
+    calls = []
+    kernel = module.quantized_linear
+
+    def spy(x: torch.Tensor, quantized: Int8Weight | Q41Weight, bias: torch.Tensor | None = None,
+            inputs: str = "float32") -> torch.Tensor:
+        out = kernel(x, quantized, bias, inputs)
+        flat = x.reshape(-1, x.shape[-1])
+        ref = _int8_input_product(flat, quantized)
+        calls.append((inputs, flat.shape[0], (out.reshape(ref.shape).double() - ref).abs().max().item()
+                      / ref.abs().max().item()))
+        return out
+
+    monkeypatch.setattr(module, "quantized_linear", spy)
+    _, folder = save_tiny("llama", tmp_path / "llama", 0, vocab_size=320)
+    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, quantization=fmt,
+              plugins={"cpu": {"enabled": True, "quant_dense_rows": 1 << 30}})
+    llm.generate([[5, 6, 7, 8], list(range(20, 33))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    llm.shutdown()
+    layers = 2 * 4 + 1  # per step: qkv, o, gate_up, down in each of 2 layers, and the head
+    assert len(calls) >= 4 * layers and {inputs for inputs, _, _ in calls} == {"int8"}
+    assert max(rows for _, rows, _ in calls) > 1  # prefill rows went through the kernel too
+    assert max(err for _, _, err in calls) <= 1e-5
 
 
 def test_runs_the_kernels_cannot_serve_fail_at_start_up(tmp_path: Path) -> None:

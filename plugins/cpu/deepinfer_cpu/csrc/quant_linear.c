@@ -15,9 +15,21 @@
  * call, whatever M is. Sums run in float32 in SIMD lanes (another order than a BLAS GEMM).
  * K must be a multiple of group (int8) or of 32 (q4_1); the caller checks. Functions return 0, or 1 when a
  * buffer could not be allocated.
+ *
+ * The *_q8 entry points quantize the input rows too, as llama.cpp does for its Q4_1 / Q8_0 dot products:
+ * each block of 32 inputs becomes int8 codes a with a float32 step s = max|x| / 127 (x ~ s a), and a weight
+ * block's contribution is its step(s) times an integer dot product: q4_1 d s (q . a) + m sum(x) (the block's
+ * exact float32 input sum for the minimum's term), int8 scale s (q . a). With AVX512-VNNI (vpdpbusd) a
+ * block's 32 products are one instruction; without it, a plain integer loop. The products and their int32
+ * sums are exact, so these differ from the float32 path only by the input rounding.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define VNNI 1
+#endif
 
 #define ROWS 4
 
@@ -199,4 +211,139 @@ int linear_q4_1_f32(const float *x, const uint8_t *qs, const _Float16 *d, const 
     }
     const Weights wt = {Q4_1, NULL, NULL, 0, qs, d, mn};
     return expand_and_multiply(x, &wt, bias, out, M, N, K, threads);
+}
+
+/* ---------------------------------------------------------------- quantized inputs (the *_q8 entry points) */
+
+/* Row x [K] as blocks of 32 int8 codes: a [K], steps s [K / 32], exact float sums xsum [K / 32]. */
+static void quantize_input_row(const float *x, int64_t K, int8_t *a, float *s, float *xsum) {
+    for (int64_t b = 0; b < K / 32; ++b) {
+        const float *xb = x + 32 * b;
+        float amax = 0.0f, total = 0.0f;
+        for (int j = 0; j < 32; ++j) {
+            amax = fmaxf(amax, fabsf(xb[j]));
+            total += xb[j];
+        }
+        const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < 32; ++j) a[32 * b + j] = (int8_t)lrintf(xb[j] * inv);
+        s[b] = step;
+        xsum[b] = total;
+    }
+}
+
+#ifdef VNNI
+static inline float sum_lanes(__m256 v) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    return _mm_cvtss_f32(r);
+}
+
+/* 32 nibbles (16 bytes: low nibbles are inputs 0..15, high ones 16..31) times 32 int8 inputs, in 8 int32 lanes. */
+static inline __m256i dot_q4_q8(const uint8_t *qs, const int8_t *a) {
+    const __m128i nibble = _mm_set1_epi8(15), packed = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), nibble), _mm_and_si128(packed, nibble));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, _mm256_loadu_si256((const __m256i *)a));
+}
+#endif
+
+/* One q4_1 weight row against one quantized input row: sum over blocks of d s (q . a) + m xsum. */
+static float row_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const int8_t *a, const float *s,
+                         const float *xsum, int64_t blocks) {
+    float low = 0.0f;
+#ifdef VNNI
+    /* eight blocks at a time: their steps d s and minimum terms m xsum as vectors, then two chains of blocks */
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, lows = _mm256_setzero_ps();
+    float steps[8];
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+        const int count = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
+        const __mmask8 mask = (__mmask8)((1u << count) - 1);
+        _mm256_storeu_ps(steps, _mm256_mul_ps(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, d + b0)),
+                                              _mm256_maskz_loadu_ps(mask, s + b0)));
+        lows = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, mn + b0)),
+                               _mm256_maskz_loadu_ps(mask, xsum + b0), lows);
+        for (int j = 0; j < count; ++j) {
+            const int64_t b = b0 + j;
+            acc[j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q4_q8(qs + 16 * b, a + 32 * b)),
+                                         _mm256_broadcast_ss(steps + j), acc[j & 1]);
+        }
+    }
+    return sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), lows)) + low;
+#else
+    float total = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *src = qs + 16 * b;
+        const int8_t *ab = a + 32 * b;
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j) dot += (src[j] & 15) * ab[j] + (src[j] >> 4) * ab[j + 16];
+        total += (float)dot * ((float)d[b] * s[b]);
+        low += (float)mn[b] * xsum[b];
+    }
+    return total + low;
+#endif
+}
+
+/* One int8 weight row (a scale per group inputs, group a multiple of 32) against one quantized input row. */
+static float row_int8_q8(const int8_t *q, const float *scale, int64_t group, const int8_t *a, const float *s,
+                         int64_t blocks) {
+    const int64_t per_group = group / 32;
+#ifdef VNNI
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(q + 32 * b));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(a + 32 * b));
+        /* vpdpbusd multiplies unsigned by signed bytes: |a| times w with a's sign (|a| <= 127) */
+        const __m256i dots = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(x, x),
+                                                 _mm256_sign_epi8(w, x));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), _mm256_set1_ps(scale[b / per_group] * s[b]), acc);
+    }
+    return sum_lanes(acc);
+#else
+    float total = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        int32_t dot = 0;
+        for (int j = 0; j < 32; ++j) dot += q[32 * b + j] * a[32 * b + j];
+        total += (float)dot * (scale[b / per_group] * s[b]);
+    }
+    return total;
+#endif
+}
+
+/* Every input row quantized once, then each task runs its output rows against all of them. */
+static int linear_q8(const float *x, const Weights *wt, const float *bias, float *out, int64_t M, int64_t N,
+                     int64_t K, int threads) {
+    const int64_t blocks = K / 32;
+    int8_t *a = malloc((size_t)(M * K));
+    float *s = malloc(sizeof(float) * (size_t)(M * blocks)), *xsum = malloc(sizeof(float) * (size_t)(M * blocks));
+    if (a == NULL || s == NULL || xsum == NULL) {
+        free(a), free(s), free(xsum);
+        return 1;
+    }
+    for (int64_t m = 0; m < M; ++m) quantize_input_row(x + m * K, K, a + m * K, s + m * blocks, xsum + m * blocks);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t m = 0; m < M; ++m) {
+            const int8_t *am = a + m * K;
+            const float *sm = s + m * blocks;
+            const float dot = wt->format == Q4_1
+                ? row_q4_1_q8(wt->qs + n * (K / 2), wt->d + n * blocks, wt->mn + n * blocks, am, sm,
+                              xsum + m * blocks, blocks)
+                : row_int8_q8(wt->q + n * K, wt->scale + n * (K / wt->group), wt->group, am, sm, blocks);
+            out[m * N + n] = dot + (bias ? bias[n] : 0.0f);
+        }
+    }
+    free(a), free(s), free(xsum);
+    return 0;
+}
+
+int linear_int8_q8(const float *x, const int8_t *q, const float *scale, const float *bias, float *out, int64_t M,
+                   int64_t N, int64_t K, int64_t group, int threads) {
+    const Weights wt = {INT8, q, scale, group, NULL, NULL, NULL};
+    return linear_q8(x, &wt, bias, out, M, N, K, threads);
+}
+
+int linear_q4_1_q8(const float *x, const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const float *bias,
+                   float *out, int64_t M, int64_t N, int64_t K, int threads) {
+    const Weights wt = {Q4_1, NULL, NULL, 0, qs, d, mn};
+    return linear_q8(x, &wt, bias, out, M, N, K, threads);
 }
