@@ -139,43 +139,59 @@ def quantize_inputs(x: torch.Tensor) -> torch.Tensor:
     return (codes * (amax / 127.0)).reshape(x.shape)
 
 
+class QuantizedLinear:
+    """A quantized weight bound to its C kernel: ``layer(x, bias)`` is ``x [..., K] @ wᵀ (+ bias)``, ``x``
+    float32 on the CPU, returning ``[..., N]``. ``inputs="int8"`` quantizes ``x`` in blocks of 32 and
+    multiplies with integer dot products (``quantize_inputs``; ``K`` a multiple of 32), ``"float32"``
+    multiplies ``x`` as it is. The kernel and the weight's pointers are chosen once: a decode step makes ~120
+    of these calls, so a call does little more than allocate its output."""
+
+    def __init__(self, weight: Int8Weight | Q41Weight, inputs: str = "float32") -> None:
+        lib, q8 = load_kernel(), inputs == "int8"
+        if isinstance(weight, Int8Weight):
+            n, k = weight.q.shape
+            run, operands = lib.linear_int8_q8 if q8 else lib.linear_int8_f32, (weight.q, weight.scale)
+            tail: tuple[int, ...] = (weight.group,)
+        else:
+            n, k = weight.d.shape[0], weight.qs.shape[1] * 2
+            run, operands, tail = lib.linear_q4_1_q8 if q8 else lib.linear_q4_1_f32, (weight.qs, weight.d, weight.m), ()
+        if inputs not in INPUT_MODES or (q8 and k % BLOCK):
+            raise ValueError(f"quantized linear: inputs must be one of {list(INPUT_MODES)} (int8 needs a width "
+                             f"divisible by {BLOCK}), got {inputs!r} at width {k}")
+        if q8 and isinstance(weight, Int8Weight) and weight.group % BLOCK:
+            raise ValueError(f"quantized linear: int8 inputs need weight groups of a multiple of {BLOCK} inputs, "
+                             f"got {weight.group}")
+        self.weight, self.inputs, self.n, self.k = weight, inputs, n, k
+        pointers = tuple(t.data_ptr() for t in operands)
+        self._run = lambda x, bias, out, rows, threads: run(x, *pointers, bias, out, rows, n, k, *tail, threads)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype != torch.float32 or x.shape[-1] != self.k:
+            raise ValueError(f"quantized linear takes float32 inputs of width {self.k}, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        if not x.is_contiguous():
+            x = x.contiguous()
+        out = torch.empty((*x.shape[:-1], self.n), dtype=torch.float32)
+        bias_arg = None
+        if bias is not None:
+            bias = bias.detach().float().contiguous()
+            bias_arg = bias.data_ptr()
+        if self._run(x.data_ptr(), bias_arg, out.data_ptr(), x.numel() // self.k, torch.get_num_threads()):
+            raise MemoryError("plugins.cpu quantized linear: the kernel could not allocate its buffers")
+        return out
+
+
 def quantized_linear(x: torch.Tensor, weight: Int8Weight | Q41Weight, bias: torch.Tensor | None = None,
                      inputs: str = "float32") -> torch.Tensor:
-    """``x [..., K] @ wᵀ (+ bias)`` through the C kernel, ``x`` float32 on the CPU; returns ``[..., N]``.
-    ``inputs="int8"`` quantizes ``x`` in blocks of 32 and multiplies with integer dot products
-    (``quantize_inputs``; ``K`` a multiple of 32), ``"float32"`` multiplies ``x`` as it is."""
-    n, k = weight.q.shape if isinstance(weight, Int8Weight) else (weight.d.shape[0], weight.qs.shape[1] * 2)
-    if x.dtype != torch.float32 or x.shape[-1] != k:
-        raise ValueError(f"quantized linear takes float32 inputs of width {k}, got {x.dtype} {tuple(x.shape)}")
-    if inputs not in INPUT_MODES or (inputs == "int8" and k % BLOCK):
-        raise ValueError(f"quantized linear: inputs must be one of {list(INPUT_MODES)} (int8 needs a width "
-                         f"divisible by {BLOCK}), got {inputs!r} at width {k}")
-    flat = x.reshape(-1, k).contiguous()
-    out = torch.empty(flat.shape[0], n, dtype=torch.float32)
-    bias_arg = None
-    if bias is not None:
-        bias = bias.detach().float().contiguous()
-        bias_arg = bias.data_ptr()
-    lib, rows, threads = load_kernel(), flat.shape[0], torch.get_num_threads()
-    quantize = inputs == "int8"
-    if isinstance(weight, Int8Weight):
-        run = lib.linear_int8_q8 if quantize else lib.linear_int8_f32
-        failed = run(flat.data_ptr(), weight.q.data_ptr(), weight.scale.data_ptr(), bias_arg, out.data_ptr(),
-                     rows, n, k, weight.group, threads)
-    else:
-        run = lib.linear_q4_1_q8 if quantize else lib.linear_q4_1_f32
-        failed = run(flat.data_ptr(), weight.qs.data_ptr(), weight.d.data_ptr(), weight.m.data_ptr(), bias_arg,
-                     out.data_ptr(), rows, n, k, threads)
-    if failed:
-        raise MemoryError("plugins.cpu quantized linear: the kernel could not allocate its row buffer")
-    return out.view(*x.shape[:-1], n)
+    """``QuantizedLinear(weight, inputs)(x, bias)``: one call, for callers without a kept layer."""
+    return QuantizedLinear(weight, inputs)(x, bias)
 
 
 @dataclass
 class _Entry:
     weight: torch.Tensor  # the rounded float32 weight (kept: its address keys the entry)
     version: int
-    quantized: Int8Weight | Q41Weight
+    layer: QuantizedLinear
 
 
 class QuantizedGemmBackend:
@@ -227,7 +243,7 @@ class QuantizedGemmBackend:
         rounded = quantized.dequantize().t().contiguous().t()
         if self.dense is not None:
             rounded = self.dense.prepare_weight(rounded)
-        self._entries[self._key(rounded)] = _Entry(rounded, rounded._version, quantized)
+        self._entries[self._key(rounded)] = _Entry(rounded, rounded._version, QuantizedLinear(quantized, self.inputs))
         return rounded
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -238,9 +254,9 @@ class QuantizedGemmBackend:
         if rows >= self.dense_rows:  # many rows: the multiply dominates
             return F.linear(x, weight, bias) if self.dense is None else self.dense.linear(x, weight, bias)
         if entry.version != weight._version:  # written in place since: quantize the new values
-            entry = _Entry(entry.weight, weight._version, self.quantize(weight))
+            entry = _Entry(entry.weight, weight._version, QuantizedLinear(self.quantize(weight), self.inputs))
             self._entries[self._key(weight)] = entry
-        return quantized_linear(x, entry.quantized, bias, self.inputs)
+        return entry.layer(x, bias)
 
     @staticmethod
     def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

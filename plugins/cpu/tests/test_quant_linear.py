@@ -14,6 +14,7 @@ from deepinfer_cpu.quant_linear import (
     Int8Weight,
     Q41Weight,
     QuantizedGemmBackend,
+    QuantizedLinear,
     quantize_inputs,
     quantize_int8,
     quantize_q4_1,
@@ -173,21 +174,18 @@ def test_engine_sends_every_gemm_through_the_int8_input_kernel(tmp_path: Path, f
     decode rounds its inputs, and each call equals the float64 model of that rounding on its own inputs. (The
     logits are not compared with transformers rounding its inputs too: a 1e-6 difference upstream flips an
     input code, which a tiny random model amplifies; the weight-only test above checks the model.)"""
-    import deepinfer_cpu.quant_linear as module
-
     calls = []
-    kernel = module.quantized_linear
+    kernel = QuantizedLinear.__call__
 
-    def spy(x: torch.Tensor, quantized: Int8Weight | Q41Weight, bias: torch.Tensor | None = None,
-            inputs: str = "float32") -> torch.Tensor:
-        out = kernel(x, quantized, bias, inputs)
+    def spy(layer: QuantizedLinear, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = kernel(layer, x, bias)
         flat = x.reshape(-1, x.shape[-1])
-        ref = _int8_input_product(flat, quantized)
-        calls.append((inputs, flat.shape[0], (out.reshape(ref.shape).double() - ref).abs().max().item()
+        ref = _int8_input_product(flat, layer.weight)
+        calls.append((layer.inputs, flat.shape[0], (out.reshape(ref.shape).double() - ref).abs().max().item()
                       / ref.abs().max().item()))
         return out
 
-    monkeypatch.setattr(module, "quantized_linear", spy)
+    monkeypatch.setattr(QuantizedLinear, "__call__", spy)
     _, folder = save_tiny("llama", tmp_path / "llama", 0, vocab_size=320)
     llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, quantization=fmt,
               plugins={"cpu": {"enabled": True, "quant_dense_rows": 1 << 30}})

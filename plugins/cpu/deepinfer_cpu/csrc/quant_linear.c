@@ -20,8 +20,11 @@
  * each block of 32 inputs becomes int8 codes a with a float32 step s = max|x| / 127 (x ~ s a), and a weight
  * block's contribution is its step(s) times an integer dot product: q4_1 d s (q . a) + m sum(x) (the block's
  * exact float32 input sum for the minimum's term), int8 scale s (q . a). With AVX512-VNNI (vpdpbusd) a
- * block's 32 products are one instruction; without it, a plain integer loop. The products and their int32
- * sums are exact, so these differ from the float32 path only by the input rounding.
+ * block's 32 products are one instruction; without it, a plain integer loop. For q4_1 under VNNI the codes
+ * of each full pair of input blocks are stored interleaved, [first's 0..15, second's 0..15, first's 16..31,
+ * second's 16..31]: the order in which the pair's 32 packed weight bytes unpack into low and high nibbles,
+ * so a pair takes one weight load and two products. The products and their int32 sums are exact, so these
+ * differ from the float32 path only by the input rounding.
  */
 #include <math.h>
 #include <stdint.h>
@@ -215,9 +218,11 @@ int linear_q4_1_f32(const float *x, const uint8_t *qs, const _Float16 *d, const 
 
 /* ---------------------------------------------------------------- quantized inputs (the *_q8 entry points) */
 
-/* Row x [K] as blocks of 32 int8 codes: a [K], steps s [K / 32], exact float sums xsum [K / 32]. */
-static void quantize_input_row(const float *x, int64_t K, int8_t *a, float *s, float *xsum) {
-    for (int64_t b = 0; b < K / 32; ++b) {
+/* Row x [K] as blocks of 32 int8 codes: a [K], steps s [K / 32], exact float sums xsum [K / 32]; with
+ * interleave each full pair of blocks in the header comment's order. */
+static void quantize_input_row(const float *x, int64_t K, int8_t *a, float *s, float *xsum, int interleave) {
+    const int64_t blocks = K / 32;
+    for (int64_t b = 0; b < blocks; ++b) {
         const float *xb = x + 32 * b;
         float amax = 0.0f, total = 0.0f;
         for (int j = 0; j < 32; ++j) {
@@ -225,7 +230,11 @@ static void quantize_input_row(const float *x, int64_t K, int8_t *a, float *s, f
             total += xb[j];
         }
         const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int j = 0; j < 32; ++j) a[32 * b + j] = (int8_t)lrintf(xb[j] * inv);
+        const int paired = interleave && (b | 1) < blocks, second = (int)(b & 1);
+        for (int j = 0; j < 32; ++j) {
+            const int64_t at = paired ? 32 * (b - second) + 32 * (j >= 16) + 16 * second + (j & 15) : 32 * b + j;
+            a[at] = (int8_t)lrintf(xb[j] * inv);
+        }
         s[b] = step;
         xsum[b] = total;
     }
@@ -252,7 +261,9 @@ static float row_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *m
                          const float *xsum, int64_t blocks) {
     float low = 0.0f;
 #ifdef VNNI
-    /* eight blocks at a time: their steps d s and minimum terms m xsum as vectors, then two chains of blocks */
+    /* eight blocks at a time: their steps d s and minimum terms m xsum as vectors, then pairs of blocks in
+     * two chains */
+    const __m256i nibbles = _mm256_set1_epi8(15);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, lows = _mm256_setzero_ps();
     float steps[8];
     for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
@@ -262,10 +273,22 @@ static float row_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *m
                                               _mm256_maskz_loadu_ps(mask, s + b0)));
         lows = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, mn + b0)),
                                _mm256_maskz_loadu_ps(mask, xsum + b0), lows);
-        for (int j = 0; j < count; ++j) {
+        int j = 0;
+        for (; j + 1 < count; j += 2) { /* a pair: lanes 0..3 sum the first block, 4..7 the second */
             const int64_t b = b0 + j;
-            acc[j & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q4_q8(qs + 16 * b, a + 32 * b)),
-                                         _mm256_broadcast_ss(steps + j), acc[j & 1]);
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 16 * b));
+            const __m256i low_codes = _mm256_and_si256(packed, nibbles);
+            const __m256i high_codes = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibbles);
+            const __m256i dots = _mm256_dpbusd_epi32(
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), low_codes, _mm256_loadu_si256((const __m256i *)(a + 32 * b))),
+                high_codes, _mm256_loadu_si256((const __m256i *)(a + 32 * b + 32)));
+            const __m256 pair_steps = _mm256_set_m128(_mm_broadcast_ss(steps + j + 1), _mm_broadcast_ss(steps + j));
+            acc[(j >> 1) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), pair_steps, acc[(j >> 1) & 1]);
+        }
+        if (j < count) { /* the row's odd last block, its codes in natural order */
+            const int64_t b = b0 + j;
+            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q4_q8(qs + 16 * b, a + 32 * b)),
+                                     _mm256_broadcast_ss(steps + j), acc[0]);
         }
     }
     return sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), lows)) + low;
@@ -319,7 +342,13 @@ static int linear_q8(const float *x, const Weights *wt, const float *bias, float
         free(a), free(s), free(xsum);
         return 1;
     }
-    for (int64_t m = 0; m < M; ++m) quantize_input_row(x + m * K, K, a + m * K, s + m * blocks, xsum + m * blocks);
+#ifdef VNNI
+    const int interleave = wt->format == Q4_1;
+#else
+    const int interleave = 0;
+#endif
+    for (int64_t m = 0; m < M; ++m)
+        quantize_input_row(x + m * K, K, a + m * K, s + m * blocks, xsum + m * blocks, interleave);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; ++n) {
         for (int64_t m = 0; m < M; ++m) {
