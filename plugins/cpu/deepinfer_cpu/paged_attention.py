@@ -56,6 +56,15 @@ def _paged_attention_f32() -> ctypes._CFuncPtr:
     return load_kernel().paged_attention_f32
 
 
+def _contiguous(t: torch.Tensor) -> torch.Tensor:
+    # checked first: a call per layer each (a decode step pays per torch op, issue 36)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_starts: torch.Tensor, *, scale: float, window: int = 0,
                     floors: torch.Tensor | None = None,
@@ -67,21 +76,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Returns ``[T, Hq, D]``."""
     assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    q = q.contiguous()
-    tables = block_tables.to(torch.int64).contiguous()
-    lens = seq_lens.to(torch.int64).contiguous()
-    starts = query_starts.to(torch.int64).contiguous()
+    q = _contiguous(q)
+    tables, lens, starts = _int64(block_tables), _int64(seq_lens), _int64(query_starts)
     floor_arg = None
     if floors is not None:
-        floors = floors.to(torch.int64).contiguous()
+        floors = _int64(floors)
         floor_arg = floors.data_ptr()
     new_k = new_v = slots = None
     new_tokens = 0
     if new_kv is not None:
         new_k, new_v, slots = new_kv
         assert new_k.dtype == new_v.dtype == torch.float32
-        new_k, new_v = new_k.contiguous(), new_v.contiguous()
-        slots = slots.to(torch.int64).contiguous()
+        new_k, new_v, slots = _contiguous(new_k), _contiguous(new_v), _int64(slots)
         new_tokens = slots.shape[0]
     out = torch.empty_like(q)
     heads, dim = q.shape[1], q.shape[2]

@@ -19,6 +19,43 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+/* e^x for softmax weights (x <= 0), in plain C that vectorizes (glibc's expf does not without -ffast-math,
+ * and a decode step calls it for every score): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts),
+ * e^r by its degree-6 Taylor polynomial (relative error below 2e-7), times 2^n built in the exponent bits.
+ * Below -87 (e^x under float32's normal range; masked scores are -inf) it returns 0. */
+static inline float exp_nonpositive(float x) {
+    const float n = nearbyintf(x * 1.44269504088896341f);
+    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
+    float p = 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return x < -87.0f ? 0.0f : p * scale.f;
+}
+
+/* q . k over dim: 16-lane partial sums, then a tree (an OpenMP simd reduction over one short vector ends
+ * in 16 dependent scalar additions per dot, most of a decode step's attention time). */
+static inline float dot(const float *a, const float *b, int64_t dim) {
+#ifdef __AVX512F__
+    if (dim % 16 == 0) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+        return _mm512_reduce_add_ps(acc);
+    }
+#endif
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < dim; ++d) acc += a[d] * b[d];
+    return acc;
+}
 
 static int visible(int64_t j, int64_t p, int64_t window, int64_t floor_) {
     if (j > p) return 0;
@@ -72,15 +109,8 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
                 for (int64_t i = 0; i < m; ++i) {
                     const int seen = visible(j, first_pos + i, window, floor_);
                     const float *qi = q + ((starts[r] + i) * heads + h * group) * dim;
-                    for (int64_t g = 0; g < group; ++g) {
-                        float acc = 0.0f;
-                        if (seen) {
-                            const float *qg = qi + g * dim;
-#pragma omp simd reduction(+ : acc)
-                            for (int64_t d = 0; d < dim; ++d) acc += qg[d] * kj[d];
-                        }
-                        scores[(i * group + g) * n + (j - lo)] = seen ? acc * scale : -INFINITY;
-                    }
+                    for (int64_t g = 0; g < group; ++g)
+                        scores[(i * group + g) * n + (j - lo)] = seen ? dot(qi + g * dim, kj, dim) * scale : -INFINITY;
                 }
             }
         }
@@ -90,7 +120,7 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
             for (int64_t x = 0; x < n; ++x) top = s[x] > top ? s[x] : top;
 #pragma omp simd reduction(+ : total)
             for (int64_t x = 0; x < n; ++x) {
-                s[x] = expf(s[x] - top);
+                s[x] = exp_nonpositive(s[x] - top);
                 total += s[x];
             }
             sums[lane] = total;
