@@ -29,18 +29,20 @@ def compiler() -> str | None:
     return None
 
 
-def build_library(source: Path) -> ctypes.CDLL:
-    """``source`` compiled into the cache (once per source, flags and compiler) and loaded."""
+def build_library(source: Path, march: str = "native") -> ctypes.CDLL:
+    """``source`` compiled into the cache (once per source, flags and compiler) and loaded. ``march`` other
+    than ``native`` (e.g. ``x86-64-v2``: no AVX-512) builds the kernels' portable paths, for tests."""
     cc = compiler()
     if cc is None:
         raise RuntimeError(f"plugins.cpu: the {source.name} kernel needs a C compiler (cc, gcc or clang)")
-    key = hashlib.sha256(source.read_bytes() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+    flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
+    key = hashlib.sha256(source.read_bytes() + " ".join((cc, *flags)).encode()).hexdigest()[:16]
     target = cache_dir() / "cpu_kernels" / f"{source.stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            run = subprocess.run([cc, *FLAGS, "-o", str(built), str(source), "-lm"], capture_output=True, text=True)
+            run = subprocess.run([cc, *flags, "-o", str(built), str(source), "-lm"], capture_output=True, text=True)
             if run.returncode != 0:
                 raise RuntimeError(f"plugins.cpu: building {source.name} with {cc} failed:\n{run.stderr.strip()}")
             os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes

@@ -50,9 +50,9 @@ INPUT_MODES = ("float32", "int8")  # what the quantized kernels multiply the wei
 
 
 @functools.cache
-def load_kernel() -> ctypes.CDLL:
-    """``csrc/quant_linear.c``, built into the cache on first use."""
-    lib = build_library(CSRC / "quant_linear.c")
+def load_kernel(march: str = "native") -> ctypes.CDLL:
+    """``csrc/quant_linear.c``, built into the cache on first use (``march``: ``cbuild.build_library``)."""
+    lib = build_library(CSRC / "quant_linear.c", march)
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.linear_int8_f32.restype = ctypes.c_int
     lib.linear_int8_f32.argtypes = [ptr] * 5 + [i64] * 4 + [ctypes.c_int]
@@ -146,8 +146,8 @@ class QuantizedLinear:
     multiplies ``x`` as it is. The kernel and the weight's pointers are chosen once: a decode step makes ~120
     of these calls, so a call does little more than allocate its output."""
 
-    def __init__(self, weight: Int8Weight | Q41Weight, inputs: str = "float32") -> None:
-        lib, q8 = load_kernel(), inputs == "int8"
+    def __init__(self, weight: Int8Weight | Q41Weight, inputs: str = "float32", *, march: str = "native") -> None:
+        lib, q8 = load_kernel(march), inputs == "int8"
         if isinstance(weight, Int8Weight):
             n, k = weight.q.shape
             run, operands = lib.linear_int8_q8 if q8 else lib.linear_int8_f32, (weight.q, weight.scale)

@@ -65,18 +65,20 @@ def _int8_input_product(x: torch.Tensor, quantized: Int8Weight | Q41Weight) -> t
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
 @pytest.mark.parametrize("rows", [1, 5])
-def test_int8_inputs_kernel_equals_a_float64_product_of_the_rounded_inputs(fmt: str, rows: int) -> None:
-    weight = _randn(70, 160, seed=rows) * 0.1  # 5 blocks of 32: an odd count
+# native: the AVX512-VNNI path where this CPU has it; x86-64-v2: the portable one
+@pytest.mark.parametrize("march", ["native", "x86-64-v2"])
+def test_int8_inputs_kernel_equals_a_float64_product_of_the_rounded_inputs(fmt: str, rows: int, march: str) -> None:
+    weight = _randn(70, 1120, seed=rows) * 0.1  # 35 blocks of 32: an odd count, past a chunk of 8 or 16
     quantized = _quantized(fmt, weight)
-    x = _randn(rows, 160, seed=200 + rows)
+    x = _randn(rows, 1120, seed=200 + rows)
     x[0, :32] = 0.0  # an all-zero block has step 0
     bias = _randn(70, seed=11)
-    got = quantized_linear(x, quantized, bias, inputs="int8")
+    got = QuantizedLinear(quantized, "int8", march=march)(x, bias)
     ref = _int8_input_product(x, quantized) + bias.double()
     assert (got.double() - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     # the inputs' rounding is the only loss: within a step of the codes of the float32-input product
     exact = quantized_linear(x, quantized, bias)
-    bound = (x.abs().view(rows, 5, 32).amax(-1) / 254).repeat_interleave(32, dim=1) @ quantized.dequantize().abs().t()
+    bound = (x.abs().view(rows, 35, 32).amax(-1) / 254).repeat_interleave(32, dim=1) @ quantized.dequantize().abs().t()
     assert ((got - exact).abs() <= bound + 1e-5).all()
     with pytest.raises(ValueError, match="inputs must be one of"):
         quantized_linear(x, quantized, inputs="int4")

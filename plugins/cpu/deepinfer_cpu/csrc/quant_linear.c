@@ -224,17 +224,31 @@ static void quantize_input_row(const float *x, int64_t K, int8_t *a, float *s, f
     const int64_t blocks = K / 32;
     for (int64_t b = 0; b < blocks; ++b) {
         const float *xb = x + 32 * b;
+        /* where the block's codes 0..15 and 16..31 go (interleaved pairs: the header comment's order) */
+        const int paired = interleave && (b | 1) < blocks, second = (int)(b & 1);
+        int8_t *first_half = a + (paired ? 32 * (b - second) + 16 * second : 32 * b);
+        int8_t *second_half = first_half + (paired ? 32 : 16);
+#ifdef VNNI
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const float total = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        /* round to nearest even, as lrintf in the default rounding mode */
+        _mm_storeu_si128((__m128i *)first_half, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)))));
+        _mm_storeu_si128((__m128i *)second_half, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)))));
+#else
         float amax = 0.0f, total = 0.0f;
         for (int j = 0; j < 32; ++j) {
             amax = fmaxf(amax, fabsf(xb[j]));
             total += xb[j];
         }
-        const float step = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const int paired = interleave && (b | 1) < blocks, second = (int)(b & 1);
-        for (int j = 0; j < 32; ++j) {
-            const int64_t at = paired ? 32 * (b - second) + 32 * (j >= 16) + 16 * second + (j & 15) : 32 * b + j;
-            a[at] = (int8_t)lrintf(xb[j] * inv);
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int j = 0; j < 16; ++j) {
+            first_half[j] = (int8_t)lrintf(xb[j] * inv);
+            second_half[j] = (int8_t)lrintf(xb[j + 16] * inv);
         }
+#endif
+        const float step = amax / 127.0f;
         s[b] = step;
         xsum[b] = total;
     }
