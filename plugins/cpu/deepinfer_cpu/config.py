@@ -18,10 +18,11 @@ class CPUConfig(BaseModel):
         "step) keep torch's matrix-vector product, which streams the plain weight at full bandwidth"))
     pack_rows: int = Field(16, ge=1, description=(
         "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))
-    quant_dense_rows: int = Field(2, ge=1, description=(
+    quant_dense_rows: int = Field(8, ge=1, description=(
         "under model.quantization, calls with at least this many rows run oneDNN's float32 GEMM on the weights "
-        "rounded to the format; fewer rows (a batch-1 decode step) run the quantized kernel, which on this "
-        "project's 2-core AVX-512 VM lost to oneDNN from 8 rows on (docs/benchmarks.md)"))
+        "rounded to the format; fewer rows (decode steps of a few requests, a request's verification rows) run "
+        "the quantized kernel, which on this project's 2-core AVX-512 VM beat oneDNN up to 4 rows and lost from "
+        "8 on (docs/benchmarks.md)"))
     quant_inputs: Literal["int8", "float32"] = Field("int8", description=(
         "under model.quantization, what the quantized kernel multiplies the weights with: int8 quantizes each "
         "block of 32 inputs (step max|x| / 127) and runs integer dot products, as llama.cpp does for its Q4_1 / "

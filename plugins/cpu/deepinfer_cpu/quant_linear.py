@@ -1,9 +1,13 @@
-"""``cpu_int8`` / ``cpu_q4_1``: weight-only quantized GEMMs (op ``linear``) for ``model.quantization``.
+"""``cpu_int8`` / ``cpu_q4_1``: quantized GEMMs (op ``linear``) for ``model.quantization``.
 
 A decode step of a small model on CPU streams every GEMM weight once per step: SmolLM2-135M reads 540 MB of
 float32 weights per token, so batch-1 decode runs at memory speed. These backends keep each weight the model
-lists in ``gemm_weights`` quantized (``csrc/quant_linear.c`` reads it and expands it to float32 in cache, four
-output rows at a time, for every input row of the call):
+lists in ``gemm_weights`` quantized and multiply it in ``csrc/quant_linear.c``, with the inputs as
+``plugins.cpu.quant_inputs`` says: ``int8`` (the default) rounds each block of 32 inputs of a row to int8
+codes of step ``max|x| / 127`` and takes integer dot products against the weight's codes (AVX512-VNNI where
+the CPU has it), as llama.cpp multiplies its Q4_1 / Q8_0 weights; ``float32`` (weight-only quantization)
+converts the weights to float32 in registers (one row) or in cache, four output rows at a time (several).
+The formats:
 
 * ``int8`` (backend ``cpu_int8``): symmetric int8 with one float32 scale per output row,
   ``scale = max|w_row| / 127`` — a quarter of the float32 bytes.
@@ -20,11 +24,13 @@ output rows at a time, for every input row of the call):
 
 ``prepare_weight`` returns the weight *rounded to its format* (its float32 values after quantization), so
 every other reader of the parameter — the embedding lookup of a tied LM head, calls that take torch's path —
-sees the same model the kernel computes with. Calls with at least ``dense_rows`` rows run oneDNN's float32
-GEMM on those rounded values, packed once (the ``onednn`` backend; torch's ``F.linear`` without oneDNN): there
-the multiply, not the weight stream, dominates, and oneDNN's register-blocked GEMM outruns this kernel's
-expand-and-dot loop (docs/benchmarks.md). The float32 copy stays in memory beside the quantized one (the tied
-embedding table needs it), so these backends save memory bandwidth per step, not memory.
+sees the same model the kernel computes with. Calls with at least ``dense_rows`` rows (8) run oneDNN's
+float32 GEMM on those rounded values, packed once (the ``onednn`` backend; torch's ``F.linear`` without
+oneDNN), with float32 inputs: there the multiply, not the weight stream, dominates, and oneDNN's
+register-blocked GEMM outruns this kernel's loops (docs/benchmarks.md). So under ``quant_inputs=int8`` a
+prefill computes with float32 inputs and decode steps of fewer rows with int8 inputs. The float32 copy
+stays in memory beside the quantized one (the tied embedding table needs it), so these backends save memory
+bandwidth per step, not memory.
 
 Weights are keyed like ``onednn``'s packed copies (storage address, shape, strides, with a reference held); an
 in-place write to a weight re-quantizes it on the next call. A tensor that was never prepared (a temporary, or
@@ -202,7 +208,7 @@ class QuantizedGemmBackend:
 
     priority = 20  # above onednn (10): under model.quantization the quantizing backend is the one that fits
 
-    def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 2,
+    def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 8,
                  inputs: str = "int8") -> None:
         if fmt not in FORMATS:
             raise ValueError(f"model.quantization: no CPU kernel for {fmt!r}; choose one of {list(FORMATS)}")
