@@ -83,7 +83,7 @@ def stub_kernels() -> None:
     def noop(*args):
         return 0
     gemv._gemv_f32 = lambda: noop
-    attention._paged_attention_f32 = lambda: noop
+    attention._paged_attention = lambda: noop
 
 
 def main() -> None:

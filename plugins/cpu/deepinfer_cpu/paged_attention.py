@@ -12,7 +12,8 @@ Steps whose every request has at most ``MAX_QUERY_ROWS`` query rows take the ker
 speculative verification rows (1 + drafts), short prompt chunks, in any mix. A step with a longer chunk
 goes whole to the core's ``TorchAttentionBackend`` (long prefill is GEMM-bound; its attention is the
 reference's causal SDPA). The kernel equals the reference within float32 rounding (the order of the
-sums). float32 models and plain caches only (its capabilities): a bf16 or FP8-cache run keeps the core's
+sums). float32 and bfloat16 models with plain caches (its capabilities; a bf16 cache is read as float32,
+queries and sums are float32, the output is rounded to bf16 once); an FP8-cache run keeps the core's
 backend.
 
 The kernel is compiled on first use with the system C compiler (``FLAGS``) into ``<deepinfer
@@ -45,15 +46,15 @@ def load_kernel() -> ctypes.CDLL:
     """The compiled kernel library, built into the cache on first use."""
     lib = build_library(SOURCE)
     i64, f32 = ctypes.c_int64, ctypes.c_float
-    lib.paged_attention_f32.restype = ctypes.c_int
-    lib.paged_attention_f32.argtypes = ([ctypes.c_void_p] * 8 + [i64] * 7 + [f32, ctypes.c_int]
-                                        + [ctypes.c_void_p] * 3 + [i64])
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = ([ctypes.c_void_p] * 8 + [i64] * 7 + [f32, ctypes.c_int]
+                                    + [ctypes.c_void_p] * 3 + [i64, ctypes.c_int])
     return lib
 
 
 @functools.cache
-def _paged_attention_f32() -> ctypes._CFuncPtr:
-    return load_kernel().paged_attention_f32
+def _paged_attention() -> ctypes._CFuncPtr:
+    return load_kernel().paged_attention
 
 
 def _contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -71,12 +72,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``q [T, Hq, D]``: request r's rows ``query_starts[r] : query_starts[r + 1]`` are its last tokens (its
     keys up to ``seq_lens[r]`` already in the cache), against the paged ``k_cache, v_cache [blocks,
-    block_size, Hkv, D]``; float32, every tensor on the CPU. ``new_kv = (k, v [T, Hkv, D], slot_mapping
-    [T])``: the step's keys and values, stored at their flat cache slots first (in the same C call).
-    Returns ``[T, Hq, D]``."""
-    assert q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    block_size, Hkv, D]``; every tensor on the CPU, the caches float32 or bfloat16, ``q`` float32 or the
+    caches' dtype (the kernel computes in float32). ``new_kv = (k, v [T, Hkv, D], slot_mapping [T])``: the
+    step's keys and values (the caches' dtype), stored at their flat cache slots first (in the same C call).
+    Returns ``[T, Hq, D]`` in ``q``'s dtype."""
+    assert k_cache.dtype == v_cache.dtype and k_cache.dtype in (torch.float32, torch.bfloat16)
+    assert q.dtype in (torch.float32, k_cache.dtype)
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
-    q = _contiguous(q)
+    out_dtype = q.dtype
+    q = _contiguous(q.float())
     tables, lens, starts = _int64(block_tables), _int64(seq_lens), _int64(query_starts)
     floor_arg = None
     if floors is not None:
@@ -86,19 +90,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     new_tokens = 0
     if new_kv is not None:
         new_k, new_v, slots = new_kv
-        assert new_k.dtype == new_v.dtype == torch.float32
+        assert new_k.dtype == new_v.dtype == k_cache.dtype
         new_k, new_v, slots = _contiguous(new_k), _contiguous(new_v), _int64(slots)
         new_tokens = slots.shape[0]
     out = torch.empty_like(q)
     heads, dim = q.shape[1], q.shape[2]
-    failed = _paged_attention_f32()(
+    failed = _paged_attention()(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), lens.data_ptr(), starts.data_ptr(),
         floor_arg, out.data_ptr(), lens.shape[0], heads, k_cache.shape[2], dim, k_cache.shape[1], tables.shape[1],
         window, scale, torch.get_num_threads(), None if new_k is None else new_k.data_ptr(),
-        None if new_v is None else new_v.data_ptr(), None if slots is None else slots.data_ptr(), new_tokens)
+        None if new_v is None else new_v.data_ptr(), None if slots is None else slots.data_ptr(), new_tokens,
+        int(k_cache.dtype == torch.bfloat16))
     if failed:
         raise MemoryError("cpu_paged attention: the kernel could not allocate its score buffer")
-    return out
+    return out.to(out_dtype)
 
 
 class CPUPagedAttentionBackend:
@@ -108,7 +113,8 @@ class CPUPagedAttentionBackend:
     name = "cpu_paged"
     priority = 10  # above the core's torch backend (0) on CPU runs with the plugin enabled
     ops = frozenset({"paged_attention"})
-    capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}), varlen=True)
+    capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32, torch.bfloat16}),
+                                       varlen=True)
 
     def __init__(self) -> None:
         self.reference = TorchAttentionBackend()

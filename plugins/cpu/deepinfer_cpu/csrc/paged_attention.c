@@ -1,5 +1,7 @@
-/* Paged attention for short query rows on the CPU, float32 (deepinfer_cpu/paged_attention.py loads it
- * through ctypes): decode rows, speculative verification rows, short prompt chunks.
+/* Paged attention for short query rows on the CPU (deepinfer_cpu/paged_attention.py loads it through
+ * ctypes): decode rows, speculative verification rows, short prompt chunks. Queries, outputs and all sums
+ * are float32; the cache (and the step's new keys and values) holds float32 or, with bf16 set, bfloat16
+ * elements (converted exactly to float32 where they are read).
  *
  * Request r owns query rows [starts[r], starts[r + 1]): its last m tokens, at positions len - m .. len - 1
  * (len = seq_lens[r], their keys already written to the cache). Each (request, KV head) task reads that
@@ -11,7 +13,8 @@
  * kv_heads, dim]; tables [requests, table_width] (block ids); seq_lens [requests]; starts [requests + 1];
  * floors [requests] or NULL. When new_k is not NULL, the step's own keys and values (new_k, new_v [new_tokens,
  * kv_heads, dim], contiguous) are first stored at their flat cache slots (slots [new_tokens]), so a decode step
- * writes its cache and attends in one call (the core's write_kv is two index_copy_ calls per layer). Visible keys of a query at position p: j <= p; with window > 0 also
+ * writes its cache and attends in one call (the core's write_kv is two index_copy_ calls per layer). Visible
+ * keys of a query at position p: j <= p; with window > 0 also
  * j > p - window and (j >= floor or j == p), the core's rule (deepinfer/model/layers/reference.py, _visible).
  * Returns 0, or 1 when a score buffer could not be allocated.
  */
@@ -41,20 +44,50 @@ static inline float exp_nonpositive(float x) {
     return x < -87.0f ? 0.0f : p * scale.f;
 }
 
-/* q . k over dim: 16-lane partial sums, then a tree (an OpenMP simd reduction over one short vector ends
- * in 16 dependent scalar additions per dot, most of a decode step's attention time). */
-static inline float dot(const float *a, const float *b, int64_t dim) {
+static inline float bf16_to_float(uint16_t x) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)x << 16};
+    return v.f;
+}
+
+/* q . k over dim, k float32 or bfloat16: 16-lane partial sums, then a tree (an OpenMP simd reduction over
+ * one short vector ends in 16 dependent scalar additions per dot, most of a decode step's attention time). */
+static inline float dot(const float *a, const void *b, int64_t dim, int bf16) {
 #ifdef __AVX512F__
     if (dim % 16 == 0) {
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t d = 0; d < dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), acc);
+        for (int64_t d = 0; d < dim; d += 16) {
+            const __m512 kb = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)b + d))), 16))
+                                   : _mm512_loadu_ps((const float *)b + d);
+            acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), kb, acc);
+        }
         return _mm512_reduce_add_ps(acc);
     }
 #endif
     float acc = 0.0f;
+    if (bf16) {
+        const uint16_t *k = b;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < dim; ++d) acc += a[d] * b[d];
+        for (int64_t d = 0; d < dim; ++d) acc += a[d] * bf16_to_float(k[d]);
+    } else {
+        const float *k = b;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t d = 0; d < dim; ++d) acc += a[d] * k[d];
+    }
     return acc;
+}
+
+/* out += w v over dim, v float32 or bfloat16. */
+static inline void add_scaled(float *out, float w, const void *v, int64_t dim, int bf16) {
+    if (bf16) {
+        const uint16_t *x = v;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) out[d] += w * bf16_to_float(x[d]);
+    } else {
+        const float *x = v;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) out[d] += w * x[d];
+    }
 }
 
 static int visible(int64_t j, int64_t p, int64_t window, int64_t floor_) {
@@ -72,19 +105,20 @@ static int64_t block_span(const int64_t *table, int64_t blk, int64_t lo, int64_t
     return (table[blk] * block_size + (*begin - blk * block_size)) * row + h * dim;
 }
 
-int paged_attention_f32(const float *q, const float *k_cache, const float *v_cache, const int64_t *tables,
-                        const int64_t *seq_lens, const int64_t *starts, const int64_t *floors, float *out,
-                        int64_t requests, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                        int64_t table_width, int64_t window, float scale, int threads, const float *new_k,
-                        const float *new_v, const int64_t *slots, int64_t new_tokens) {
+int paged_attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
+                    const int64_t *seq_lens, const int64_t *starts, const int64_t *floors, float *out,
+                    int64_t requests, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
+                    int64_t table_width, int64_t window, float scale, int threads, const void *new_k,
+                    const void *new_v, const int64_t *slots, int64_t new_tokens, int bf16) {
     const int64_t group = heads / kv_heads;
     const int64_t row = kv_heads * dim; /* one cache position: every KV head's vector */
+    const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
+    const char *keys = k_cache, *values = v_cache;
     int failed = 0;
     if (new_k != NULL) {
-        float *kc = (float *)k_cache, *vc = (float *)v_cache;
         for (int64_t t = 0; t < new_tokens; ++t) {
-            memcpy(kc + slots[t] * row, new_k + t * row, sizeof(float) * (size_t)row);
-            memcpy(vc + slots[t] * row, new_v + t * row, sizeof(float) * (size_t)row);
+            memcpy((char *)k_cache + slots[t] * row * element, (const char *)new_k + t * row * element, element * (size_t)row);
+            memcpy((char *)v_cache + slots[t] * row * element, (const char *)new_v + t * row * element, element * (size_t)row);
         }
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -104,13 +138,13 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
         /* Scores, block by block (one table lookup per block). */
         for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
             int64_t begin, end;
-            const float *kj = k_cache + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end);
-            for (int64_t j = begin; j < end; ++j, kj += row) {
+            const char *kj = keys + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element;
+            for (int64_t j = begin; j < end; ++j, kj += row * element) {
                 for (int64_t i = 0; i < m; ++i) {
                     const int seen = visible(j, first_pos + i, window, floor_);
                     const float *qi = q + ((starts[r] + i) * heads + h * group) * dim;
                     for (int64_t g = 0; g < group; ++g)
-                        scores[(i * group + g) * n + (j - lo)] = seen ? dot(qi + g * dim, kj, dim) * scale : -INFINITY;
+                        scores[(i * group + g) * n + (j - lo)] = seen ? dot(qi + g * dim, kj, dim, bf16) * scale : -INFINITY;
                 }
             }
         }
@@ -130,16 +164,14 @@ int paged_attention_f32(const float *q, const float *k_cache, const float *v_cac
                                                sizeof(float) * (size_t)(group * dim));
         for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
             int64_t begin, end;
-            const float *vj = v_cache + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end);
-            for (int64_t j = begin; j < end; ++j, vj += row) {
+            const char *vj = values + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element;
+            for (int64_t j = begin; j < end; ++j, vj += row * element) {
                 for (int64_t i = 0; i < m; ++i) {
                     float *oi = out + ((starts[r] + i) * heads + h * group) * dim;
                     for (int64_t g = 0; g < group; ++g) {
                         const float w = scores[(i * group + g) * n + (j - lo)];
                         if (w == 0.0f) continue; /* masked (or vanishing) */
-                        float *og = oi + g * dim;
-#pragma omp simd
-                        for (int64_t d = 0; d < dim; ++d) og[d] += w * vj[d];
+                        add_scaled(oi + g * dim, w, vj, dim, bf16);
                     }
                 }
             }
