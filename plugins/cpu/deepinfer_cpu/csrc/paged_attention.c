@@ -56,8 +56,8 @@ static inline float dot(const float *a, const void *b, int64_t dim, int bf16) {
     if (dim % 16 == 0) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t d = 0; d < dim; d += 16) {
-            const __m512 kb = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)b + d))), 16))
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)b + d));
+            const __m512 kb = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))
                                    : _mm512_loadu_ps((const float *)b + d);
             acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), kb, acc);
         }
@@ -117,8 +117,9 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
     int failed = 0;
     if (new_k != NULL) {
         for (int64_t t = 0; t < new_tokens; ++t) {
-            memcpy((char *)k_cache + slots[t] * row * element, (const char *)new_k + t * row * element, element * (size_t)row);
-            memcpy((char *)v_cache + slots[t] * row * element, (const char *)new_v + t * row * element, element * (size_t)row);
+            const size_t to = (size_t)(slots[t] * row) * element, from = (size_t)(t * row) * element;
+            memcpy((char *)k_cache + to, (const char *)new_k + from, element * (size_t)row);
+            memcpy((char *)v_cache + to, (const char *)new_v + from, element * (size_t)row);
         }
     }
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -144,7 +145,8 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
                     const int seen = visible(j, first_pos + i, window, floor_);
                     const float *qi = q + ((starts[r] + i) * heads + h * group) * dim;
                     for (int64_t g = 0; g < group; ++g)
-                        scores[(i * group + g) * n + (j - lo)] = seen ? dot(qi + g * dim, kj, dim, bf16) * scale : -INFINITY;
+                        scores[(i * group + g) * n + (j - lo)] =
+                            seen ? dot(qi + g * dim, kj, dim, bf16) * scale : -INFINITY;
                 }
             }
         }

@@ -234,8 +234,9 @@ static void quantize_input_row(const float *x, int64_t K, int8_t *a, float *s, f
         const float total = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         /* round to nearest even, as lrintf in the default rounding mode */
-        _mm_storeu_si128((__m128i *)first_half, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(inv)))));
-        _mm_storeu_si128((__m128i *)second_half, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(inv)))));
+        const __m512 scale = _mm512_set1_ps(inv);
+        _mm_storeu_si128((__m128i *)first_half, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, scale))));
+        _mm_storeu_si128((__m128i *)second_half, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, scale))));
 #else
         float amax = 0.0f, total = 0.0f;
         for (int j = 0; j < 32; ++j) {
@@ -293,9 +294,10 @@ static float row_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *m
             const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 16 * b));
             const __m256i low_codes = _mm256_and_si256(packed, nibbles);
             const __m256i high_codes = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibbles);
+            const __m256i first = _mm256_loadu_si256((const __m256i *)(a + 32 * b));
+            const __m256i second = _mm256_loadu_si256((const __m256i *)(a + 32 * b + 32));
             const __m256i dots = _mm256_dpbusd_epi32(
-                _mm256_dpbusd_epi32(_mm256_setzero_si256(), low_codes, _mm256_loadu_si256((const __m256i *)(a + 32 * b))),
-                high_codes, _mm256_loadu_si256((const __m256i *)(a + 32 * b + 32)));
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), low_codes, first), high_codes, second);
             const __m256 pair_steps = _mm256_set_m128(_mm_broadcast_ss(steps + j + 1), _mm_broadcast_ss(steps + j));
             acc[(j >> 1) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), pair_steps, acc[(j >> 1) & 1]);
         }
