@@ -1,9 +1,9 @@
-"""A batch-1 decode step's projections: one input row times a row-major float32 weight (``csrc/gemv.c``).
+"""A batch-1 decode step's projections: one input row times a row-major float32 or bfloat16 weight (``csrc/gemv.c``).
 
 torch's matrix-vector product streams SmolLM2's weights at 11–25 GB/s on the 2-core VM (the row-major
 layout at ~14, the column-major one the ``onednn`` backend used to keep at 15–25); the kernel's eight
 weight streams with 32-lane sums reach 31–39 GB/s on every projection shape of that model
-(``docs/benchmarks.md``). ``OneDNNGemmBackend`` sends its one-row float32 calls here.
+(``docs/benchmarks.md``). ``OneDNNGemmBackend`` sends its one-row float32 and bfloat16 calls here.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ SOURCE = CSRC / "gemv.c"
 def load_kernel() -> ctypes.CDLL:
     """The compiled kernel library, built into the cache on first use."""
     lib = build_library(SOURCE)
-    lib.gemv_f32.restype = None
-    lib.gemv_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+    for name in ("gemv_f32", "gemv_bf16"):
+        getattr(lib, name).restype = None
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
     return lib
 
 
@@ -33,29 +34,37 @@ def _buildable() -> bool:
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv`` serves ``x @ weightᵀ``: one float32 row against a contiguous float32 weight, on a
-    machine that can build the kernel."""
-    return (x.dtype == weight.dtype == torch.float32 and weight.dim() == 2 and weight.is_contiguous()
-            and x.numel() == x.shape[-1] == weight.shape[1] and _buildable())
+    """Whether ``gemv`` serves ``x @ weightᵀ``: one row against a contiguous weight of the same dtype,
+    float32 or bfloat16, on a machine that can build the kernel."""
+    return (x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
+            and weight.is_contiguous() and x.numel() == x.shape[-1] == weight.shape[1] and _buildable())
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x [..., K]`` (one row) times ``weight [N, K]``ᵀ (+ ``bias [N]``) → ``[..., N]`` (``fits`` holds).
 
     A decode step makes ~120 of these calls, so the wrapper does the least it can (issue 36): a row that is
-    already contiguous is passed as it is, and the output is allocated in its final shape."""
+    already contiguous is passed as it is, and the output is allocated in its final shape. A bfloat16 call
+    sums in float32 (its row widened, each weight widened where it is loaded) and rounds the result to
+    bfloat16 once, as oneDNN's bf16 GEMM does."""
     n, k = weight.shape
-    if not x.is_contiguous():
+    bf16 = weight.dtype == torch.bfloat16
+    if bf16:
+        x = x.float()
+    elif not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
     bias_arg = None
     if bias is not None:
         bias = bias.contiguous().float()
         bias_arg = bias.data_ptr()
-    _gemv_f32()(x.data_ptr(), weight.data_ptr(), bias_arg, out.data_ptr(), n, k, torch.get_num_threads())
-    return out
+    kernel = _kernels()[bf16]
+    kernel(x.data_ptr(), weight.data_ptr(), bias_arg, out.data_ptr(), n, k, torch.get_num_threads())
+    return out.bfloat16() if bf16 else out
 
 
 @functools.cache
-def _gemv_f32() -> ctypes._CFuncPtr:
-    return load_kernel().gemv_f32
+def _kernels() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:
+    """The float32 and the bfloat16 kernel (indexed by ``bf16``)."""
+    lib = load_kernel()
+    return lib.gemv_f32, lib.gemv_bf16

@@ -22,11 +22,26 @@ def test_gemv_equals_a_float64_product(n: int, k: int, with_bias: bool) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize(("n", "k"), [(5, 7), (192, 576), (1537, 576)])
+def test_bfloat16_gemv_sums_the_bf16_values_in_float32(n: int, k: int) -> None:
+    """bf16 row and weight: the float64 product of their bf16 values, rounded to bf16 once."""
+    gen = torch.Generator().manual_seed(n * k)
+    x, w = torch.randn(1, k, generator=gen).bfloat16(), torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    assert fits(x, w)
+    got = gemv(x, w, bias)
+    want = x.double() @ w.double().t() + bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (1, n)
+    # one bf16 rounding of a float32 sum: within half a bf16 step (2^-8 relative) plus float32 noise
+    assert ((got.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-4).all()
+
+
 def test_what_gemv_does_not_serve() -> None:
     w = torch.randn(8, 16)
     assert not fits(torch.randn(2, 16), w)  # two rows
     assert not fits(torch.randn(1, 16), w.t().contiguous().t())  # column-major
-    assert not fits(torch.randn(1, 16).bfloat16(), w.bfloat16())
+    assert not fits(torch.randn(1, 16), w.bfloat16())  # mixed dtypes
+    assert not fits(torch.randn(1, 16).half(), w.half())
 
 
 @pytest.mark.skipif(not onednn_available(), reason="needs torch's oneDNN ops")
