@@ -322,6 +322,52 @@ static float row_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *m
 #endif
 }
 
+#ifdef VNNI
+#define ROW_GROUP 4
+/* One q4_1 weight row against count (<= ROW_GROUP) quantized input rows (codes K apart, steps and sums
+ * blocks apart): each pair of weight blocks is loaded and unpacked once for all of them. */
+static void rows_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const int8_t *a, const float *s,
+                         const float *xsum, int64_t blocks, int64_t K, int count, float *result) {
+    const __m256i nibbles = _mm256_set1_epi8(15);
+    __m256 acc[ROW_GROUP], lows[ROW_GROUP];
+    float steps[ROW_GROUP][8];
+    for (int r = 0; r < ROW_GROUP; ++r) acc[r] = lows[r] = _mm256_setzero_ps();
+    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
+        const int n = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
+        const __mmask8 mask = (__mmask8)((1u << n) - 1);
+        const __m256 weight_steps = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, d + b0));
+        const __m256 minima = _mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, mn + b0));
+        for (int r = 0; r < count; ++r) {
+            _mm256_storeu_ps(steps[r], _mm256_mul_ps(weight_steps, _mm256_maskz_loadu_ps(mask, s + r * blocks + b0)));
+            lows[r] = _mm256_fmadd_ps(minima, _mm256_maskz_loadu_ps(mask, xsum + r * blocks + b0), lows[r]);
+        }
+        int j = 0;
+        for (; j + 1 < n; j += 2) {
+            const int64_t b = b0 + j;
+            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 16 * b));
+            const __m256i low_codes = _mm256_and_si256(packed, nibbles);
+            const __m256i high_codes = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibbles);
+            for (int r = 0; r < count; ++r) {
+                const int8_t *ar = a + r * K + 32 * b;
+                const __m256i dots = _mm256_dpbusd_epi32(
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), low_codes, _mm256_loadu_si256((const __m256i *)ar)),
+                    high_codes, _mm256_loadu_si256((const __m256i *)(ar + 32)));
+                const __m256 pair_steps = _mm256_set_m128(_mm_broadcast_ss(steps[r] + j + 1),
+                                                          _mm_broadcast_ss(steps[r] + j));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), pair_steps, acc[r]);
+            }
+        }
+        if (j < n) { /* the rows' odd last block, codes in natural order */
+            const int64_t b = b0 + j;
+            for (int r = 0; r < count; ++r)
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q4_q8(qs + 16 * b, a + r * K + 32 * b)),
+                                         _mm256_broadcast_ss(steps[r] + j), acc[r]);
+        }
+    }
+    for (int r = 0; r < count; ++r) result[r] = sum_lanes(_mm256_add_ps(acc[r], lows[r]));
+}
+#endif
+
 /* One int8 weight row (a scale per group inputs, group a multiple of 32) against one quantized input row. */
 static float row_int8_q8(const int8_t *q, const float *scale, int64_t group, const int8_t *a, const float *s,
                          int64_t blocks) {
@@ -367,6 +413,18 @@ static int linear_q8(const float *x, const Weights *wt, const float *bias, float
         quantize_input_row(x + m * K, K, a + m * K, s + m * blocks, xsum + m * blocks, interleave);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; ++n) {
+#ifdef VNNI
+        if (wt->format == Q4_1 && M > 1) { /* groups of input rows share each weight block's unpacking */
+            for (int64_t m0 = 0; m0 < M; m0 += ROW_GROUP) {
+                const int count = M - m0 < ROW_GROUP ? (int)(M - m0) : ROW_GROUP;
+                float dots[ROW_GROUP];
+                rows_q4_1_q8(wt->qs + n * (K / 2), wt->d + n * blocks, wt->mn + n * blocks, a + m0 * K,
+                             s + m0 * blocks, xsum + m0 * blocks, blocks, K, count, dots);
+                for (int r = 0; r < count; ++r) out[(m0 + r) * N + n] = dots[r] + (bias ? bias[n] : 0.0f);
+            }
+            continue;
+        }
+#endif
         for (int64_t m = 0; m < M; ++m) {
             const int8_t *am = a + m * K;
             const float *sm = s + m * blocks;
