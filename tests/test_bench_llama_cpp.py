@@ -1,6 +1,6 @@
 """``deepinfer bench --baseline llama.cpp``'s glue, against a stand-in ``llama_cpp`` module: the peer script
-runs in another interpreter, requests one at a time, greedy, every token stamped; the float32 copy is made
-once through the library's quantize call; a missing or unusable peer is a clear error."""
+runs in another interpreter, requests one at a time, greedy, every token stamped; the float32 and bfloat16
+copies are made once through the library's quantize call; a missing or unusable peer is a clear error."""
 
 from __future__ import annotations
 
@@ -17,14 +17,16 @@ from deepinfer.bench.llama_cpp import peer_python, run_llama_cpp
 FAKE = '''
 __version__ = "0.0-fake"
 LLAMA_FTYPE_ALL_F32 = 0
+LLAMA_FTYPE_MOSTLY_BF16 = 32
 class _Params:
     ftype = 7
     allow_requantize = False
 def llama_model_quantize_default_params():
     return _Params()
 def llama_model_quantize(src, dst, params):
-    assert params.ftype == LLAMA_FTYPE_ALL_F32 and params.allow_requantize
-    open(dst.decode(), "wb").write(open(src.decode(), "rb").read() + b"f32")
+    assert params.allow_requantize
+    tag = {LLAMA_FTYPE_ALL_F32: b"f32", LLAMA_FTYPE_MOSTLY_BF16: b"bf16"}[params.ftype]
+    open(dst.decode(), "wb").write(open(src.decode(), "rb").read() + tag)
     return 0
 class Llama:
     def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):
@@ -34,6 +36,7 @@ class Llama:
     def generate(self, tokens, top_k, temp, repeat_penalty, reset):
         assert top_k == 1 and temp == 0.0 and repeat_penalty == 1.0
         last = tokens[-1] + (1000 if self.model_path.endswith(".f32.gguf") else 0)
+        last += 2000 if self.model_path.endswith(".bf16.gguf") else 0
         while True:  # never stops by itself: the caller takes what it asked for
             last = (last * 7 + 3) % 50000
             yield last
@@ -76,6 +79,9 @@ def test_the_peer_runs_each_request_alone_and_stamps_every_token(tmp_path: Path)
     assert f32["gguf"] == str(copy) and copy.read_bytes() == b"GGUFf32"
     assert f32_ids == [expected(p[-1] + 1000, m) for p, m in work]
     assert len({r.start for r in f32["_records"]}) == 3  # concurrency mode: each request's own start
+    bf16, bf16_ids = run_llama_cpp(python, gguf, work, threads=1, n_ctx=64, dtype="bfloat16", offline=True)
+    assert bf16["gguf"] == str(tmp_path / "model.bf16.gguf")
+    assert bf16_ids == [expected(p[-1] + 2000, m) for p, m in work]
 
 
 def test_a_missing_or_unusable_peer_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -87,5 +93,5 @@ def test_a_missing_or_unusable_peer_is_a_clear_error(tmp_path: Path, monkeypatch
             peer_python(sys.executable)
     monkeypatch.setenv("DEEPINFER_LLAMA_CPP_PYTHON", _fake_python(tmp_path))
     assert os.path.exists(peer_python(None))
-    with pytest.raises(ValueError, match="q4_1 or float32"):
+    with pytest.raises(ValueError, match="q4_1, float32, bfloat16"):
         run_llama_cpp(sys.executable, tmp_path / "x.gguf", [], threads=1, n_ctx=8, dtype="bf16", offline=True)

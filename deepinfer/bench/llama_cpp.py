@@ -4,8 +4,8 @@ The peer is ``llama-cpp-python`` in an environment of its own: ``--baseline-pyth
 ``$DEEPINFER_LLAMA_CPP_PYTHON``) names that environment's interpreter, which runs
 ``llama_cpp_peer.py`` on the same token-id workload. Its GGUF is the model alias's own file
 (``assets.fetch_gguf``: SmolLM2's Q4_1, the file deepinfer converts from) or ``--baseline-gguf``;
-``--baseline-dtype float32`` runs it dequantized to float32 (the weights deepinfer's float32 run
-holds), ``q4_1`` (default) as shipped. Requests run one at a time (the library's ``Llama.generate``),
+``--baseline-dtype float32`` / ``bfloat16`` runs it dequantized to that dtype (the weights deepinfer's
+float32 / bf16 run holds), ``q4_1`` (default) as shipped. Requests run one at a time (the library's ``Llama.generate``),
 greedy, EOS ignored; every token's arrival is stamped, so the metrics are the engine's (TTFT, TPOT,
 ITL, throughput). In offline mode every request starts at the run's start, as for the engine.
 """
@@ -42,11 +42,14 @@ def peer_python(given: str | None) -> str:
     return found
 
 
+DTYPES = ("q4_1", "float32", "bfloat16")
+
+
 def run_llama_cpp(python: str, gguf: Path, work: Work, *, threads: int, n_ctx: int, dtype: str,
                   offline: bool) -> tuple[dict[str, Any], list[list[int]]]:
     """Run ``work`` through llama.cpp in ``python``'s environment; returns (run, output ids)."""
-    if dtype not in ("q4_1", "float32"):
-        raise ValueError(f"--baseline-dtype must be q4_1 or float32, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"--baseline-dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     with tempfile.TemporaryDirectory() as tmp:
         source, destination = Path(tmp) / "in.json", Path(tmp) / "out.json"
         source.write_text(json.dumps({"gguf": str(gguf), "work": work, "threads": threads, "n_ctx": n_ctx,

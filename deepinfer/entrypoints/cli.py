@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default $DEEPINFER_LLAMA_CPP_PYTHON)")
     bench.add_argument("--baseline-gguf", default=None, metavar="FILE",
                        help="with --baseline llama.cpp: the peer's GGUF (default: the model alias's own file)")
-    bench.add_argument("--baseline-dtype", default="q4_1", choices=["q4_1", "float32"],
-                       help="with --baseline llama.cpp: the GGUF as shipped, or dequantized to float32")
+    bench.add_argument("--baseline-dtype", default="q4_1", choices=["q4_1", "float32", "bfloat16"],
+                       help="with --baseline llama.cpp: the GGUF as shipped, or dequantized to float32 / bfloat16")
     bench.add_argument("--output", default=None, help="write the JSON report here")
     bench.add_argument("--plot", default=None, metavar="DIR", help="write pareto.png and latency_cdf.png here")
     bench.add_argument("--url", default=None, help="benchmark a running server (deepinfer serve) instead")
