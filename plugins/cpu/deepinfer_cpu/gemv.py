@@ -1,9 +1,9 @@
 """A batch-1 decode step's projections: one input row times a row-major float32 or bfloat16 weight (``csrc/gemv.c``).
 
 torch's matrix-vector product streams SmolLM2's weights at 11–25 GB/s on the 2-core VM (the row-major
-layout at ~14, the column-major one the ``onednn`` backend used to keep at 15–25); the kernel's eight
-weight streams with 32-lane sums reach 31–39 GB/s on every projection shape of that model
-(``docs/benchmarks.md``). ``OneDNNGemmBackend`` sends its one-row float32 and bfloat16 calls here.
+layout at ~14, the column-major one the ``onednn`` backend used to keep at 15–25); the kernel, one weight
+stream per thread with 16-lane sums, reads a whole step's projections at ~40 GB/s (``csrc/gemv.c``,
+``docs/benchmarks.md``). ``OneDNNGemmBackend`` sends its one-row float32 and bfloat16 calls here.
 """
 
 from __future__ import annotations
