@@ -12,8 +12,12 @@
  * it is loaded (a 16-bit shift); x and out stay float32. */
 #include <stdint.h>
 
+#ifndef ROWS /* -DROWS=… -DLANES=…: scripts/bench_cpu_gemv_sweep.py */
 #define ROWS 1
+#endif
+#ifndef LANES
 #define LANES 16
+#endif
 
 void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t N, int64_t K, int threads) {
     const int64_t body = K - K % LANES;
