@@ -123,6 +123,7 @@ def main() -> None:
     if args.overlap:
         plugins["scheduling"] = {"enabled": True}  # scheduler.executor auto: overlap
     engine = set_flags_to_tree(args.set)
+    engine.update(engine.pop("model", {}))  # model.* as flat overrides: LLM's first argument is the model
     for name, section in engine.pop("plugins", {}).items():
         plugins[name] = {**plugins.get(name, {}), **section}
     counts = args.prompts_per_batch or [8 if b == 1 else 2 * b for b in args.batches]
