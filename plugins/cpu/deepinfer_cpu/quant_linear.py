@@ -26,9 +26,11 @@ The formats:
 every other reader of the parameter — the embedding lookup of a tied LM head, calls that take torch's path —
 sees the same model the kernel computes with. Calls with at least ``dense_rows`` rows (8) run oneDNN's
 float32 GEMM on those rounded values, packed once (the ``onednn`` backend; torch's ``F.linear`` without
-oneDNN), with float32 inputs: there the multiply, not the weight stream, dominates, and oneDNN's
-register-blocked GEMM outruns this kernel's loops (docs/benchmarks.md). So under ``quant_inputs=int8`` a
-prefill computes with float32 inputs and decode steps of fewer rows with int8 inputs. The float32 copy
+oneDNN): there the multiply, not the weight stream, dominates, and oneDNN's register-blocked GEMM outruns
+this kernel's loops (docs/benchmarks.md). Under ``quant_inputs=int8`` those calls get their inputs rounded
+first (``quantize_inputs``, the kernel's codes), so every call — prefill, a decode step of any size, a
+verification step — multiplies the same rounded inputs by the same weights, up to the order of the sums
+(within the kernel a row's result does not even depend on the other rows of the call). The float32 copy
 stays in memory beside the quantized one (the tied embedding table needs it), so these backends save memory
 bandwidth per step, not memory.
 
@@ -137,8 +139,8 @@ def quantize_q4_1(weight: torch.Tensor) -> Q41Weight:
 
 def quantize_inputs(x: torch.Tensor) -> torch.Tensor:
     """The float32 values the ``int8`` input mode computes with: each block of 32 inputs of a row rounded to
-    int8 codes of step ``max|x| / 127`` (llama.cpp's Q8 activations; ``x [..., K]``, ``K`` a multiple of 32).
-    The kernel keeps the exact float sum of each block for a Q4_1 minimum's term, which this does not model."""
+    int8 codes of step ``max|x| / 127`` (llama.cpp's Q8 activations; ``x [..., K]``, ``K`` a multiple of 32),
+    with the kernel's own float32 operations, so the codes are the kernel's."""
     blocks = x.float().reshape(*x.shape[:-1], x.shape[-1] // BLOCK, BLOCK)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     codes = torch.round(blocks * torch.where(amax > 0, 127.0 / amax, 0.0))  # the kernel's float32 operations
@@ -257,7 +259,9 @@ class QuantizedGemmBackend:
         entry = self._entries.get(self._key(weight))
         if entry is None or x.dtype != torch.float32:
             return F.linear(x, weight, bias)  # a temporary: never quantized
-        if rows >= self.dense_rows:  # many rows: the multiply dominates
+        if rows >= self.dense_rows:  # many rows: the multiply dominates; the inputs rounded as the kernel rounds them
+            if self.inputs == "int8":
+                x = quantize_inputs(x)
             return F.linear(x, weight, bias) if self.dense is None else self.dense.linear(x, weight, bias)
         if entry.version != weight._version:  # written in place since: quantize the new values
             entry = _Entry(entry.weight, weight._version, QuantizedLinear(self.quantize(weight), self.inputs))

@@ -67,6 +67,24 @@ def test_kernel_equals_a_float64_masked_softmax(window: int, with_floors: bool, 
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [0, 6])
+def test_a_rows_output_does_not_depend_on_the_rows_beside_it(window: int) -> None:
+    """A request's 5 query rows in one call (a verification step) equal, bit for bit, each row alone as a
+    decode row at its own position: what makes speculative decoding exactly lossless on these kernels."""
+    gen = torch.Generator().manual_seed(8 + window)
+    bs, kv_heads, heads, dim, length, rows = 4, 2, 6, 64, 34, 5  # the rows straddle 32 keys
+    k_cache = torch.randn(12, bs, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(12, bs, kv_heads, dim, generator=gen)
+    tables = torch.randperm(12, generator=gen)[:10].view(1, 10)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    together = paged_attention(q, k_cache, v_cache, tables, torch.tensor([length]), torch.tensor([0, rows]),
+                               scale=0.125, window=window)
+    for i in range(rows):
+        alone = paged_attention(q[i:i + 1], k_cache, v_cache, tables, torch.tensor([length - rows + 1 + i]),
+                                torch.tensor([0, 1]), scale=0.125, window=window)
+        assert torch.equal(alone[0], together[i])
+
+
 def test_the_call_stores_the_steps_keys_and_values_first() -> None:
     """``new_kv``: the step's keys and values land at their slots (what the core's ``write_kv`` does) before
     the step attends to them, in the same call (issue 36)."""

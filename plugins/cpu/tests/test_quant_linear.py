@@ -54,13 +54,8 @@ def test_kernel_equals_a_float64_product_of_the_dequantized_weight(fmt: str, row
 
 
 def _int8_input_product(x: torch.Tensor, quantized: Int8Weight | Q41Weight) -> torch.Tensor:
-    """float64 model of ``inputs="int8"``: the inputs rounded in blocks of 32, except in a Q4_1 block's minimum
-    term, which takes the exact input sum."""
-    weight, xq = quantized.dequantize().double(), quantize_inputs(x).double()
-    if isinstance(quantized, Int8Weight):
-        return xq @ weight.t()
-    minimum = quantized.m.double().repeat_interleave(32, dim=1)
-    return xq @ (weight - minimum).t() + x.double() @ minimum.t()
+    """float64 model of ``inputs="int8"``: the inputs rounded in blocks of 32 times the rounded weights."""
+    return quantize_inputs(x).double() @ quantized.dequantize().double().t()
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_1"])
@@ -82,6 +77,23 @@ def test_int8_inputs_kernel_equals_a_float64_product_of_the_rounded_inputs(fmt: 
     assert ((got - exact).abs() <= bound + 1e-5).all()
     with pytest.raises(ValueError, match="inputs must be one of"):
         quantized_linear(x, quantized, inputs="int4")
+    # a row's result does not depend on the other rows of the call
+    alone = torch.cat([QuantizedLinear(quantized, "int8", march=march)(x[i:i + 1], bias) for i in range(rows)])
+    assert torch.equal(alone, got)
+
+
+def test_int8_inputs_in_oneDNNs_rows_equal_the_kernel() -> None:
+    """Calls of ``dense_rows`` rows or more (oneDNN on the rounded weights) round their inputs as the kernel
+    does: the same values as the kernel within float32 summation order."""
+    backend = QuantizedGemmBackend("q4_1", head_rows=40, dense_rows=4)
+    weight = torch.nn.Parameter(_randn(48, 96, seed=12) * 0.1, requires_grad=False)
+    weight.data = backend.prepare_weight(weight.data)
+    x = _randn(6, 96, seed=13)
+    dense = backend.linear(x, weight)
+    kernel = torch.cat([backend.linear(x[i:i + 1], weight) for i in range(6)])
+    torch.testing.assert_close(dense, kernel, rtol=1e-5, atol=1e-5)
+    exact = x @ weight.t()  # float32 inputs: off by the input rounding
+    assert (dense - exact).abs().max() > 1e-4
 
 
 def test_formats_bound_their_error_and_round_trip() -> None:

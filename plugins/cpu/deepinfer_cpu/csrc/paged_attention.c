@@ -150,16 +150,25 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
                 }
             }
         }
-        /* Softmax weights per lane (a query's own key is always visible: the max is finite). */
+        /* Softmax weights per lane (a query's own key is always visible: the max is finite). The sum goes
+         * into 16 partial sums by key position, then a fixed tree: a query's weights sum in the same order
+         * whatever else the call holds (its masked keys add exact zeros), so a row's output does not depend on
+         * the rows beside it — decode and verification agree bit for bit. */
         for (int64_t lane = 0; lane < lanes; ++lane) {
-            float *s = scores + lane * n, top = -INFINITY, total = 0.0f;
+            float *s = scores + lane * n, top = -INFINITY, part[16] = {0.0f};
             for (int64_t x = 0; x < n; ++x) top = s[x] > top ? s[x] : top;
-#pragma omp simd reduction(+ : total)
-            for (int64_t x = 0; x < n; ++x) {
-                s[x] = exp_nonpositive(s[x] - top);
-                total += s[x];
+#pragma omp simd
+            for (int64_t x = 0; x < n; ++x) s[x] = exp_nonpositive(s[x] - top);
+            int64_t x = 0;
+            for (; x < n && ((lo + x) & 15); ++x) part[(lo + x) & 15] += s[x];
+            for (; x + 16 <= n; x += 16) { /* key positions aligned to 16: lane l takes position l mod 16 */
+#pragma omp simd
+                for (int l = 0; l < 16; ++l) part[l] += s[x + l];
             }
-            sums[lane] = total;
+            for (; x < n; ++x) part[(lo + x) & 15] += s[x];
+            for (int width = 8; width >= 1; width /= 2)
+                for (int l = 0; l < width; ++l) part[l] += part[l + width];
+            sums[lane] = part[0];
         }
         /* Weighted sum of the values, block by block. */
         for (int64_t i = 0; i < m; ++i) memset(out + ((starts[r] + i) * heads + h * group) * dim, 0,

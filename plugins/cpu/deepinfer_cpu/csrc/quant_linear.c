@@ -18,13 +18,14 @@
  *
  * The *_q8 entry points quantize the input rows too, as llama.cpp does for its Q4_1 / Q8_0 dot products:
  * each block of 32 inputs becomes int8 codes a with a float32 step s = max|x| / 127 (x ~ s a), and a weight
- * block's contribution is its step(s) times an integer dot product: q4_1 d s (q . a) + m sum(x) (the block's
- * exact float32 input sum for the minimum's term), int8 scale s (q . a). With AVX512-VNNI (vpdpbusd) a
- * block's 32 products are one instruction; without it, a plain integer loop. For q4_1 under VNNI the codes
- * of each full pair of input blocks are stored interleaved, [first's 0..15, second's 0..15, first's 16..31,
- * second's 16..31]: the order in which the pair's 32 packed weight bytes unpack into low and high nibbles,
- * so a pair takes one weight load and two products. The products and their int32 sums are exact, so these
- * differ from the float32 path only by the input rounding.
+ * block's contribution is its step(s) times an integer dot product: q4_1 d s (q . a) + m s sum(a), int8
+ * scale s (q . a) — exactly the rounded inputs s a times the weights, up to the order of the float sums.
+ * A row's result does not depend on the other rows of the call (the same operations in the same order).
+ * With AVX512-VNNI (vpdpbusd) a block's 32 products are one instruction; without it, a plain integer loop.
+ * For q4_1 under VNNI the codes of each full pair of input blocks are stored interleaved, [first's 0..15,
+ * second's 0..15, first's 16..31, second's 16..31]: the order in which the pair's 32 packed weight bytes
+ * unpack into low and high nibbles, so a pair takes one weight load and two products. The products and
+ * their int32 sums are exact, so these differ from the float32 path only by the input rounding.
  */
 #include <math.h>
 #include <stdint.h>
@@ -218,8 +219,8 @@ int linear_q4_1_f32(const float *x, const uint8_t *qs, const _Float16 *d, const 
 
 /* ---------------------------------------------------------------- quantized inputs (the *_q8 entry points) */
 
-/* Row x [K] as blocks of 32 int8 codes: a [K], steps s [K / 32], exact float sums xsum [K / 32]; with
- * interleave each full pair of blocks in the header comment's order. */
+/* Row x [K] as blocks of 32 int8 codes: a [K], steps s [K / 32], and the sums of the rounded inputs s sum(a)
+ * [K / 32]; with interleave each full pair of blocks in the header comment's order. */
 static void quantize_input_row(const float *x, int64_t K, int8_t *a, float *s, float *xsum, int interleave) {
     const int64_t blocks = K / 32;
     for (int64_t b = 0; b < blocks; ++b) {
@@ -231,27 +232,28 @@ static void quantize_input_row(const float *x, int64_t K, int8_t *a, float *s, f
 #ifdef VNNI
         const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const float total = _mm512_reduce_add_ps(_mm512_add_ps(x0, x1));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         /* round to nearest even, as lrintf in the default rounding mode */
         const __m512 scale = _mm512_set1_ps(inv);
-        _mm_storeu_si128((__m128i *)first_half, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, scale))));
-        _mm_storeu_si128((__m128i *)second_half, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, scale))));
+        const __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, scale));
+        const __m512i c1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, scale));
+        _mm_storeu_si128((__m128i *)first_half, _mm512_cvtsepi32_epi8(c0));
+        _mm_storeu_si128((__m128i *)second_half, _mm512_cvtsepi32_epi8(c1));
+        const int32_t codes = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
 #else
-        float amax = 0.0f, total = 0.0f;
-        for (int j = 0; j < 32; ++j) {
-            amax = fmaxf(amax, fabsf(xb[j]));
-            total += xb[j];
-        }
+        float amax = 0.0f;
+        for (int j = 0; j < 32; ++j) amax = fmaxf(amax, fabsf(xb[j]));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t codes = 0;
         for (int j = 0; j < 16; ++j) {
             first_half[j] = (int8_t)lrintf(xb[j] * inv);
             second_half[j] = (int8_t)lrintf(xb[j + 16] * inv);
+            codes += first_half[j] + second_half[j];
         }
 #endif
         const float step = amax / 127.0f;
         s[b] = step;
-        xsum[b] = total;
+        xsum[b] = step * (float)codes;
     }
 }
 
@@ -271,67 +273,19 @@ static inline __m256i dot_q4_q8(const uint8_t *qs, const int8_t *a) {
 }
 #endif
 
-/* One q4_1 weight row against one quantized input row: sum over blocks of d s (q . a) + m xsum. */
-static float row_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const int8_t *a, const float *s,
-                         const float *xsum, int64_t blocks) {
-    float low = 0.0f;
-#ifdef VNNI
-    /* eight blocks at a time: their steps d s and minimum terms m xsum as vectors, then pairs of blocks in
-     * two chains */
-    const __m256i nibbles = _mm256_set1_epi8(15);
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()}, lows = _mm256_setzero_ps();
-    float steps[8];
-    for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
-        const int count = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
-        const __mmask8 mask = (__mmask8)((1u << count) - 1);
-        _mm256_storeu_ps(steps, _mm256_mul_ps(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, d + b0)),
-                                              _mm256_maskz_loadu_ps(mask, s + b0)));
-        lows = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_maskz_loadu_epi16(mask, mn + b0)),
-                               _mm256_maskz_loadu_ps(mask, xsum + b0), lows);
-        int j = 0;
-        for (; j + 1 < count; j += 2) { /* a pair: lanes 0..3 sum the first block, 4..7 the second */
-            const int64_t b = b0 + j;
-            const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 16 * b));
-            const __m256i low_codes = _mm256_and_si256(packed, nibbles);
-            const __m256i high_codes = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibbles);
-            const __m256i first = _mm256_loadu_si256((const __m256i *)(a + 32 * b));
-            const __m256i second = _mm256_loadu_si256((const __m256i *)(a + 32 * b + 32));
-            const __m256i dots = _mm256_dpbusd_epi32(
-                _mm256_dpbusd_epi32(_mm256_setzero_si256(), low_codes, first), high_codes, second);
-            const __m256 pair_steps = _mm256_set_m128(_mm_broadcast_ss(steps + j + 1), _mm_broadcast_ss(steps + j));
-            acc[(j >> 1) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), pair_steps, acc[(j >> 1) & 1]);
-        }
-        if (j < count) { /* the row's odd last block, its codes in natural order */
-            const int64_t b = b0 + j;
-            acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q4_q8(qs + 16 * b, a + 32 * b)),
-                                     _mm256_broadcast_ss(steps + j), acc[0]);
-        }
-    }
-    return sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), lows)) + low;
-#else
-    float total = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t *src = qs + 16 * b;
-        const int8_t *ab = a + 32 * b;
-        int32_t dot = 0;
-        for (int j = 0; j < 16; ++j) dot += (src[j] & 15) * ab[j] + (src[j] >> 4) * ab[j + 16];
-        total += (float)dot * ((float)d[b] * s[b]);
-        low += (float)mn[b] * xsum[b];
-    }
-    return total + low;
-#endif
-}
-
 #ifdef VNNI
 #define ROW_GROUP 4
-/* One q4_1 weight row against count (<= ROW_GROUP) quantized input rows (codes K apart, steps and sums
- * blocks apart): each pair of weight blocks is loaded and unpacked once for all of them. */
+/* One q4_1 weight row against count (1..ROW_GROUP) quantized input rows (codes K apart, steps and sums
+ * blocks apart): eight blocks at a time, their steps d s and minimum terms m s sum(a) as vectors; then each
+ * pair of weight blocks is loaded and unpacked once for all the rows, and each row's products go into two
+ * chains (pairs alternate), an odd last block into the first. Every row takes the same operations in the
+ * same order whatever count is, so a row's result does not depend on the rows beside it. */
 static void rows_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const int8_t *a, const float *s,
                          const float *xsum, int64_t blocks, int64_t K, int count, float *result) {
     const __m256i nibbles = _mm256_set1_epi8(15);
-    __m256 acc[ROW_GROUP], lows[ROW_GROUP];
+    __m256 acc[ROW_GROUP][2], lows[ROW_GROUP];
     float steps[ROW_GROUP][8];
-    for (int r = 0; r < ROW_GROUP; ++r) acc[r] = lows[r] = _mm256_setzero_ps();
+    for (int r = 0; r < ROW_GROUP; ++r) acc[r][0] = acc[r][1] = lows[r] = _mm256_setzero_ps();
     for (int64_t b0 = 0; b0 < blocks; b0 += 8) {
         const int n = blocks - b0 < 8 ? (int)(blocks - b0) : 8;
         const __mmask8 mask = (__mmask8)((1u << n) - 1);
@@ -342,7 +296,7 @@ static void rows_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *m
             lows[r] = _mm256_fmadd_ps(minima, _mm256_maskz_loadu_ps(mask, xsum + r * blocks + b0), lows[r]);
         }
         int j = 0;
-        for (; j + 1 < n; j += 2) {
+        for (; j + 1 < n; j += 2) { /* a pair: lanes 0..3 sum the first block, 4..7 the second */
             const int64_t b = b0 + j;
             const __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 16 * b));
             const __m256i low_codes = _mm256_and_si256(packed, nibbles);
@@ -354,19 +308,41 @@ static void rows_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *m
                     high_codes, _mm256_loadu_si256((const __m256i *)(ar + 32)));
                 const __m256 pair_steps = _mm256_set_m128(_mm_broadcast_ss(steps[r] + j + 1),
                                                           _mm_broadcast_ss(steps[r] + j));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), pair_steps, acc[r]);
+                acc[r][(j >> 1) & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), pair_steps, acc[r][(j >> 1) & 1]);
             }
         }
         if (j < n) { /* the rows' odd last block, codes in natural order */
             const int64_t b = b0 + j;
             for (int r = 0; r < count; ++r)
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q4_q8(qs + 16 * b, a + r * K + 32 * b)),
-                                         _mm256_broadcast_ss(steps[r] + j), acc[r]);
+                acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_q4_q8(qs + 16 * b, a + r * K + 32 * b)),
+                                            _mm256_broadcast_ss(steps[r] + j), acc[r][0]);
         }
     }
-    for (int r = 0; r < count; ++r) result[r] = sum_lanes(_mm256_add_ps(acc[r], lows[r]));
+    for (int r = 0; r < count; ++r)
+        result[r] = sum_lanes(_mm256_add_ps(_mm256_add_ps(acc[r][0], acc[r][1]), lows[r]));
 }
 #endif
+
+/* One q4_1 weight row against one quantized input row: sum over blocks of d s (q . a) + m s sum(a). */
+static float row_q4_1_q8(const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const int8_t *a, const float *s,
+                         const float *xsum, int64_t blocks) {
+#ifdef VNNI
+    float dot;
+    rows_q4_1_q8(qs, d, mn, a, s, xsum, blocks, 0, 1, &dot); /* the rows' code: the same result as in a group */
+    return dot;
+#else
+    float total = 0.0f, low = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t *src = qs + 16 * b;
+        const int8_t *ab = a + 32 * b;
+        int32_t dot = 0;
+        for (int j = 0; j < 16; ++j) dot += (src[j] & 15) * ab[j] + (src[j] >> 4) * ab[j + 16];
+        total += (float)dot * ((float)d[b] * s[b]);
+        low += (float)mn[b] * xsum[b];
+    }
+    return total + low;
+#endif
+}
 
 /* One int8 weight row (a scale per group inputs, group a multiple of 32) against one quantized input row. */
 static float row_int8_q8(const int8_t *q, const float *scale, int64_t group, const int8_t *a, const float *s,
