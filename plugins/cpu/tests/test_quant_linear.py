@@ -255,3 +255,31 @@ def test_q4_1_holds_the_smollm2_gguf_own_blocks() -> None:
     assert torch.equal(q8.q.view(49152, 18, 32), head[..., 2:].view(torch.int8))
     torch.testing.assert_close(q8.scale, head[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float(),
                                rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("plan", ["fixed", "varlen"])
+def test_speculation_on_int8_inputs_keeps_greedy_tokens(tmp_path: Path, plan: str) -> None:
+    """``q4_1`` with int8 inputs, one request at a time, no prefix cache: verification rows (a call of up to
+    5 rows) and decode rows (1) go through the kernel and ``cpu_paged``, whose rows do not depend on the rows
+    beside them, so speculation (an oracle drafter with corrupted drafts: acceptances and rejections) gives
+    exactly the tokens of plain decoding."""
+    from spec_setup import repeating_prompts, spec_plugins, write_oracle_file
+
+    _, folder = save_tiny("llama", tmp_path / "llama", 0, vocab_size=320)
+    prompts = repeating_prompts(4, 2)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    common = {"block_size": 16, "kv_cache_bytes": 1 << 22, "quantization": "q4_1", "max_num_seqs": 1,
+              "cache": {"prefix_caching": False}}
+
+    def run(extra: dict) -> tuple[list[list[int]], LLM]:
+        llm = LLM(folder, plugins={"cpu": {"enabled": True}, **extra}, **common)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)], llm
+
+    reference, plain = run({})
+    plain.shutdown()
+    oracle = write_oracle_file(tmp_path, prompts, reference)
+    out, llm = run(spec_plugins("oracle", plan, oracle_file=oracle, oracle_corruption=0.3))
+    stats = llm.get_stats()
+    llm.shutdown()
+    assert out == reference
+    assert stats["spec_decode"]["verify_steps"] > 0
