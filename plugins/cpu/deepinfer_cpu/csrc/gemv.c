@@ -19,52 +19,53 @@
 #define LANES 16
 #endif
 
-void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t N, int64_t K, int threads) {
-    const int64_t body = K - K % LANES;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
-        const int64_t rows = N - n0 < ROWS ? N - n0 : ROWS;
-        float acc[ROWS][LANES] = {{0.0f}};
-        for (int64_t k = 0; k < body; k += LANES) {
-            for (int64_t r = 0; r < rows; ++r) {
-                const float *wr = w + (n0 + r) * K + k;
-#pragma omp simd
-                for (int l = 0; l < LANES; ++l) acc[r][l] += x[k + l] * wr[l];
-            }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-            float total = 0.0f;
-            for (int l = 0; l < LANES; ++l) total += acc[r][l];
-            for (int64_t k = body; k < K; ++k) total += x[k] * w[(n0 + r) * K + k];
-            out[n0 + r] = total + (bias ? bias[n0 + r] : 0.0f);
-        }
-    }
-}
-
 static inline float widen(uint16_t x) {
     union { uint32_t u; float f; } v = {.u = (uint32_t)x << 16};
     return v.f;
 }
 
-void gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *out, int64_t N, int64_t K,
-               int threads) {
+static inline float weight_at(const void *w, int64_t i, const int bf16) {
+    return bf16 ? widen(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+}
+
+/* Output rows [n0, n0 + rows): LANES partial sums per row across K, then one horizontal sum each. bf16 is a
+ * constant at each call below, so each inlined copy is a loop of one weight type. */
+static inline void dot_rows(const float *x, const void *w, const float *bias, float *out, int64_t n0, int64_t rows,
+                            int64_t K, const int bf16) {
     const int64_t body = K - K % LANES;
+    float acc[ROWS][LANES] = {{0.0f}};
+    for (int64_t k = 0; k < body; k += LANES) {
+        for (int64_t r = 0; r < rows; ++r) {
+            const int64_t at = (n0 + r) * K + k;
+#pragma omp simd
+            for (int l = 0; l < LANES; ++l) acc[r][l] += x[k + l] * weight_at(w, at + l, bf16);
+        }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+        float total = 0.0f;
+        for (int l = 0; l < LANES; ++l) total += acc[r][l];
+        for (int64_t k = body; k < K; ++k) total += x[k] * weight_at(w, (n0 + r) * K + k, bf16);
+        out[n0 + r] = total + (bias ? bias[n0 + r] : 0.0f);
+    }
+}
+
+static void gemv(const float *x, const void *w, const float *bias, float *out, int64_t N, int64_t K, int threads,
+                 int bf16) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n0 = 0; n0 < N; n0 += ROWS) {
         const int64_t rows = N - n0 < ROWS ? N - n0 : ROWS;
-        float acc[ROWS][LANES] = {{0.0f}};
-        for (int64_t k = 0; k < body; k += LANES) {
-            for (int64_t r = 0; r < rows; ++r) {
-                const uint16_t *wr = w + (n0 + r) * K + k;
-#pragma omp simd
-                for (int l = 0; l < LANES; ++l) acc[r][l] += x[k + l] * widen(wr[l]);
-            }
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-            float total = 0.0f;
-            for (int l = 0; l < LANES; ++l) total += acc[r][l];
-            for (int64_t k = body; k < K; ++k) total += x[k] * widen(w[(n0 + r) * K + k]);
-            out[n0 + r] = total + (bias ? bias[n0 + r] : 0.0f);
-        }
+        if (bf16)
+            dot_rows(x, w, bias, out, n0, rows, K, 1);
+        else
+            dot_rows(x, w, bias, out, n0, rows, K, 0);
     }
+}
+
+void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t N, int64_t K, int threads) {
+    gemv(x, w, bias, out, N, K, threads, 0);
+}
+
+void gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *out, int64_t N, int64_t K,
+               int threads) {
+    gemv(x, w, bias, out, N, K, threads, 1);
 }
