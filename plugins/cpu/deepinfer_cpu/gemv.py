@@ -50,7 +50,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     n, k = weight.shape
     bf16 = weight.dtype == torch.bfloat16
     if bf16:
-        x = x.float()
+        x = x.float().contiguous()
     elif not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty((*x.shape[:-1], n), dtype=torch.float32)

@@ -34,6 +34,9 @@ def test_bfloat16_gemv_sums_the_bf16_values_in_float32(n: int, k: int) -> None:
     assert got.dtype == torch.bfloat16 and got.shape == (1, n)
     # one bf16 rounding of a float32 sum: within half a bf16 step (2^-8 relative) plus float32 noise
     assert ((got.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-4).all()
+    strided = torch.randn(k, 2, generator=gen).bfloat16()[:, 0].unsqueeze(0)  # one row with a stride of 2
+    assert not strided.is_contiguous() and fits(strided, w)
+    assert torch.equal(gemv(strided, w), gemv(strided.contiguous(), w))
 
 
 def test_what_gemv_does_not_serve() -> None:
