@@ -41,7 +41,8 @@ the mean context. The same method as vLLM's anchor (``../shared/tools/vllm/run_v
 results compare directly.
 
 Profile: ``torch.profiler`` over 8 decode steps at B = 16 (after prefill and 2 warm-up decode steps; the
-prompts' lengths spread as above), top ops by device time, plus device-busy time over wall time.
+prompts' lengths spread as above), top ops by device time, plus device-busy time over wall time; every
+kernel's device time and calls per step go to ``<profile-out stem>.kernels.json``.
 """
 
 from __future__ import annotations
@@ -274,6 +275,10 @@ def profile_decode(llm, batch: int, out: Path, vocab: int, length_spread: int = 
         return float(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0)))
 
     kernels = [e for e in avgs if dev(e) > 0]
+    every = sorted(((e.key, round(dev(e) / steps, 2), e.count / steps) for e in kernels
+                    if not e.key.startswith("aten::")), key=lambda x: -x[1])
+    out.with_suffix(".kernels.json").write_text(json.dumps(
+        {"steps": steps, "columns": ["kernel", "device_us_per_step", "calls_per_step"], "kernels": every}, indent=0))
     total_dev_us = sum(dev(e) for e in kernels if not e.key.startswith("aten::"))
     top = sorted(((e.key, dev(e) / steps / 1000, e.count // steps) for e in kernels if e.key.startswith("aten::")),
                  key=lambda x: -x[1])[:15]

@@ -68,3 +68,41 @@ def test_compile_switch_reads_yaml_booleans() -> None:
 
     assert KernelsSection(compile=False).compile == "off"
     assert KernelsSection(compile=True).compile == "inductor"
+
+
+@pytest.mark.slow
+def test_compiled_deepseek_v3_gives_the_plain_tokens_and_routed_token_counts(tmp_path: Path) -> None:
+    """The MoE layers count each expert's rows (``router_stats``, read by the load balancer) with a one-hot
+    sum when compiled: the counts equal the plain layers' ``index_add_``."""
+    from tiny_deepseek import save_tiny_v3
+
+    save_tiny_v3(tmp_path)
+    results = []
+    for mode in ("off", "inductor"):
+        llm = _llm(tmp_path, mode)
+        results.append((_run(llm), llm.engine.model.router_stats.clone()))
+        llm.shutdown()
+    (plain, plain_counts), (compiled, compiled_counts) = results
+    assert [ids for ids, _ in plain] == [ids for ids, _ in compiled]
+    assert plain_counts.sum() > 0 and torch.equal(plain_counts, compiled_counts)
+
+
+@pytest.mark.slow
+def test_compiled_deepseek_v4_gives_the_plain_tokens_and_logprobs(tmp_path: Path) -> None:
+    """DeepSeek-V4's compiled layers write the compressors' rings and entries in place (``write_rows``) and
+    run the cell-wise Sinkhorn (``sinkhorn_cells``): the plain layers' greedy tokens and logprobs, with
+    windows closing in prefill chunks and in decode steps."""
+    from test_deepseek_v4 import build, make_llm, prompts
+
+    build("v4-yarn", tmp_path)
+    batch = prompts([5, 23, 40, 9], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    results = []
+    for mode in ("off", "inductor"):
+        llm = make_llm(tmp_path, kernels={"compile": mode}, max_num_batched_tokens=32)
+        outs = [o.outputs[0] for o in llm.generate(batch, sp, use_tqdm=False)]
+        results.append([(o.token_ids, [d[t] for t, d in zip(o.token_ids, o.logprobs, strict=True)]) for o in outs])
+        llm.shutdown()
+    for (ids_p, lp_p), (ids_c, lp_c) in zip(*results, strict=True):
+        assert ids_p == ids_c
+        assert torch.allclose(torch.tensor(lp_p), torch.tensor(lp_c), atol=1e-4, rtol=0)

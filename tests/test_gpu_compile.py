@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_gpu_graphs import BATCHES, _compare, _llm, _prompts, _run, assert_every_bucket_replays
+from test_gpu_graphs import BATCHES, PLUGINS, _compare, _llm, _prompts, _run, assert_every_bucket_replays
 from tiny_deepseek import save_tiny_v3
 from tiny_models import save_tiny
+
+from deepinfer import LLM
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -41,3 +43,28 @@ def test_compiled_graphs_under_speculative_decoding(folder: Path) -> None:
     llm = _llm(folder, graphs=True, plugins=spec, kernels={"compile": "inductor"})
     _compare(plain, _run(llm, prompts))
     llm.shutdown()
+
+
+def test_compiled_deepseek_v4_graphs_equal_plain_graphs() -> None:
+    """The tiny V4 of the GPU references (sliding, CSA with its indexer, and HCA layers; hyper-connections):
+    compiled layers write the compressors' rings and entries in place and run the cell-wise Sinkhorn, and
+    their graphs give the plain graphs' greedy tokens and logprobs at every bucket."""
+    folder = Path(__file__).parent / "gpu_refs_deepseek_v4" / "v4-gpu"
+    batches = (1, 2, 3, 5, 8)
+    prompts = {n: _prompts(n) for n in batches}
+
+    def run(**kernels: object) -> dict[int, list]:
+        llm = LLM(folder, device="cuda", dtype="float32", kv_cache_bytes=1 << 26, block_size=16, max_num_seqs=8,
+                  plugins=PLUGINS, kernels={"cuda_graphs": True, **kernels})
+        try:
+            out = {n: _run(llm, prompts[n]) for n in batches}
+            stats = llm.get_stats()
+            assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+            return out
+        finally:
+            llm.shutdown()
+
+    plain = run()
+    compiled = run(compile="inductor")
+    for n in batches:
+        _compare(plain[n], compiled[n])

@@ -12,7 +12,10 @@ MoE experts, any plugin GEMM) is wrapped in ``torch.compiler.disable``, a graph 
 call, so plugin kernels run exactly as without compilation. The torch GEMM backend is traceable (it is
 ``F.linear``). The first step of each shape compiles (the CUDA-graph warm-up does it for every bucket
 before capture, so replays never compile); Inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) makes a
-second start cheaper. The plain-torch layers stay the reference: ``kernels.compile: off`` (the default).
+second start cheaper. Steps a model plans request by request on host lists (DeepSeek-V4's prefill chunks)
+run the plain layers (``deepseek_v4/rows.layer_stance``). ``compile_layers`` raises Dynamo's process-wide
+recompile limit to ``RECOMPILE_LIMIT``. The plain-torch layers stay the reference: ``kernels.compile: off``
+(the default).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import torch
 
 from deepinfer.errors import ConfigError
 from deepinfer.plugins import UnfitBackend
+
+RECOMPILE_LIMIT = 64  # compiled entries per layer function (``compile_layers``)
 
 
 class OpaqueBackend:
@@ -73,6 +78,10 @@ def compile_layers(model: torch.nn.Module, backends: Mapping[str, Any]) -> dict[
         if id(backend) not in wrapped:
             wrapped[id(backend)] = OpaqueBackend(backend)
         out[op] = wrapped[id(backend)]
+    # One compiled entry per layer kind × (one token, many tokens) × step kind: DeepSeek-V4 has 3 attention
+    # kinds, hash and routed MoE layers, and speculative verification steps, past Dynamo's default of 8
+    # entries per function, after which further variants would silently run eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     for layer in model.layers:
         layer.compile(dynamic=True)
     return out

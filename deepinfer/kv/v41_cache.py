@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kv.fp8 import FP4_KV_DTYPE, FP8_DTYPE
+from deepinfer.kv.row_writes import write_rows
 from deepinfer.kv.v41_formats import FP4_INDEX, FP4_MAIN, MXFP8, V41KVFormat
 
 _LAYOUTS = (MXFP8, FP4_MAIN, FP4_INDEX)
@@ -92,12 +93,14 @@ def write(cache: torch.Tensor, rows: torch.Tensor, x: torch.Tensor) -> None:
     width = x.shape[-1]
     fmt = format_of(cache, width)
     if fmt is None:
-        cache.view(-1, width).index_copy_(0, rows, x.to(cache.dtype))
+        write_rows(cache, rows, x.to(cache.dtype))
         return
     data, scales = fmt.encode(x)
     if fmt.interleaved:
-        cache.view(-1, fmt.bytes_per_token).index_copy_(0, rows, torch.cat([data, scales], dim=-1))
+        write_rows(cache, rows, torch.cat([data, scales], dim=-1))
         return
+    # Sections are views made here, which ``write_rows`` must not be given (its docstring); compiled layers
+    # copy the part for these writes.
     per_block = cache.shape[1]
     data_part, scale_part = _sections(cache, fmt)
     data_part[rows // per_block, rows % per_block] = data

@@ -300,6 +300,12 @@ def count_routed_tokens(stats: torch.Tensor, ids: torch.Tensor, ctx: ForwardCont
     else:
         real = torch.arange(ids.shape[0], device=ids.device) < ctx.num_real_tokens
         weights = real.to(torch.int64).unsqueeze(1).expand_as(ids).reshape(-1)
+    if torch.compiler.is_compiling():
+        # Inductor lowers an int64 ``index_add_`` to aten's sort-based accumulation (on CUDA a radix sort and
+        # ~10 small kernels per layer); a one-hot sum over the pairs is one fused reduction.
+        experts = torch.arange(stats.shape[0], device=ids.device)
+        stats.add_(((flat.unsqueeze(1) == experts) * weights.unsqueeze(1)).sum(dim=0))
+        return
     stats.index_add_(0, flat, weights)
 
 

@@ -51,6 +51,7 @@ from deepinfer.model.deepseek_v4.rows import (
     _Segment,
     _segments,
     device_rows,
+    layer_stance,
 )
 from deepinfer.model.deepseek_v4.weights import load_checkpoint
 
@@ -158,13 +159,14 @@ class DeepseekV4ForCausalLM(StackedDecoderLM):
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.d.hc_mult, -1).contiguous()
         shared = view = None
-        for i, layer in enumerate(self.layers):
-            self._capture_streams(i, streams, input_ids.shape[0], view)  # view: set once a consumer narrowed them
-            shares = bool(self.d.yoco) and i == self.d.yoco
-            if shares and ctx.truncation_floor_host is not None:
-                assert not isinstance(step_rows, _DeviceRows)  # device_rows refuses truncated steps
-                view = _consumer_view(ctx, step_rows, input_ids)
-            streams, shared = layer(streams, ctx.positions, input_ids, ctx, step_rows, shared, shares, view)
+        with layer_stance(step_rows):
+            for i, layer in enumerate(self.layers):
+                self._capture_streams(i, streams, input_ids.shape[0], view)  # view: set once a consumer narrowed them
+                shares = bool(self.d.yoco) and i == self.d.yoco
+                if shares and ctx.truncation_floor_host is not None:
+                    assert not isinstance(step_rows, _DeviceRows)  # device_rows refuses truncated steps
+                    view = _consumer_view(ctx, step_rows, input_ids)
+                streams, shared = layer(streams, ctx.positions, input_ids, ctx, step_rows, shared, shares, view)
         hidden = self.norm(self.hc_head(streams))
         self._capture_streams(self.d.layers, streams, input_ids.shape[0], view)
         if self.captured_layers and not self.capture_features:  # the MTP layers' input (bind_mtp_cache)

@@ -33,6 +33,7 @@ from torch import nn
 
 from deepinfer.interfaces import ForwardContext
 from deepinfer.kv import v41_cache
+from deepinfer.kv.row_writes import write_rows
 from deepinfer.model.deepseek_v4.config import V4Dims
 from deepinfer.model.deepseek_v4.norm import V4RMSNorm
 from deepinfer.model.deepseek_v4.rotary import V4Rotary
@@ -98,7 +99,7 @@ class Compressor(nn.Module):
                     targets = entry_rows(ctx.block_tables[s.index], ids, per_block)
                     self._store(targets, entries[ids - w0])
             keep = min(s.hi - s.lo, size)
-            self.ring[s.slot].index_copy_(0, ring_rows(s.end - keep, s.end, size, dev), proj[s.hi - keep:s.hi])
+            write_rows(self.ring, s.slot * size + ring_rows(s.end - keep, s.end, size, dev), proj[s.hi - keep:s.hi])
 
     def _update_rows(self, proj: torch.Tensor, ctx: ForwardContext, rows: _DeviceRows, rotary: V4Rotary) -> None:
         """``update`` on device tensors only (no host list, so a CUDA graph can capture it), for steps of
@@ -112,9 +113,9 @@ class Compressor(nn.Module):
         window share its entry's row, and ``index_copy_`` picks no winner among duplicates)."""
         assert self.paged is not None and self.ring is not None
         r, width, size = self.ratio, self.width, self.ring.shape[1]
-        ring = self.ring.view(-1, self.ring.shape[-1])
         pos, slots = ctx.positions, rows.slots
-        ring.index_copy_(0, slots * size + pos % size, proj)
+        write_rows(self.ring, slots * size + pos % size, proj)
+        ring = self.ring.view(-1, self.ring.shape[-1])
         window = pos // r
         span = self.ring_span()
         first = (window + 1) * r - span  # negative for entry 0 with overlap: those rows are masked below

@@ -5,6 +5,7 @@ view of a truncated prefill step (``_consumer_view``, reference/deepinfer.md §6
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,6 +75,14 @@ class _DeviceRows:
 
 
 StepRows = Sequence[_Segment] | _DeviceRows
+
+
+def layer_stance(step_rows: StepRows) -> AbstractContextManager[object]:
+    """Where the layers run when compiled (``kernels.compile``): steps on device rows through the compiled
+    layers; steps planned request by request (prefill chunks, replays) through the plain ones, since their
+    host loops would recompile the layers for every new step shape (and past Dynamo's recompile limit fall
+    back to eager anyway)."""
+    return nullcontext() if isinstance(step_rows, _DeviceRows) else torch.compiler.set_stance("force_eager")
 """How a step's rows reach the compressors: per-request segments (host ints), or ``_DeviceRows``."""
 
 

@@ -47,7 +47,15 @@ from deepinfer.model.deepseek_v4.hyper import HyperConnection, HyperHead
 from deepinfer.model.deepseek_v4.moe import V4MoE
 from deepinfer.model.deepseek_v4.norm import V4RMSNorm
 from deepinfer.model.deepseek_v4.rotary import V4Rotary
-from deepinfer.model.deepseek_v4.rows import StepRows, _all_rows, _consumer_view, _ConsumerView, _DeviceRows, _segments
+from deepinfer.model.deepseek_v4.rows import (
+    StepRows,
+    _all_rows,
+    _consumer_view,
+    _ConsumerView,
+    _DeviceRows,
+    _segments,
+    layer_stance,
+)
 from deepinfer.model.deepseek_v4.v41_attention import CrossLayerState, V41Attention
 from deepinfer.model.deepseek_v4.v41_config import ARCH, EngramSpec, V41Dims
 from deepinfer.model.deepseek_v4.v41_weights import load_v41_checkpoint
@@ -189,17 +197,18 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         if self.ngram_history is not None:
             segments = _segments(ctx) if isinstance(step_rows, _DeviceRows) else step_rows
             ngrams = self.ngram_history.ngrams(input_ids, segments)
-        for i, layer in enumerate(self.layers):
-            shares = i == self.d.yoco
-            if shares and ctx.truncation_floor_host is not None:
-                assert not isinstance(step_rows, _DeviceRows)
-                view = _consumer_view(ctx, step_rows, input_ids)  # the layer narrows the streams and pre-mixes
-            streams, shared, pre = layer(streams, pre, ctx.positions, input_ids, ctx, step_rows, shared, shares, view,
-                                         cross, ngrams)
-            if layer.keep_input:  # its input was narrowed only if a consumer before it narrowed the streams
-                assert layer.kept_input is not None
-                self._capture_streams(i, layer.kept_input, input_ids.shape[0], view if i > self.d.yoco else None)
-                layer.kept_input = None
+        with layer_stance(step_rows):
+            for i, layer in enumerate(self.layers):
+                shares = i == self.d.yoco
+                if shares and ctx.truncation_floor_host is not None:
+                    assert not isinstance(step_rows, _DeviceRows)
+                    view = _consumer_view(ctx, step_rows, input_ids)  # the layer narrows the streams and pre-mixes
+                streams, shared, pre = layer(streams, pre, ctx.positions, input_ids, ctx, step_rows, shared, shares,
+                                             view, cross, ngrams)
+                if layer.keep_input:  # its input was narrowed only if a consumer before it narrowed the streams
+                    assert layer.kept_input is not None
+                    self._capture_streams(i, layer.kept_input, input_ids.shape[0], view if i > self.d.yoco else None)
+                    layer.kept_input = None
         self._capture_streams(self.d.layers, streams, input_ids.shape[0], view)
         folded = HyperConnection.collapse(pre, streams) if pre is not None else self.hc_head(streams)
         return _all_rows(self.norm(folded), input_ids.shape[0], view)
