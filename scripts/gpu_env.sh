@@ -8,3 +8,8 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . plugins
 PYTHONPATH=$PWD:$(printf '%s:' "$PWD"/plugins/*)/tmp/site
 export PYTHONPATH PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+# A compile cache brought back from an earlier session (scripts/inductor_cache.sh pack $OUT, files copied into
+# .inductor/ and carried): Inductor's start-up then skips code generation.
+if compgen -G ".inductor/inductor.tgz.*" > /dev/null; then
+  bash scripts/inductor_cache.sh unpack .inductor
+fi

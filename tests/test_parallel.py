@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,23 @@ def test_interpreter_exit_ends_every_rank(single, tiny_v3, tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["tokens"] == ref[:2]
     assert not any(_alive(p) for p in result["pids"])
+
+
+def test_ranks_step_on_their_own_without_a_round_trip_per_step(single, ep2):
+    """The driver sends requests and reads replies; the ranks step by themselves (``worker.serve``). Here
+    the driver never asks for a step: the ranks run every request to the end (their step counters move,
+    a collective ``get_stats`` reads them), and then one ``step()`` returns every finished output, with the
+    single process's tokens."""
+    engine = ep2.engine
+    before = engine.get_stats()
+    requests = [engine.make_request(p, PARAMS) for p in PROMPTS]
+    for req in requests:
+        engine.add(req)
+    deadline = time.monotonic() + 120
+    while (stats := engine.get_stats())["generated_tokens"] - before["generated_tokens"] < len(PROMPTS) * MAX_NEW:
+        assert time.monotonic() < deadline, "the ranks did not run the requests by themselves"
+        time.sleep(0.05)
+    assert stats["steps"] - before["steps"] >= MAX_NEW
+    outputs = {o.request_id: o for o in engine.step()}
+    assert not engine.has_unfinished()
+    assert [outputs[r.request_id].outputs[0].token_ids for r in requests] == single[1]

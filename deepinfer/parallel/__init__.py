@@ -2,8 +2,8 @@
 MoE over ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
 
 - ``driver.py``: ``ParallelEngine``, what ``LLM(model, expert_parallel_size=N)`` runs: starts the rank
-  processes, routes requests (``RequestRouter``), drives the lock-step, sums statistics.
-- ``worker.py``: one rank: its engine, its expert share, lock-step with a placeholder forward;
+  processes, routes requests (``RequestRouter``) and sends them, reads the ranks' replies, sums statistics.
+- ``worker.py``: one rank: its engine, its expert share, its own step loop with a placeholder forward;
   ``messages.py``: its step replies (finished outputs, streamed token deltas, load).
 - ``torchrun.py``: ``TorchrunEngine``, the same under ``torchrun``: this process is one of the ranks.
 - ``moe.py`` / ``dispatch.py``: the expert-parallel MoE layer and the all-to-all dispatch/combine.

@@ -5,10 +5,12 @@ The driver is not a rank. It starts N rank processes as fresh interpreters
 ``TCPStore`` they meet through (bound to a free port by the OS, so every ``LLM`` has its own) and a
 command connection to each (``multiprocessing.connection``, authenticated with a random key). It
 validates and numbers requests exactly like a single engine (a ``RequestIntake``, engine/intake.py,
-over the facts rank 0 reports), routes each one to a rank with the configured ``RequestRouter``, and drives the ranks in
-lock-step: one ``step()`` sends every rank its new requests and aborts and collects every rank's
-finished outputs and, with ``stream`` on (``AsyncLLM`` sets it), the tokens each unfinished request
-committed, from which the driver builds the cumulative outputs a single engine streams. Ranks are
+over the facts rank 0 reports), routes each one to a rank with the configured ``RequestRouter`` and
+sends it there at once; aborts go the same way. The ranks step on their own loops, in step with each
+other through one small all-reduce per step (``worker.serve``), and send a reply after every step:
+``step()`` only reads the replies that arrived — finished outputs and, with ``stream`` on (``AsyncLLM``
+sets it), the tokens each unfinished request committed, from which the driver builds the cumulative
+outputs a single engine streams. There is no per-step round trip. Ranks are
 torn down by ``shutdown()``, at garbage collection and at interpreter exit (``weakref.finalize``); a
 rank that fails takes the whole group down with its traceback in the error, since the others can no
 longer complete their collectives.
@@ -27,7 +29,7 @@ import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
 import torch
@@ -98,7 +100,7 @@ class _RankGroup:
 
 
 class ParallelEngine:
-    """Routes requests over N rank processes that run DP attention and EP MoE in lock-step.
+    """Routes requests over N rank processes that run DP attention and EP MoE, stepping on their own.
 
     It offers what ``LLM`` and ``AsyncLLM`` use of an ``LLMEngine`` (``entrypoints.llm.Engine``); with
     ``stream`` on, ``step()`` also returns an output for every unfinished request that got tokens.
@@ -121,8 +123,7 @@ class ParallelEngine:
         self.tokenizer = load_tokenizer(self.config.model.tokenizer, self.model_path, read_hf_config(self.model_path))
         self._group = _RankGroup()
         self._finalizer = weakref.finalize(self, _RankGroup.close, self._group)
-        self._inbox: list[list[Request]] = [[] for _ in range(self.world)]
-        self._aborts: list[list[str]] = [[] for _ in range(self.world)]
+        self._replies: list[StepReply] = []  # read while waiting for a command's answer, not yet applied
         self._owner: dict[str, int] = {}  # unfinished request id -> rank
         self._requests: dict[str, Request] = {}  # unfinished request id -> its copy here, advanced by deltas
         self.stream = False
@@ -202,15 +203,11 @@ class ParallelEngine:
                 proc.kill()
         self._finalizer()
 
-    def _recv(self, rank: int, expect: str = "ok") -> Any:
-        """The next reply of ``rank``; a rank error is re-raised here (``ConfigError`` as itself)."""
-        if self._group.closed:
-            raise RankFailure("the rank processes have been shut down")
-        conn = self._group.conns[rank]
-        while not conn.poll(POLL_S):
-            self._check_alive()
+    def _next(self, rank: int) -> tuple[str, Any]:
+        """The next message of ``rank`` (it is ready: ``conn.poll`` said so); a rank error is re-raised
+        here (``ConfigError`` as itself)."""
         try:
-            kind, payload = conn.recv()
+            kind, payload = self._group.conns[rank].recv()
         except (EOFError, OSError):
             self._fail()
             raise RankFailure(f"rank {rank} closed its connection") from None
@@ -220,18 +217,65 @@ class ParallelEngine:
             if name == "ConfigError":
                 raise ConfigError(message)
             raise RankFailure(f"rank {rank} failed: {name}: {message}\n{trace}")
+        return kind, payload
+
+    def _recv(self, rank: int, expect: str) -> Any:
+        """The payload of ``rank``'s next message, which must be an ``expect`` (start-up)."""
+        conn = self._group.conns[rank]
+        while not conn.poll(POLL_S):
+            self._check_alive()
+        kind, payload = self._next(rank)
         if kind != expect:
             self._fail()
             raise RankFailure(f"rank {rank} answered {kind!r}, expected {expect!r}")
         return payload
 
-    def _all(self, kind: str, payloads: list[Any] | None = None) -> list[Any]:
-        """Send one command to every rank (they run it concurrently), then collect the replies."""
+    def _read(self) -> dict[int, Any]:
+        """Every message the ranks have sent so far, waiting up to ``POLL_S`` for one: step replies are
+        kept for ``step()``, command answers returned by rank. Reading every rank at once keeps any rank
+        from blocking on a full pipe while another is awaited."""
         if self._group.closed:
             raise RankFailure("the rank processes have been shut down")
-        for r, conn in enumerate(self._group.conns):
-            conn.send((kind, None if payloads is None else payloads[r]))
-        return [self._recv(r) for r in range(self.world)]
+        conns = self._group.conns
+        ready = wait(conns, POLL_S)
+        if not ready:
+            self._check_alive()
+        answers: dict[int, Any] = {}
+        for conn in ready:
+            rank = conns.index(conn)  # type: ignore[arg-type]
+            while conn.poll():
+                kind, payload = self._next(rank)
+                if kind == "step":
+                    self._replies.append(payload)
+                elif kind == "ok" and rank not in answers:
+                    answers[rank] = payload
+                else:
+                    self._fail()
+                    raise RankFailure(f"rank {rank} sent {kind!r} out of turn")
+        return answers
+
+    def _send(self, rank: int, message: tuple[str, Any]) -> None:
+        if self._group.closed:
+            raise RankFailure("the rank processes have been shut down")
+        try:
+            self._group.conns[rank].send(message)
+        except OSError:
+            self._fail()
+            raise RankFailure(f"rank {rank} closed its connection") from None
+
+    def _all(self, kind: str) -> list[Any]:
+        """Send one collective command to every rank (they run it together once all have it), then
+        collect the answers."""
+        for r in range(self.world):
+            self._send(r, (kind, None))
+        answers: dict[int, Any] = {}
+        while len(answers) < self.world:
+            for rank, answer in self._read().items():
+                if rank in answers:
+                    self._fail()
+                    raise RankFailure(f"rank {rank} answered {kind!r} twice")
+                answers[rank] = answer
+        return [answers[r] for r in range(self.world)]
 
     # ---------------------------------------------------------------------------------------- requests
 
@@ -241,7 +285,12 @@ class ParallelEngine:
         return self.intake.make_request(prompt, params, text=text)
 
     def add(self, request: Request) -> None:
-        """Route ``request`` to a rank; it is sent with the next ``step()``."""
+        """Route ``request`` to a rank and send it there now."""
+        self._send(self._route(request), ("add", ([request], self.stream)))
+
+    def _route(self, request: Request) -> int:
+        """The rank ``request`` goes to (the ``RequestRouter``), counted in that rank's load until it reports
+        its own, and the request recorded as unfinished."""
         rank = int(self.router.route(request, list(self._loads)))
         if not 0 <= rank < self.world:
             raise ValueError(f"router {self.config.parallel.router!r} chose rank {rank} of {self.world}")
@@ -249,17 +298,17 @@ class ParallelEngine:
         blocks = -(-request.num_tokens // self.config.cache.block_size)  # until the rank reports its own
         self._loads[rank] = RankLoad(rank, load.num_requests + 1, load.num_tokens + request.num_tokens,
                                      load.num_kv_blocks + blocks)
-        self._inbox[rank].append(request)
         self._owner[request.request_id] = rank
         self._requests[request.request_id] = request
         self._routed[rank] += 1
+        return rank
 
     def abort(self, request_id: str) -> bool:
-        """Abort an unfinished request; its output (``finish_reason="abort"``) comes with the next step."""
+        """Abort an unfinished request; its output (``finish_reason="abort"``) comes with a later step."""
         rank = self._owner.get(request_id)
         if rank is None:
             return False
-        self._aborts[rank].append(request_id)
+        self._send(rank, ("abort", [request_id]))
         return True
 
     def has_unfinished(self) -> bool:
@@ -267,15 +316,21 @@ class ParallelEngine:
         return bool(self._owner)
 
     def step(self) -> list[RequestOutput]:
-        """One lock-step of every rank; the finished outputs of all of them and, with ``stream`` on, the
-        cumulative output of every unfinished request that got tokens."""
+        """The rank steps' replies that arrived since the last call (waiting for at least one): their
+        finished outputs and, with ``stream`` on, the cumulative output of every unfinished request that
+        got tokens. The ranks step on their own; nothing is sent here."""
         if not self._owner:
             return []
-        payloads = [(self._inbox[r], self._aborts[r], self.stream) for r in range(self.world)]
-        self._inbox = [[] for _ in range(self.world)]
-        self._aborts = [[] for _ in range(self.world)]
+        while not self._replies:
+            if self._read():
+                self._fail()
+                raise RankFailure("a rank answered a command that was not sent")
+        replies, self._replies = self._replies, []
+        return self._apply(replies)
+
+    def _apply(self, replies: list[StepReply]) -> list[RequestOutput]:
+        """The outputs of the ranks' step replies, with the loads they report taken in."""
         outputs: list[RequestOutput] = []
-        replies: list[StepReply] = self._all("step", payloads)
         for reply in replies:
             self._loads[reply.load.rank] = reply.load
             for out in reply.finished:

@@ -23,7 +23,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from deepinfer.engine.request import Request
 from deepinfer.errors import ConfigError
+from deepinfer.outputs import RequestOutput
 from deepinfer.parallel.driver import ParallelEngine, RankFailure
 from deepinfer.parallel.launch import TorchrunLaunch
 from deepinfer.parallel.worker import Rank
@@ -70,11 +72,34 @@ class TorchrunEngine(ParallelEngine):
         dist.all_gather_object(replies, reply, group=self._objects)
         return replies
 
-    def _all(self, kind: str, payloads: list[Any] | None = None) -> list[Any]:
-        """Run one command on this process's rank (its own payload) and gather every rank's reply."""
+    def _all(self, kind: str) -> list[Any]:
+        """Run one command on this process's rank and gather every rank's reply."""
         if not self._finalizer.alive:
             raise RankFailure("this rank has been shut down")
-        return self._gather(self._rank.run(kind, None if payloads is None else payloads[self._rank.rank]))
+        return self._gather(self._rank.run(kind))
+
+    def add(self, request: Request) -> None:
+        """Route ``request`` (every process the same way); this process's rank queues it if it is its."""
+        if self._route(request) == self._rank.rank:
+            self._rank.add([request])
+
+    def abort(self, request_id: str) -> bool:
+        """Abort an unfinished request (on the process whose rank runs it); its output comes with the next
+        step."""
+        rank = self._owner.get(request_id)
+        if rank is None:
+            return False
+        if rank == self._rank.rank:
+            self._rank.abort([request_id])
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        """One lock-step of every process's rank; every rank's finished outputs (a collective)."""
+        if not self._owner:
+            return []
+        if not self._finalizer.alive:
+            raise RankFailure("this rank has been shut down")
+        return self._apply(self._gather(self._rank.step_once(False)))
 
     def shutdown(self) -> None:
         """Leave the process group once every process got here (idempotent; a collective)."""

@@ -5,19 +5,24 @@ re-imported). The driver's authentication key arrives on stdin.
 The rank joins the process group through the driver's ``TCPStore`` (gloo on CPU, NCCL on CUDA),
 builds its own ``LLMEngine`` from the config the driver sends — which, inside a rank, builds the model
 with the rank's ``ExpertShard`` and loads only those routed experts (``model/loader.py``) — hands them
-to the expert-parallel layers (``moe.attach_expert_parallel``) and then answers commands in order:
+to the expert-parallel layers (``moe.attach_expert_parallel``) and then steps on its own loop (``serve``):
+the driver sends requests and aborts whenever it has them and reads replies whenever it likes, and the
+ranks keep in step with one small all-reduce per step (``Rank.agree``), not with the driver.
 
-- ``step (requests, aborts, stream)``: add the requests routed here, apply aborts, run one
-  *lock-step* — schedule; if this rank has nothing to run, a placeholder forward of zero tokens so
-  that it still joins every MoE layer's dispatch and combine (and computes the rows other ranks send
-  it); process; record router statistics and rebalance when due — and reply (``StepReply``) with the
-  finished outputs, when ``stream`` is on the tokens each unfinished request committed this step
-  (``TokenDelta``: only what the driver has not seen), and the rank's load. A request that this rank
-  cannot accept finishes alone with ``finish_reason="error"``. A structured request's grammar compiles
-  here, when the rank's engine queues it (``LLMEngine.add``), so one that does not compile finishes
-  alone as in one process.
-- ``stats``, ``layout``, ``rebalance``: collectives that every rank answers at the same point.
-- ``shutdown``: leave the process group and exit. A lost driver connection exits too.
+- ``add (requests, stream)``, ``abort (ids)``: applied when read. A request that this rank cannot accept
+  finishes alone with ``finish_reason="error"``. A structured request's grammar compiles here, when the
+  rank's engine queues it (``LLMEngine.add``), so one that does not compile finishes alone as in one
+  process.
+- A step, whenever any rank has work: schedule; if this rank has nothing to run, a placeholder forward
+  of zero tokens so that it still joins every MoE layer's dispatch and combine (and computes the rows
+  other ranks send it); process; record router statistics and rebalance when due — then send the driver
+  a ``StepReply``: the finished outputs, when ``stream`` is on the tokens each unfinished request
+  committed this step (``TokenDelta``: only what the driver has not seen), and the rank's load.
+- ``stats``, ``layout``, ``rebalance``: collectives that every rank runs at the same point, once every
+  rank has received them (``agree``). ``shutdown``: the same, then leave the process group and exit. A
+  lost driver connection exits too.
+
+Under ``torchrun`` (``torchrun.py``) there is no driver: each process calls ``Rank.step_once`` in lock-step.
 
 An exception anywhere else is fatal for the whole group (the collectives can no longer match): it
 is sent to the driver with its traceback and the process exits.
@@ -35,6 +40,7 @@ import contextlib
 import logging
 import sys
 import traceback
+from collections import deque
 from datetime import timedelta
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -57,6 +63,7 @@ from deepinfer.parallel.sizes import set_current_rank
 logger = logging.getLogger(__name__)
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+IDLE_WAIT_S = 0.01  # while no rank has work, how long each iteration waits for the driver's messages
 
 
 class Rank:
@@ -101,6 +108,9 @@ class Rank:
         if speculator is not None and isinstance(speculator.cost, StepCost):
             speculator.cost.profile_all()  # every rank at once: the profile's forwards join the collectives
         self._sent: dict[str, int] = {}  # streaming: output tokens the driver has of each unfinished request
+        self._rejected: list[RequestOutput] = []  # finished at ``add``, not sent yet
+        # The per-step agreement (``serve``) runs on the process group's device.
+        self._flags = torch.zeros(2, dtype=torch.int64, device=self.device)
 
     def info(self) -> dict[str, Any]:
         """What the driver needs to validate requests like a single engine would."""
@@ -111,27 +121,35 @@ class Rank:
 
     # ------------------------------------------------------------------------------------- commands
 
-    def run(self, kind: str, payload: Any) -> Any:
-        """Run one command of the lock-step protocol (``step``, ``stats``, ``layout``, ``rebalance``)
-        and return its reply."""
-        if kind == "step":
-            return self.step(*payload)
+    def run(self, kind: str) -> Any:
+        """Run one collective command (``stats``, ``layout``, ``rebalance``) and return its reply."""
         return {"stats": self.stats, "layout": self.layout, "rebalance": self.rebalance}[kind]()
 
-    def step(self, requests: list[Request], aborts: list[str], stream: bool) -> StepReply:
-        """One lock-step (see the module docstring)."""
-        core = self.engine.core
-        core.stream = stream
-        rejected = []
+    def add(self, requests: list[Request]) -> None:
+        """Queue the requests routed here; one this rank cannot accept finishes with
+        ``finish_reason="error"``, its output sent with the next step's reply."""
         for req in requests:
             try:
                 self._check(req)
                 self.engine.add(req)
             except (ValueError, TypeError) as exc:
                 req.finish("error", f"rank {self.rank} rejected the request: {exc}")
-                rejected.append(core.output_of(req))
-        for request_id in aborts:
-            core.abort(request_id)
+                self._rejected.append(self.engine.core.output_of(req))
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.core.abort(request_id)
+
+    def has_work(self) -> bool:
+        """Requests to run, or rejected requests whose outputs the driver has not been sent."""
+        return self.engine.has_unfinished() or bool(self._rejected)
+
+    def step_once(self, stream: bool) -> StepReply:
+        """One step of this rank's engine, a placeholder forward when it has nothing to run (see the
+        module docstring); the reply holds the rejected requests queued since the last one."""
+        core = self.engine.core
+        core.stream = stream
+        rejected, self._rejected = self._rejected, []
         scheduled = core.schedule()
         if scheduled.is_empty:
             self._placeholder()
@@ -173,6 +191,15 @@ class Rank:
                               backends=self.engine.runner.backends, device=self.device)
         with torch.inference_mode():
             self.engine.model.forward(ids, ctx)
+
+    def agree(self, commands: int) -> tuple[bool, int]:
+        """One all-reduce over the ranks: whether any rank has work, and the fewest collective commands
+        any rank has queued (``commands``: this rank's)."""
+        flags = self._flags
+        flags[0], flags[1] = int(self.has_work()), -commands
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_work, fewest = flags.tolist()
+        return bool(any_work), -fewest
 
     def load(self) -> RankLoad:
         """Queued and running requests, their tokens, and the KV blocks in use (cached free blocks not)."""
@@ -222,18 +249,46 @@ class Rank:
 
 
 def serve(conn: Connection, rank: Rank) -> None:
-    """Answer the driver's commands until ``shutdown`` or a lost connection."""
+    """Step on this rank's own loop until every rank has received ``shutdown`` or the driver is gone.
+
+    Each iteration reads the driver's messages without waiting (up to ``IDLE_WAIT_S`` while no rank has
+    work): ``add`` (requests routed here, and whether to stream) and ``abort`` apply at once; the
+    collective commands (``stats``, ``layout``, ``rebalance``, ``shutdown``) queue. Then one all-reduce of
+    two integers (``agree``) tells every rank whether any of them has work and how many queued commands
+    every rank has received; those run, in order, at the same point on every rank, each answered with
+    ``("ok", result)``. If any rank has work, every rank steps (a placeholder forward when it has none,
+    so that it joins the MoE collectives) and sends ``("step", StepReply)``; the driver reads the replies
+    when it likes (no per-step round trip)."""
+    commands: deque[str] = deque()
+    busy = False
+    stream = False
     while True:
+        wait = 0.0 if busy else IDLE_WAIT_S
         try:
-            kind, payload = conn.recv()
+            while conn.poll(wait):
+                wait = 0.0
+                kind, payload = conn.recv()
+                if kind == "add":
+                    requests, stream = payload
+                    rank.add(requests)
+                elif kind == "abort":
+                    rank.abort(payload)
+                else:
+                    commands.append(kind)
         except (EOFError, OSError):
             logger.warning("rank %d: the driver went away; exiting", rank.rank)
             return
-        if kind == "shutdown":
-            rank.shutdown()
-            conn.send(("ok", None))
-            return
-        conn.send(("ok", rank.run(kind, payload)))
+        busy, ready = rank.agree(len(commands))
+        for _ in range(ready):
+            kind = commands.popleft()
+            if kind == "shutdown":
+                rank.shutdown()
+                with contextlib.suppress(OSError):
+                    conn.send(("ok", None))
+                return
+            conn.send(("ok", rank.run(kind)))
+        if busy:
+            conn.send(("step", rank.step_once(stream)))
 
 
 def main(argv: list[str] | None = None) -> int:
