@@ -1,7 +1,7 @@
 """Speculative decoding under the overlapped executor against the synchronous one, on CPU (issue 28).
 
-    python scripts/bench_cpu_spec_overlap.py [--batch 1 8 32] [--acceptance 0.7] [--drafter oracle|ngram]
-        [--repeats 3] [--new-tokens 64] [--threads 2] [--output spec_overlap.json]
+    python scripts/bench_cpu_spec_overlap.py [--batch 1 8 32] [--acceptance 0.7] [--drafter oracle|ngram|dspark]
+        [--dspark FIELD=VALUE ...] [--repeats 3] [--new-tokens 64] [--threads 2] [--output spec_overlap.json]
 
 SmolLM2-135M-Instruct fp32 with the ``cpu`` plugin (oneDNN GEMMs, paged attention), greedy, EOS ignored,
 prefix caching off. Configurations: no speculation, ``fixed``-5 and ``varlen``, each under the ``sync``
@@ -12,7 +12,9 @@ tok/s = ``B · new_tokens / (t_full − t1)``, median over repeats, as ``scripts
 
 ``--drafter oracle`` (default): a first engine records every prompt's greedy reply, which becomes the
 oracle's file; each draft is then the known next token, replaced by a wrong one with probability
-``1 − a`` (``--acceptance a``). ``--drafter ngram``: prompt lookup on the model's own replies. Outputs
+``1 − a`` (``--acceptance a``). ``--drafter ngram``: prompt lookup on the model's own replies.
+``--drafter dspark``: the ``dspark`` drafter, random weights unless ``--dspark dspark_weights=FILE``
+(random drafts: what ``varlen`` pays for a drafter whose drafts do not pay). Outputs
 must be token-identical across configurations (greedy); the engine's acceptance statistics and the
 share of steps in which a speculating request followed a step in flight are reported.
 """
@@ -84,7 +86,10 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--acceptance", type=float, default=0.7)
-    ap.add_argument("--drafter", choices=["oracle", "ngram"], default="oracle")
+    ap.add_argument("--drafter", choices=["oracle", "ngram", "dspark"], default="oracle")
+    ap.add_argument("--dspark", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a dspark setting (--drafter dspark), e.g. dspark_num_layers=2; dspark_weights is random "
+                         "unless given")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the VM has 2 cores)")
@@ -102,6 +107,10 @@ def main() -> None:
         oracle.write_text("\n".join(json.dumps({"token_ids": p + r}) for p, r in zip(prompts, replies, strict=True)))
         if args.drafter == "oracle":
             drafter = {"drafter": "oracle", "oracle_file": str(oracle), "oracle_corruption": 1.0 - args.acceptance}
+        elif args.drafter == "dspark":
+            settings = dict(item.split("=", 1) for item in args.dspark)
+            drafter = {"drafter": "dspark", "dspark_weights": "random",
+                       **{k: int(v) if v.isdigit() else v for k, v in settings.items()}}
         else:
             drafter = {"drafter": "ngram"}
         configs = {f"{name}-{executor}": (executor, spec) for name, spec in
