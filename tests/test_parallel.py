@@ -272,3 +272,19 @@ def test_ranks_step_on_their_own_without_a_round_trip_per_step(single, ep2):
     outputs = {o.request_id: o for o in engine.step()}
     assert not engine.has_unfinished()
     assert [outputs[r.request_id].outputs[0].token_ids for r in requests] == single[1]
+
+
+def test_shutdown_while_ranks_step_unread_ends_every_rank_cleanly(tiny_v3):
+    """Requests left running while the driver reads nothing (the ranks go on stepping and replying):
+    ``shutdown`` reaches every rank at the same point and each exits by itself (code 0, not killed)."""
+    llm = LLM(tiny_v3, kv_cache_bytes=KV, block_size=BLOCK, expert_parallel_size=2)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    for prompt in PROMPTS:
+        engine.add(engine.make_request(prompt, params))
+    time.sleep(4)  # the ranks step and reply; nobody reads
+    procs = list(engine._group.procs)
+    start = time.monotonic()
+    llm.shutdown()
+    assert time.monotonic() - start < 15
+    assert [proc.returncode for proc in procs] == [0, 0]

@@ -85,13 +85,24 @@ class _RankGroup:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send(("shutdown", None))
+        # Ranks still stepping send replies until they all have the command; read and drop them, so that
+        # none blocks on a full connection buffer before it gets there.
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        reading = list(self.conns)
+        while any(proc.poll() is None for proc in self.procs) and time.monotonic() < deadline:
+            if not reading:
+                time.sleep(POLL_S)
+                continue
+            for conn in wait(reading, POLL_S):
+                try:
+                    conn.recv()
+                except (EOFError, OSError):
+                    reading.remove(conn)
         for proc in self.procs:
-            try:
-                proc.wait(timeout=SHUTDOWN_WAIT_S)
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 logger.warning("rank process %d did not exit; killing it", proc.pid)
                 proc.kill()
-                proc.wait()
+            proc.wait()
         for conn in self.conns:
             conn.close()
         if self.listener is not None:
