@@ -75,6 +75,7 @@ class _DeviceRows:
 
 
 StepRows = Sequence[_Segment] | _DeviceRows
+"""How a step's rows reach the compressors: per-request segments (host ints), or ``_DeviceRows``."""
 
 
 def layer_stance(step_rows: StepRows) -> AbstractContextManager[object]:
@@ -83,7 +84,6 @@ def layer_stance(step_rows: StepRows) -> AbstractContextManager[object]:
     host loops would recompile the layers for every new step shape (and past Dynamo's recompile limit fall
     back to eager anyway)."""
     return nullcontext() if isinstance(step_rows, _DeviceRows) else torch.compiler.set_stance("force_eager")
-"""How a step's rows reach the compressors: per-request segments (host ints), or ``_DeviceRows``."""
 
 
 @dataclass(frozen=True)
