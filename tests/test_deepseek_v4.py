@@ -154,6 +154,20 @@ def test_greedy_ids_match_transformers_in_a_mixed_batch(tiny):
     _assert_transformers_greedy(model, MIXED, greedy(llm, MIXED))
 
 
+def test_a_step_without_tokens_runs_and_changes_no_cache(tiny):
+    """An idle expert-parallel rank joins the MoE collectives with such a step (``parallel/worker.py``)."""
+    _, folder = tiny
+    e = make_llm(folder).engine
+    cache = [t for layer in e.pool.layers for t in layer]
+    before = [t.clone() for t in cache]
+    ctx = forward_context(SpanLayout.of([], BLOCK), block_size=BLOCK, backends=e.runner.backends, device=e.device,
+                          state_slots=[])
+    with torch.inference_mode():
+        hidden = e.model.forward(torch.zeros(0, dtype=torch.int64), ctx)
+    assert hidden.shape[0] == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, cache, strict=True))
+
+
 def _blocks_budget(llm: LLM, blocks: int) -> int:
     """``cache.kv_cache_bytes`` that holds ``blocks`` blocks plus the engine's state slots."""
     e = llm.engine

@@ -40,10 +40,11 @@ from deepinfer.engine.intake import RequestIntake, load_tokenizer
 from deepinfer.engine.request import Request
 from deepinfer.engine.startup import resolve_config
 from deepinfer.errors import ConfigError
-from deepinfer.interfaces import RankLoad, RequestRouter
+from deepinfer.interfaces import RequestRouter
 from deepinfer.model.assets import resolve_model_path
 from deepinfer.model.loader import read_hf_config
 from deepinfer.outputs import RequestOutput
+from deepinfer.parallel.loads import RankLoads
 from deepinfer.parallel.messages import StepReply, TokenDelta
 from deepinfer.parallel.sizes import parallel_sizes
 from deepinfer.plugins import PluginHost
@@ -138,8 +139,7 @@ class ParallelEngine:
         self._owner: dict[str, int] = {}  # unfinished request id -> rank
         self._requests: dict[str, Request] = {}  # unfinished request id -> its copy here, advanced by deltas
         self.stream = False
-        self._loads = [RankLoad(r, 0, 0) for r in range(self.world)]
-        self._routed = [0] * self.world
+        self.loads = RankLoads(self.world, self.config.cache.block_size)
         try:
             infos = self._start()
         except BaseException:
@@ -300,18 +300,14 @@ class ParallelEngine:
         self._send(self._route(request), ("add", ([request], self.stream)))
 
     def _route(self, request: Request) -> int:
-        """The rank ``request`` goes to (the ``RequestRouter``), counted in that rank's load until it reports
-        its own, and the request recorded as unfinished."""
-        rank = int(self.router.route(request, list(self._loads)))
+        """The rank ``request`` goes to (the ``RequestRouter``), counted in that rank's load until a load
+        it reports counts it, and the request recorded as unfinished."""
+        rank = int(self.router.route(request, self.loads.current()))
         if not 0 <= rank < self.world:
             raise ValueError(f"router {self.config.parallel.router!r} chose rank {rank} of {self.world}")
-        load = self._loads[rank]
-        blocks = -(-request.num_tokens // self.config.cache.block_size)  # until the rank reports its own
-        self._loads[rank] = RankLoad(rank, load.num_requests + 1, load.num_tokens + request.num_tokens,
-                                     load.num_kv_blocks + blocks)
+        self.loads.routed_to(rank, request.num_tokens)
         self._owner[request.request_id] = rank
         self._requests[request.request_id] = request
-        self._routed[rank] += 1
         return rank
 
     def abort(self, request_id: str) -> bool:
@@ -343,7 +339,7 @@ class ParallelEngine:
         """The outputs of the ranks' step replies, with the loads they report taken in."""
         outputs: list[RequestOutput] = []
         for reply in replies:
-            self._loads[reply.load.rank] = reply.load
+            self.loads.reported(reply.load, reply.requests_received)
             for out in reply.finished:
                 self._owner.pop(out.request_id, None)
                 self._requests.pop(out.request_id, None)
@@ -389,7 +385,7 @@ class ParallelEngine:
         lookups = stats["prefix_cache_lookup_tokens"]
         stats["prefix_cache_hit_rate"] = stats["prefix_cache_hit_tokens"] / lookups if lookups else 0.0
         parallel: dict[str, Any] = {"world_size": self.world, "expert_parallel_size": self.expert_parallel_size,
-                                    "requests_per_rank": list(self._routed)}
+                                    "requests_per_rank": list(self.loads.routed)}
         if comm[0] is not None:
             calls = sum(c["dispatch_calls"] for c in comm)
             parallel["dispatch_calls"] = calls
@@ -435,3 +431,4 @@ def _sum_dicts(dicts: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = sum(values)
     return out
+

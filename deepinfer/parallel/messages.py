@@ -21,8 +21,10 @@ class TokenDelta(NamedTuple):
 
 class StepReply(NamedTuple):
     """A rank's answer to ``step``: whole outputs of the requests that finished, deltas of those that
-    committed tokens and go on (streaming only), and the rank's load."""
+    committed tokens and go on (streaming only), the rank's load, and how many requests the driver had
+    routed there when it was measured (the load counts those; the driver adds any routed since)."""
 
     finished: list[RequestOutput]
     deltas: list[TokenDelta]
     load: RankLoad
+    requests_received: int

@@ -109,6 +109,7 @@ class Rank:
             speculator.cost.profile_all()  # every rank at once: the profile's forwards join the collectives
         self._sent: dict[str, int] = {}  # streaming: output tokens the driver has of each unfinished request
         self._rejected: list[RequestOutput] = []  # finished at ``add``, not sent yet
+        self._received = 0  # requests the driver has routed here so far
         # The per-step agreement (``serve``) runs on the process group's device.
         self._flags = torch.zeros(2, dtype=torch.int64, device=self.device)
 
@@ -128,6 +129,7 @@ class Rank:
     def add(self, requests: list[Request]) -> None:
         """Queue the requests routed here; one this rank cannot accept finishes with
         ``finish_reason="error"``, its output sent with the next step's reply."""
+        self._received += len(requests)
         for req in requests:
             try:
                 self._check(req)
@@ -162,7 +164,7 @@ class Rank:
         finished = rejected + [o for o in outputs if o.finished]
         for out in finished:
             self._sent.pop(out.request_id, None)
-        return StepReply(finished, [self._delta(o) for o in outputs if not o.finished], self.load())
+        return StepReply(finished, [self._delta(o) for o in outputs if not o.finished], self.load(), self._received)
 
     def _delta(self, out: RequestOutput) -> TokenDelta:
         """The part of an unfinished request's cumulative output that the driver has not received."""
@@ -182,13 +184,14 @@ class Rank:
             raise ValueError(f"prompt has {req.num_prompt_tokens} tokens; max_model_len is {self.engine.max_model_len}")
 
     def _placeholder(self) -> None:
-        """A forward of zero tokens: an idle rank still joins every MoE layer's collectives."""
+        """A forward of zero tokens (and no state slots): an idle rank still joins every MoE layer's
+        collectives."""
         if not self.layers:
             return
         ids = torch.zeros(0, dtype=torch.int64, device=self.device)
         block_size = self.engine.config.cache.block_size
         ctx = forward_context(SpanLayout.of([], block_size), block_size=block_size,
-                              backends=self.engine.runner.backends, device=self.device)
+                              backends=self.engine.runner.backends, device=self.device, state_slots=[])
         with torch.inference_mode():
             self.engine.model.forward(ids, ctx)
 

@@ -25,7 +25,7 @@ class V4Rotary(nn.Module):
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """``x [T, ..., D]`` rotated by the angle of ``positions [T]`` (backwards with ``inverse``)."""
-        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (-1,)
+        shape = (positions.shape[0],) + (1,) * (x.dim() - 2) + (self.cos.shape[1],)
         cos, sin = self.cos[positions].view(shape), self.sin[positions].view(shape)
         if inverse:
             sin = -sin
