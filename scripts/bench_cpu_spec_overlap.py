@@ -14,7 +14,9 @@ tok/s = ``B · new_tokens / (t_full − t1)``, median over repeats, as ``scripts
 oracle's file; each draft is then the known next token, replaced by a wrong one with probability
 ``1 − a`` (``--acceptance a``). ``--drafter ngram``: prompt lookup on the model's own replies.
 ``--drafter dspark``: the ``dspark`` drafter, random weights unless ``--dspark dspark_weights=FILE``
-(random drafts: what ``varlen`` pays for a drafter whose drafts do not pay). Outputs
+(random drafts: what ``varlen`` pays for a drafter whose drafts do not pay); ``--draft-vocab N`` gives the
+random drafter a draft vocabulary of the ``N`` token ids the recorded replies use most (then by id), so
+its head costs what a trained drafter's does (SmolLM2's: 8,192). Outputs
 must be token-identical across configurations (greedy); the engine's acceptance statistics and the
 share of steps in which a speculating request followed a step in flight are reported.
 """
@@ -63,6 +65,27 @@ def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[floa
     return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def _random_drafter(model: str, settings: dict, replies: list[list[int]], vocab: int, path: Path) -> Path:
+    """Random ``dspark`` weights (the engine seed's) proposing from the ``vocab`` ids ``replies`` use most."""
+    from deepinfer_spec_decode.config import SpecDecodeConfig
+    from deepinfer_spec_decode.dspark import build_network, save_weights, target_layers
+
+    from deepinfer.ops import init_dummy
+
+    llm = _engine(model, 1, "sync", None)
+    target = llm.engine.model
+    config = SpecDecodeConfig(enabled=True, drafter="dspark", **settings)
+    network = build_network(target, config, len(target_layers(config, llm.engine.hf_config["num_hidden_layers"])),
+                            draft_vocab_size=vocab)
+    init_dummy(network, seed=0)
+    counts = torch.bincount(torch.tensor([t for r in replies for t in r]), minlength=target.vocab_size).double()
+    ranked = torch.argsort(-(counts - torch.arange(target.vocab_size) / target.vocab_size), stable=True)
+    network.set_draft_vocab(ranked[:vocab].sort().values)
+    save_weights(network, path)
+    llm.shutdown()
+    return path
+
+
 def _follow_counter(llm: LLM) -> list[int]:
     """[decode rows, rows that followed a step in flight], counted by a spy on the core's schedule."""
     counts = [0, 0]
@@ -90,6 +113,7 @@ def main() -> None:
     ap.add_argument("--dspark", action="append", default=[], metavar="FIELD=VALUE",
                     help="a dspark setting (--drafter dspark), e.g. dspark_num_layers=2; dspark_weights is random "
                          "unless given")
+    ap.add_argument("--draft-vocab", type=int, help="random dspark weights with a draft vocabulary of this size")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch intra-op threads (the VM has 2 cores)")
@@ -108,9 +132,11 @@ def main() -> None:
         if args.drafter == "oracle":
             drafter = {"drafter": "oracle", "oracle_file": str(oracle), "oracle_corruption": 1.0 - args.acceptance}
         elif args.drafter == "dspark":
-            settings = dict(item.split("=", 1) for item in args.dspark)
-            drafter = {"drafter": "dspark", "dspark_weights": "random",
-                       **{k: int(v) if v.isdigit() else v for k, v in settings.items()}}
+            settings = {k: int(v) if v.isdigit() else v for k, v in (item.split("=", 1) for item in args.dspark)}
+            drafter = {"drafter": "dspark", "dspark_weights": "random", **settings}
+            if args.draft_vocab and drafter["dspark_weights"] == "random":
+                drafter["dspark_weights"] = str(_random_drafter(args.model, settings, replies, args.draft_vocab,
+                                                                oracle.with_name("dspark.safetensors")))
         else:
             drafter = {"drafter": "ngram"}
         configs = {f"{name}-{executor}": (executor, spec) for name, spec in

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import sys
 import traceback
 from collections import deque
@@ -320,4 +321,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Leave without the interpreter's teardown: once the process group is destroyed, a C++ thread of the
+    # distributed runtime can still be joinable when its static objects are destroyed, and the process
+    # would end in std::terminate (SIGABRT) instead of the code it chose. Everything is already sent.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
