@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -202,11 +202,20 @@ class ParallelEngine:
         return [self._recv(r, expect="ready") for r in range(self.world)]
 
     def _check_alive(self) -> None:
+        """Raise if a rank process has exited: the error it reported before it exited when there is one
+        (``_next``), else its exit code."""
+        conns = self._group.conns  # empty until every rank said hello
         for r, proc in enumerate(self._group.procs):
             code = proc.poll()
-            if code is not None:
-                self._fail()
-                raise RankFailure(f"rank {r} exited with code {code} (its stderr has the reason)")
+            if code is None:
+                continue
+            with contextlib.suppress(EOFError, OSError):
+                while r < len(conns) and conns[r].poll():
+                    kind, payload = conns[r].recv()
+                    if kind == "error":
+                        self._raise_error(r, payload)
+            self._fail()
+            raise RankFailure(f"rank {r} exited with code {code} (its stderr has the reason)")
 
     def _fail(self) -> None:
         for proc in self._group.procs:
@@ -223,12 +232,16 @@ class ParallelEngine:
             self._fail()
             raise RankFailure(f"rank {rank} closed its connection") from None
         if kind == "error":
-            name, message, trace = payload
-            self._fail()
-            if name == "ConfigError":
-                raise ConfigError(message)
-            raise RankFailure(f"rank {rank} failed: {name}: {message}\n{trace}")
+            self._raise_error(rank, payload)
         return kind, payload
+
+    def _raise_error(self, rank: int, report: tuple[str, str, str]) -> NoReturn:
+        """Stop every rank and raise the error ``rank`` reported (``ConfigError`` as itself)."""
+        name, message, trace = report
+        self._fail()
+        if name == "ConfigError":
+            raise ConfigError(message)
+        raise RankFailure(f"rank {rank} failed: {name}: {message}\n{trace}")
 
     def _recv(self, rank: int, expect: str) -> Any:
         """The payload of ``rank``'s next message, which must be an ``expect`` (start-up)."""
