@@ -74,7 +74,7 @@ def _random_drafter(model: str, settings: dict, replies: list[list[int]], vocab:
 
     llm = _engine(model, 1, "sync", None)
     target = llm.engine.model
-    config = SpecDecodeConfig(enabled=True, drafter="dspark", **settings)
+    config = SpecDecodeConfig(drafter="dspark", **settings)
     network = build_network(target, config, len(target_layers(config, llm.engine.hf_config["num_hidden_layers"])),
                             draft_vocab_size=vocab)
     init_dummy(network, seed=0)

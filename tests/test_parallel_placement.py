@@ -214,3 +214,51 @@ def tiny_v3_dir(tmp_path_factory) -> Path:
 
 def test_expert_parallel_path_on_a_world_of_one_rank_gloo(tiny_v3_dir):
     world_of_one_rank_roundtrip(tiny_v3_dir, "cpu", "gloo")
+
+
+class ReverseWhenStepThreeEnds(ReversePolicy):
+    def due(self, step: int) -> bool:
+        return step == 3
+
+
+def test_a_due_rebalance_moves_one_layer_per_step_into_the_same_buffers(tiny_v3_dir):
+    """Staged rebalancing: the policy's placement reaches layer 0 after the step it was due, layer 1 after
+    the next; weights and routing maps change inside the buffers they had (what captured graphs read), and
+    a generation while only layer 0 has moved gives the plain engine's tokens."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 9, 31, 7], list(range(3, 40))]
+    llm = LLM(tiny_v3_dir, kv_cache_bytes=1 << 22, block_size=16)
+    ref_tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    model = llm.engine.model
+    full = [(layer.w13.data.clone(), layer.w2.data.clone()) for layer in ep_capable_layers(model)]
+    experts = full[0][0].shape[0]
+    physical = num_physical_experts(experts, ReversePolicy.num_redundant_experts, 1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layers = attach_expert_parallel(model, rank=0, world=1, slots=physical,
+                                        placement=initial_placement(len(full), experts, physical), group=None)
+        balancer = ExpertBalancer(layers, policy=ReverseWhenStepThreeEnds(), policy_name="reverse",
+                                  topology=Topology(ranks=1, slots_per_rank=physical), group=None,
+                                  device=llm.engine.device)
+        buffers = [(ep.w13.data_ptr(), ep.w2.data_ptr(), ep.l2p.data_ptr(), ep.counts.data_ptr()) for ep in layers]
+        placed = [*range(experts), experts - 1, experts - 2]  # the policy's, aligned to the old slots
+        moved_after_step = []
+        for step in range(1, 6):
+            balancer.end_step()
+            moved_after_step.append([ep.local_experts == placed for ep in layers])
+            if step == 3:
+                assert balancer.stats()["layers_to_move"] == 1
+                assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref_tokens
+        assert moved_after_step == [[False, False], [False, False], [True, False], [True, True], [True, True]]
+        assert [(ep.w13.data_ptr(), ep.w2.data_ptr(), ep.l2p.data_ptr(), ep.counts.data_ptr())
+                for ep in layers] == buffers
+        for ep, (w13, w2) in zip(layers, full, strict=True):
+            for slot, e in enumerate(ep.local_experts):
+                assert torch.equal(ep.w13[slot], w13[e]) and torch.equal(ep.w2[slot], w2[e])
+        stats = balancer.stats()
+        assert stats["rebalances"] == 1 and stats["layers_to_move"] == 0
+        assert stats["experts_copied_in_rank"] == 2 * len(layers)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref_tokens
+    finally:
+        dist.destroy_process_group()
+        llm.shutdown()

@@ -4,7 +4,12 @@ the placement policy says it is due, and the balance numbers of ``get_stats()["e
 All ranks call ``end_step`` after every lock-step, so their windows stay aligned step by step and a
 rebalance happens on all of them at the same step. The policy (a plugin's decision,
 ``PlacementPolicy``) runs on rank 0 on the window summed over ranks; its answer is validated and
-broadcast, then every rank moves weights (``shuffle.py``) and swaps its routing maps.
+broadcast, then every rank moves weights (``shuffle.py``) and swaps its routing maps, into the buffers
+they had (a captured graph sees the new weights and maps). A rebalance the policy says is due is staged:
+one layer moves after each step, so no step waits for the whole move (each layer's weights and maps
+change together, between steps: every forward sees a consistent placement per layer); a policy due
+while one is in progress waits for it. ``rebalance()`` (forced) finishes any staged layers and moves a
+new placement's layers all at once.
 
 Balance is mean over max rank load (1.0 = even), summed over steps and layers first:
 - *measured*: rows each rank actually received per layer and step, gathered over the last window;
@@ -55,11 +60,14 @@ class ExpertBalancer:
         self.shuffle_s = 0.0
         self.moved = torch.zeros(3, dtype=torch.int64)  # in-rank copies, experts sent, bytes sent (summed)
         self.predicted: tuple[float, float] | None = None
+        self._staged: list[tuple[ExpertParallelMoE, torch.Tensor]] = []  # layers still to move, in order
+        self._report = ShuffleReport()  # of the rebalance in progress
 
     # ------------------------------------------------------------------------------------ per step
 
     def end_step(self) -> bool:
-        """Record this lock-step's statistics; rebalance if the policy says so. Returns whether it did."""
+        """Record this lock-step's statistics; move the next layer of a staged rebalance, or start one
+        if the policy says it is due. Returns whether a layer moved."""
         slot = self.step % self.window
         for i, ep in enumerate(self.layers):
             self.loads[slot, i].copy_(ep.loads)
@@ -67,10 +75,12 @@ class ExpertBalancer:
             self.received[slot, i] = sum(ep.received)
             ep.received.clear()
         self.step += 1
-        if self.policy is not None and self.policy.due(self.step):
-            self.rebalance()
-            return True
-        return False
+        if not self._staged and self.policy is not None and self.policy.due(self.step):
+            self._plan()
+        if not self._staged:
+            return False
+        self._move(1)
+        return True
 
     def window_loads(self) -> torch.Tensor:
         """``[steps, layers, logical]`` tokens per logical expert over the filled part of the window,
@@ -84,10 +94,17 @@ class ExpertBalancer:
     # ------------------------------------------------------------------------------------- rebalance
 
     def rebalance(self) -> None:
-        """Run the policy on rank 0, broadcast its placement, move weights, swap routing maps.
-        A collective: every rank must call it at the same step."""
+        """Finish a staged rebalance, then run the policy and move every layer now. A collective: every
+        rank must call it at the same step."""
         if self.policy is None:
             raise RuntimeError("rebalance needs a placement policy (enable plugins.eplb)")
+        self._move(len(self._staged))
+        self._plan()
+        self._move(len(self._staged))
+
+    def _plan(self) -> None:
+        """Run the policy on rank 0 and broadcast its placement; its layers are staged for ``_move``."""
+        assert self.policy is not None
         load = self.window_loads()
         num_layers, num_logical = load.shape[1], load.shape[2]
         physical = self.topology.ranks * self.topology.slots_per_rank
@@ -101,23 +118,33 @@ class ExpertBalancer:
         dist.broadcast(placement, src=0, group=self.group)
         placement = placement.cpu()
         old = torch.stack([ep.phys_to_logical for ep in self.layers])
-        t0 = time.perf_counter()
-        report = ShuffleReport()
-        for ep, row in zip(self.layers, placement, strict=True):
-            shuffle_layer(ep, row, report)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the moves are part of the rebalance time
-        self.shuffle_s += time.perf_counter() - t0
-        moved = torch.tensor([report.local_copies, report.sent, report.bytes_sent], dtype=torch.int64,
-                             device=self.device)
-        dist.all_reduce(moved, group=self.group)
-        self.moved += moved.cpu()
+        self._staged = list(zip(self.layers, placement, strict=True))
+        self._report = ShuffleReport()
         self.rebalances += 1
         ranks = self.topology.ranks
         self.predicted = (balancedness(rank_loads(load.cpu(), old, ranks)),
                           balancedness(rank_loads(load.cpu(), placement, ranks)))
         logger.info("EPLB rebalance %d at step %d with %r: predicted balancedness %.3f -> %.3f",
                     self.rebalances, self.step, self.policy_name, *self.predicted)
+
+    def _move(self, layers: int) -> None:
+        """Move the next ``layers`` staged layers (a collective); after the last, add up what moved."""
+        if not layers:
+            return
+        t0 = time.perf_counter()
+        for ep, row in self._staged[:layers]:
+            shuffle_layer(ep, row, self._report)
+        del self._staged[:layers]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the moves are part of the rebalance time
+        self.shuffle_s += time.perf_counter() - t0
+        if self._staged:
+            return
+        report = self._report
+        moved = torch.tensor([report.local_copies, report.sent, report.bytes_sent], dtype=torch.int64,
+                             device=self.device)
+        dist.all_reduce(moved, group=self.group)
+        self.moved += moved.cpu()
 
     # ----------------------------------------------------------------------------------------- stats
 
@@ -133,6 +160,7 @@ class ExpertBalancer:
             "balancedness": balancedness(per_rank),
             "window_steps": filled,
             "rebalances": self.rebalances,
+            "layers_to_move": len(self._staged),
             "policy_seconds": self.policy_s,
             "shuffle_seconds": self.shuffle_s,
             "experts_copied_in_rank": int(self.moved[0]),

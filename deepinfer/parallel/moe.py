@@ -83,14 +83,20 @@ class ExpertParallelMoE:
         self.device = w13.device
         self.loads = torch.zeros(num_logical, dtype=torch.int64, device=self.device)
         self.received: list[int] = []  # rows received per forward (host ints, from the split sizes)
+        widest = world * slots - num_logical + 1  # the most replicas an expert can have
+        self.l2p = torch.full((num_logical, widest), -1, dtype=torch.int64, device=self.device)
+        self.counts = torch.zeros(num_logical, dtype=torch.int64, device=self.device)
         self.set_placement(phys_to_logical)
 
     def set_placement(self, phys_to_logical: torch.Tensor) -> None:
-        """Install a new placement row ``[ranks · slots]`` (the weights must already match it)."""
+        """Install a new placement row ``[ranks · slots]`` (the weights must already match it). The routing
+        maps change in place (a captured graph reads the new ones): ``l2p [logical, most replicas]`` is as
+        wide as any placement needs (one expert on every slot the others leave free), −1 padded."""
         row = phys_to_logical.to("cpu", torch.int64).view(1, -1)
         self.phys_to_logical = row[0].clone()
-        self.l2p = logical_to_physical(row, self.num_logical)[0].to(self.device)
-        self.counts = replica_counts(row, self.num_logical)[0].to(self.device)
+        l2p = logical_to_physical(row, self.num_logical)[0]
+        self.l2p.fill_(-1)[:, :l2p.shape[1]].copy_(l2p)
+        self.counts.copy_(replica_counts(row, self.num_logical)[0])
 
     @property
     def local_experts(self) -> list[int]:

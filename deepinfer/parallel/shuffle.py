@@ -79,6 +79,7 @@ def shuffle_layer(ep: ExpertParallelMoE, new_row: torch.Tensor, report: ShuffleR
             new_w13[m.dst_slot].copy_(row[:split].view_as(new_w13[m.dst_slot]))
             new_w2[m.dst_slot].copy_(row[split:].view_as(new_w2[m.dst_slot]))
             report.received += 1
-    ep.w13, ep.w2 = new_w13, new_w2
+    ep.w13.copy_(new_w13)  # into the buffers they had: a captured graph reads the new weights
+    ep.w2.copy_(new_w2)
     ep.set_placement(new_row)
     return new_row
