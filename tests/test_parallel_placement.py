@@ -19,7 +19,7 @@ from deepinfer.engine.engine import LLMEngine
 from deepinfer.errors import ConfigError
 from deepinfer.interfaces import RankLoad, Topology
 from deepinfer.parallel.balancer import ExpertBalancer
-from deepinfer.parallel.moe import attach_expert_parallel, ep_capable_layers
+from deepinfer.parallel.moe import ExpertParallelMoE, attach_expert_parallel, ep_capable_layers
 from deepinfer.parallel.placement import (
     align_to_previous,
     balancedness,
@@ -165,6 +165,18 @@ class ReversePolicy:
         return row.unsqueeze(0).repeat(load.shape[1], 1)
 
 
+def _one_rank_expert_parallel(llm: LLM, policy: ReversePolicy, num_layers: int,
+                              experts: int) -> tuple[list[ExpertParallelMoE], ExpertBalancer]:
+    """Expert parallelism on ``llm``'s model over the process group of one rank (initialized), balanced by
+    ``policy``."""
+    physical = num_physical_experts(experts, policy.num_redundant_experts, 1)
+    layers = attach_expert_parallel(llm.engine.model, rank=0, world=1, slots=physical,
+                                    placement=initial_placement(num_layers, experts, physical), group=None)
+    balancer = ExpertBalancer(layers, policy=policy, policy_name="reverse",
+                              topology=Topology(ranks=1, slots_per_rank=physical), group=None, device=llm.engine.device)
+    return layers, balancer
+
+
 def world_of_one_rank_roundtrip(folder: Path, device: str, backend: str, dtype: str = "float32") -> None:
     """EP over a process group of one rank gives the plain engine's greedy tokens, before and after a
     rebalance that moves every expert to another slot; each slot then holds the right weights."""
@@ -178,14 +190,9 @@ def world_of_one_rank_roundtrip(folder: Path, device: str, backend: str, dtype: 
     llm = LLM(folder, **kw)
     model = llm.engine.model
     experts = ref_layers[0].w13.shape[0]
-    physical = num_physical_experts(experts, ReversePolicy.num_redundant_experts, 1)
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
-        layers = attach_expert_parallel(model, rank=0, world=1, slots=physical,
-                                        placement=initial_placement(len(ref_layers), experts, physical), group=None)
-        balancer = ExpertBalancer(layers, policy=ReversePolicy(), policy_name="reverse",
-                                  topology=Topology(ranks=1, slots_per_rank=physical), group=None,
-                                  device=llm.engine.device)
+        layers, balancer = _one_rank_expert_parallel(llm, ReversePolicy(), len(ref_layers), experts)
         assert all(layer.mlp.w13 is None for layer in model.layers if layer.is_moe)  # full stacks dropped
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref_tokens
         for _ in range(3):
@@ -232,14 +239,9 @@ def test_a_due_rebalance_moves_one_layer_per_step_into_the_same_buffers(tiny_v3_
     model = llm.engine.model
     full = [(layer.w13.data.clone(), layer.w2.data.clone()) for layer in ep_capable_layers(model)]
     experts = full[0][0].shape[0]
-    physical = num_physical_experts(experts, ReversePolicy.num_redundant_experts, 1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        layers = attach_expert_parallel(model, rank=0, world=1, slots=physical,
-                                        placement=initial_placement(len(full), experts, physical), group=None)
-        balancer = ExpertBalancer(layers, policy=ReverseWhenStepThreeEnds(), policy_name="reverse",
-                                  topology=Topology(ranks=1, slots_per_rank=physical), group=None,
-                                  device=llm.engine.device)
+        layers, balancer = _one_rank_expert_parallel(llm, ReverseWhenStepThreeEnds(), len(full), experts)
         buffers = [(ep.w13.data_ptr(), ep.w2.data_ptr(), ep.l2p.data_ptr(), ep.counts.data_ptr()) for ep in layers]
         placed = [*range(experts), experts - 1, experts - 2]  # the policy's, aligned to the old slots
         moved_after_step = []
