@@ -15,12 +15,13 @@ ranks keep in step with one small all-reduce per step (``Rank.agree``), not with
   process.
 - A step, whenever any rank has work: schedule; if this rank has nothing to run, a placeholder forward
   of zero tokens so that it still joins every MoE layer's dispatch and combine (and computes the rows
-  other ranks send it); process; record router statistics and rebalance when due — then send the driver
-  a ``StepReply``: the finished outputs, when ``stream`` is on the tokens each unfinished request
-  committed this step (``TokenDelta``: only what the driver has not seen), and the rank's load.
+  other ranks send it); process; record router statistics and move a layer of a due rebalance — then
+  send the driver a ``StepReply``: the finished outputs, when ``stream`` is on the tokens each unfinished
+  request committed this step (``TokenDelta``: only what the driver has not seen), the rank's load and
+  how many requests it had received (the driver counts those routed since: ``loads.RankLoads``).
 - ``stats``, ``layout``, ``rebalance``: collectives that every rank runs at the same point, once every
-  rank has received them (``agree``). ``shutdown``: the same, then leave the process group and exit. A
-  lost driver connection exits too.
+  rank has received them (``agree``). ``shutdown``: the same, then leave the process group and exit
+  (``os._exit``, past the interpreter's teardown). A lost driver connection exits too.
 
 Under ``torchrun`` (``torchrun.py``) there is no driver: each process calls ``Rank.step_once`` in lock-step.
 
