@@ -444,4 +444,3 @@ def _sum_dicts(dicts: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             out[key] = sum(values)
     return out
-
