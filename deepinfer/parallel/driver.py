@@ -214,14 +214,18 @@ class ParallelEngine:
                     kind, payload = conns[r].recv()
                     if kind == "error":
                         self._raise_error(r, payload)
-            self._fail()
-            raise RankFailure(f"rank {r} exited with code {code} (its stderr has the reason)")
+            self._fail(f"rank {r} exited with code {code} (its stderr has the reason)")
 
-    def _fail(self) -> None:
+    def _stop_ranks(self) -> None:
         for proc in self._group.procs:
             if proc.poll() is None:
                 proc.kill()
         self._finalizer()
+
+    def _fail(self, message: str) -> NoReturn:
+        """Stop every rank (the collectives can no longer match) and raise ``RankFailure(message)``."""
+        self._stop_ranks()
+        raise RankFailure(message) from None
 
     def _next(self, rank: int) -> tuple[str, Any]:
         """The next message of ``rank`` (it is ready: ``conn.poll`` said so); a rank error is re-raised
@@ -229,8 +233,7 @@ class ParallelEngine:
         try:
             kind, payload = self._group.conns[rank].recv()
         except (EOFError, OSError):
-            self._fail()
-            raise RankFailure(f"rank {rank} closed its connection") from None
+            self._fail(f"rank {rank} closed its connection")
         if kind == "error":
             self._raise_error(rank, payload)
         return kind, payload
@@ -238,10 +241,10 @@ class ParallelEngine:
     def _raise_error(self, rank: int, report: tuple[str, str, str]) -> NoReturn:
         """Stop every rank and raise the error ``rank`` reported (``ConfigError`` as itself)."""
         name, message, trace = report
-        self._fail()
         if name == "ConfigError":
+            self._stop_ranks()
             raise ConfigError(message)
-        raise RankFailure(f"rank {rank} failed: {name}: {message}\n{trace}")
+        self._fail(f"rank {rank} failed: {name}: {message}\n{trace}")
 
     def _recv(self, rank: int, expect: str) -> Any:
         """The payload of ``rank``'s next message, which must be an ``expect`` (start-up)."""
@@ -250,8 +253,7 @@ class ParallelEngine:
             self._check_alive()
         kind, payload = self._next(rank)
         if kind != expect:
-            self._fail()
-            raise RankFailure(f"rank {rank} answered {kind!r}, expected {expect!r}")
+            self._fail(f"rank {rank} answered {kind!r}, expected {expect!r}")
         return payload
 
     def _read(self) -> dict[int, Any]:
@@ -274,8 +276,7 @@ class ParallelEngine:
                 elif kind == "ok" and rank not in answers:
                     answers[rank] = payload
                 else:
-                    self._fail()
-                    raise RankFailure(f"rank {rank} sent {kind!r} out of turn")
+                    self._fail(f"rank {rank} sent {kind!r} out of turn")
         return answers
 
     def _send(self, rank: int, message: tuple[str, Any]) -> None:
@@ -284,8 +285,7 @@ class ParallelEngine:
         try:
             self._group.conns[rank].send(message)
         except OSError:
-            self._fail()
-            raise RankFailure(f"rank {rank} closed its connection") from None
+            self._fail(f"rank {rank} closed its connection")
 
     def _all(self, kind: str) -> list[Any]:
         """Send one collective command to every rank (they run it together once all have it), then
@@ -296,8 +296,7 @@ class ParallelEngine:
         while len(answers) < self.world:
             for rank, answer in self._read().items():
                 if rank in answers:
-                    self._fail()
-                    raise RankFailure(f"rank {rank} answered {kind!r} twice")
+                    self._fail(f"rank {rank} answered {kind!r} twice")
                 answers[rank] = answer
         return [answers[r] for r in range(self.world)]
 
@@ -343,8 +342,7 @@ class ParallelEngine:
             return []
         while not self._replies:
             if self._read():
-                self._fail()
-                raise RankFailure("a rank answered a command that was not sent")
+                self._fail("a rank answered a command that was not sent")
         replies, self._replies = self._replies, []
         return self._apply(replies)
 
