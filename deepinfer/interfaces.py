@@ -631,11 +631,61 @@ class RoutingSpec:
     layer: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class DenseDecoderLayer:
+    """One Llama-family decoder layer's tensors as a fused decode step reads them (``DenseDecoderStack``):
+    ``input_norm`` and ``post_norm`` ``[hidden]`` (RMSNorm weights), ``qkv [(heads + 2·kv_heads)·head_dim,
+    hidden]`` (q, k, v rows stacked) with ``qkv_bias`` or None, ``o_proj [hidden, heads·head_dim]``,
+    ``gate_up [2·intermediate, hidden]`` (gate rows, then up rows), ``down [hidden, intermediate]``, and the
+    layer's paged cache ``kv_cache`` (``AttentionBackend``'s layout)."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    kv_cache: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class DenseDecoderStack:
+    """A Llama-family model's decoder layers, for ``GemmBackend.decode_stack``: per layer ``x += o_proj ·
+    attention(rope(qkv · RMSNorm(x)))``, then ``x += down · (silu(gate) · up)(gate_up · RMSNorm(x))``, with
+    RMSNorm's statistics in float32 (``deepinfer.ops.RMSNorm``), rope in the rotate-half layout over
+    ``rope_cos`` and ``rope_sin_signed [max_positions, head_dim]`` (float32; sin with its first half negated, so
+    ``rotate_half(x)·sin = roll(x, head_dim/2)·rope_sin_signed``), causal attention with ``scale`` over the
+    paged cache. ``captured_layers``: the layers whose input the caller keeps (``StackedDecoderLM.
+    capture_hidden``; id ``len(layers)``: the last layer's output). The model keeps one per binding of its
+    weights and caches (identity hash: a backend may key what it derives from it)."""
+
+    layers: tuple[DenseDecoderLayer, ...]
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    scale: float
+    rope_cos: torch.Tensor
+    rope_sin_signed: torch.Tensor
+    captured_layers: tuple[int, ...] = ()
+
+
 class GemmBackend(Backend, Protocol):
     """Implements op ``linear``: ``x [T, in] @ weight[out, in]ᵀ (+ bias)``.
 
     ``prepare_weight`` is called once per GEMM weight after loading; it returns a tensor with the
     same shape and values, laid out (or packed) the way this backend's ``linear`` reads fastest.
+
+    Optional ``decode_stack(stack, x, ctx) -> (out, captured) | None``: a whole ``DenseDecoderStack`` over a
+    step, in fewer calls than the model's layers make (a batch-1 CPU step pays per op, issue 36). ``x [T,
+    hidden]`` is the embedded input; it returns the residual stream after the last layer ``[T, hidden]`` and
+    the inputs of ``stack.captured_layers`` (layer id → ``[T, hidden]``), having written the step's keys and
+    values to the caches as the attention backend would; or None, before touching anything, when it does not
+    serve this step (shape, dtype, the run's attention backend), and the model then runs its layers. Its
+    results equal the layers' within the rounding of another summation order.
     """
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor: ...

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.errors import ConfigError
-from deepinfer.interfaces import ForwardContext
+from deepinfer.interfaces import DenseDecoderLayer, DenseDecoderStack, ForwardContext
 from deepinfer.kv.specs import PagedKVSpec
 from deepinfer.model.base import StackedDecoderLM, config_value
 from deepinfer.model.layers.norm import RMSNorm
@@ -135,6 +135,7 @@ class LlamaForCausalLM(StackedDecoderLM):
         self.layers = nn.ModuleList(LlamaDecoderLayer(d, rotary, **kw) for _ in range(d.layers))
         self.norm = RMSNorm(d.hidden, d.eps, **kw)
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, **kw))
+        self._stack: DenseDecoderStack | None = None  # decoder_stack(), built on first use
 
     def cache_specs(self) -> Sequence[PagedKVSpec]:
         return [PagedKVSpec(self.d.kv_heads, self.d.head_dim) for _ in range(self.d.layers)]
@@ -142,6 +143,40 @@ class LlamaForCausalLM(StackedDecoderLM):
     def bind_cache(self, caches: Sequence[tuple[torch.Tensor, ...]]) -> None:
         for layer, cache in zip(self.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
+        self._stack = None
+
+    def capture_hidden(self, layer_ids: Sequence[int]) -> None:
+        super().capture_hidden(layer_ids)
+        self._stack = None
+
+    def run_layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The layers, or the GEMM backend's ``decode_stack`` over them when it serves the step."""
+        fused = getattr(ctx.backends["linear"], "decode_stack", None)
+        stack = self.decoder_stack() if fused is not None else None
+        served = fused(stack, x, ctx) if stack is not None else None
+        if served is None:
+            return super().run_layers(x, ctx)
+        out, captured = served
+        if self.captured_layers:
+            self.captured_hidden = captured
+        return out
+
+    def decoder_stack(self) -> DenseDecoderStack | None:
+        """The layers as ``DenseDecoderStack`` (one object per binding of the caches), or None for a model
+        outside its form (Qwen3's per-head q/k norms)."""
+        d = self.d
+        if d.qk_norm:
+            return None
+        if self._stack is None or self._stack.captured_layers != self.captured_layers:
+            attn0 = self.layers[0].self_attn
+            self._stack = DenseDecoderStack(
+                tuple(DenseDecoderLayer(
+                    layer.input_layernorm.weight, layer.self_attn.qkv_weight, layer.self_attn.qkv_bias,
+                    layer.self_attn.o_weight, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight,
+                    layer.mlp.down_weight, layer.self_attn.kv_cache) for layer in self.layers),
+                d.hidden, d.heads, d.kv_heads, d.head_dim, d.intermediate, d.eps, attn0.scale,
+                attn0.rotary.cos, attn0.rotary.sin_signed, self.captured_layers)
+        return self._stack
 
     def gemm_weights(self) -> list[nn.Parameter]:
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head

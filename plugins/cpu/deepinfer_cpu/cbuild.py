@@ -1,8 +1,9 @@
 """Building the plugin's C kernels (``csrc/*.c``) once per machine with the system C compiler.
 
 A kernel is compiled on first use (``FLAGS``) into ``<deepinfer cache>/cpu_kernels/`` under a name hashed
-from the source, the flags and the compiler, so a machine builds each version once (under a second) and
-loads it through ctypes; a failed build raises with the compiler's message.
+from its sources, the flags and the compiler, so a machine builds each version once (under a second) and
+loads it through ctypes; a failed build raises with the compiler's message. A library may link several
+sources (``decode_step.c`` calls the GEMV and attention kernels of ``gemv.c`` and ``paged_attention.c``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from deepinfer.ops import cache_dir
@@ -29,21 +31,25 @@ def compiler() -> str | None:
     return None
 
 
-def build_library(source: Path, march: str = "native") -> ctypes.CDLL:
-    """``source`` compiled into the cache (once per source, flags and compiler) and loaded. ``march`` other
-    than ``native`` (e.g. ``x86-64-v2``: no AVX-512) builds the kernels' portable paths, for tests."""
+def build_library(source: Path | Sequence[Path], march: str = "native") -> ctypes.CDLL:
+    """``source`` (one file, or several linked into one library, named after the first) compiled into the
+    cache (once per sources, flags and compiler) and loaded. ``march`` other than ``native`` (e.g.
+    ``x86-64-v2``: no AVX-512) builds the kernels' portable paths, for tests."""
+    sources = [source] if isinstance(source, Path) else list(source)
     cc = compiler()
     if cc is None:
-        raise RuntimeError(f"plugins.cpu: the {source.name} kernel needs a C compiler (cc, gcc or clang)")
+        raise RuntimeError(f"plugins.cpu: the {sources[0].name} kernel needs a C compiler (cc, gcc or clang)")
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
-    key = hashlib.sha256(source.read_bytes() + " ".join((cc, *flags)).encode()).hexdigest()[:16]
-    target = cache_dir() / "cpu_kernels" / f"{source.stem}-{key}.so"
+    text = b"".join(s.read_bytes() for s in sources)
+    key = hashlib.sha256(text + " ".join((cc, *flags)).encode()).hexdigest()[:16]
+    target = cache_dir() / "cpu_kernels" / f"{sources[0].stem}-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            run = subprocess.run([cc, *flags, "-o", str(built), str(source), "-lm"], capture_output=True, text=True)
+            run = subprocess.run([cc, *flags, "-o", str(built), *map(str, sources), "-lm"], capture_output=True,
+                                 text=True)
             if run.returncode != 0:
-                raise RuntimeError(f"plugins.cpu: building {source.name} with {cc} failed:\n{run.stderr.strip()}")
+                raise RuntimeError(f"plugins.cpu: building {sources[0].name} with {cc} failed:\n{run.stderr.strip()}")
             os.replace(built, target)  # atomic: a concurrent build of the same key writes the same bytes
     return ctypes.CDLL(str(target))

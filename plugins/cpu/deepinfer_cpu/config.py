@@ -18,6 +18,10 @@ class CPUConfig(BaseModel):
         "step) keep torch's matrix-vector product, which streams the plain weight at full bandwidth"))
     pack_rows: int = Field(16, ge=1, description=(
         "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))
+    fused_decode: bool = Field(True, description=(
+        "a step of one decode row of a Llama-family model (batch-1 decoding) runs the whole decoder stack in one "
+        "C call (csrc/decode_step.c: the same GEMV and attention kernels, norms, rope and SiLU between them in "
+        "C) instead of ~1,400 small torch ops; needs the cpu_paged attention backend"))
     quant_dense_rows: int = Field(8, ge=1, description=(
         "under model.quantization, calls with at least this many rows run oneDNN's float32 GEMM on the weights "
         "rounded to the format; fewer rows (decode steps of a few requests, a request's verification rows) run "

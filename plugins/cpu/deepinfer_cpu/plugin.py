@@ -53,7 +53,8 @@ class Plugin:
 
     @hookimpl
     def deepinfer_gemm_backends(self) -> list[Any]:
-        backends: list[Any] = [OneDNNGemmBackend(min_rows=self.config.min_rows, pack_rows=self.config.pack_rows)]
+        backends: list[Any] = [OneDNNGemmBackend(min_rows=self.config.min_rows, pack_rows=self.config.pack_rows,
+                                                     fused_decode=self.config.fused_decode)]
         if self.quantization is not None:
             backends.append(QuantizedGemmBackend(self.quantization, head_rows=self.vocab_size,
                                                  dense_rows=self.config.quant_dense_rows,

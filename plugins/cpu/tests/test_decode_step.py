@@ -1,0 +1,150 @@
+"""The fused one-row decode step (``decode_step.py``, ``csrc/decode_step.c``): a batch-1 decode step of a
+Llama-family model runs the whole decoder stack in one C call. Its logits equal transformers' at every cached
+decode step (plain, tied with llama3 rope, Qwen2's q/k/v biases); it equals the model's layers within float32
+rounding (tokens, logprobs, the layer inputs a drafter captures, the cache it leaves for steps of several
+rows), within bf16 rounding in a bf16 model, follows parameters re-bound to new storage or written in place,
+and declines what it does not serve (Qwen3's q/k norms, steps of several rows, another attention backend)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from deepinfer_cpu.cbuild import compiler
+from tiny_models import assert_cached_logits_match, save_tiny
+
+from deepinfer import LLM, SamplingParams
+
+pytestmark = [pytest.mark.skipif(compiler() is None, reason="no C compiler"),
+              pytest.mark.usefixtures("one_torch_thread")]
+
+ENGINE = {"block_size": 16, "kv_cache_bytes": 1 << 22}
+
+
+def _llm(folder: Path, fused: bool = True, plugins: dict | None = None, **kw) -> LLM:
+    return LLM(folder, **ENGINE, **{"max_num_seqs": 1, **kw},
+               plugins={"cpu": {"enabled": True, "fused_decode": fused}, **(plugins or {})})
+
+
+def _prompts(seed: int, lengths: tuple[int, ...] = (3, 17, 33)) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 200, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied-llama3rope", "qwen2"])
+def test_every_decode_step_matches_transformers(name: str, tmp_path: Path) -> None:
+    """One request at a time: every decode step is fused (counted), and each step's logits are within 1e-4 of
+    transformers on the whole sequence; prompts cross block boundaries (16-token blocks)."""
+    model, folder = save_tiny(name, tmp_path)
+    llm = _llm(folder)
+    backend = llm.engine.runner.backends["linear"]
+    prompts = _prompts(1)
+    assert_cached_logits_match(llm, model, prompts, decode_steps=20)
+    assert backend.fused_steps == 20 * len(prompts)
+    llm.shutdown()
+
+
+def _run(llm: LLM, prompts: list[list[int]], tokens: int = 14) -> list:
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True, logprobs=2)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _assert_same(fused: list, layers: list, tolerance: float) -> None:
+    for a, b in zip(fused, layers, strict=True):
+        assert a.token_ids == b.token_ids
+        for tok, la, lb in zip(a.token_ids, a.logprobs, b.logprobs, strict=True):
+            assert abs(la[tok] - lb[tok]) <= tolerance
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny("llama", tmp_path_factory.mktemp("llama"))[1]
+
+
+def test_mixed_steps_and_speculation_equal_the_layers(tiny_llama: Path) -> None:
+    """Two sequence slots over five prompts (steps of one row are fused, of two rows not, in one request's
+    life: each reads the cache the other wrote), then ``ngram`` speculation (verification steps of several
+    rows between fused ones): tokens equal the layers', logprobs within float32 rounding."""
+    prompts = _prompts(2, (5, 40, 9, 23, 2))
+    ngram = {"spec_decode": {"enabled": True, "drafter": "ngram", "max_draft": 3}}
+    for extra in ({}, ngram):
+        runs, fused_steps = {}, 0
+        for fused in (True, False):
+            llm = _llm(tiny_llama, fused, max_num_seqs=2, plugins=extra)
+            runs[fused] = _run(llm, prompts)
+            fused_steps += llm.engine.runner.backends["linear"].fused_steps
+            llm.shutdown()
+        assert fused_steps > 0
+        _assert_same(runs[True], runs[False], 1e-5)
+
+
+def test_captured_layer_inputs_equal_the_layers(tiny_llama: Path) -> None:
+    """The layer inputs a drafter reads (``capture_hidden``: the first layer's, the second's, the last
+    output) at every fused step equal the layers' within float32 rounding."""
+    captured = {}
+    for fused in (True, False):
+        llm = _llm(tiny_llama, fused)
+        model = llm.engine.model
+        model.capture_hidden([0, 1, 2])
+        run_layers, seen = model.run_layers, []
+
+        def keep(x, ctx, run_layers=run_layers, seen=seen, model=model):
+            out = run_layers(x, ctx)
+            if x.shape[0] == 1:
+                seen.append({i: t.clone() for i, t in model.captured_hidden.items()})
+            return out
+        model.run_layers = keep
+        _run(llm, _prompts(3, (7,)), tokens=10)
+        captured[fused] = seen
+        assert llm.engine.runner.backends["linear"].fused_steps == (9 if fused else 0)
+        llm.shutdown()
+    assert len(captured[True]) == len(captured[False]) == 9
+    for a, b in zip(captured[True], captured[False], strict=True):
+        assert sorted(a) == sorted(b) == [0, 1, 2]
+        for i in a:
+            torch.testing.assert_close(a[i], b[i], rtol=1e-5, atol=1e-5)
+
+
+def test_parameters_rebound_or_written_in_place_are_followed(tiny_llama: Path) -> None:
+    """After a first request, one layer's ``o_proj`` is re-bound to new storage (scaled) and a norm weight is
+    scaled in place: the fused step's next tokens and logprobs equal the layers' on the same changed model."""
+    runs = {}
+    for fused in (True, False):
+        llm = _llm(tiny_llama, fused)
+        _run(llm, _prompts(4, (6,)))
+        layer = llm.engine.model.layers[1]
+        with torch.no_grad():
+            layer.self_attn.o_weight.data = layer.self_attn.o_weight.data * 1.7
+            layer.input_layernorm.weight.mul_(0.6)
+        runs[fused] = _run(llm, _prompts(5, (11, 4)))
+        llm.shutdown()
+    _assert_same(runs[True], runs[False], 1e-5)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no AVX512-BF16-class CPU")
+def test_bfloat16_steps_equal_the_layers_within_bf16_rounding(tiny_llama: Path) -> None:
+    """A bf16 model: the kernel rounds where the torch layers round, so tokens equal and logprobs differ by at
+    most a few bf16 steps of the logits (summation order)."""
+    runs = {}
+    for fused in (True, False):
+        llm = _llm(tiny_llama, fused, dtype="bfloat16")
+        runs[fused] = _run(llm, _prompts(6, (4, 19)))
+        assert llm.engine.runner.backends["linear"].fused_steps == (26 if fused else 0)
+        llm.shutdown()
+    _assert_same(runs[True], runs[False], 0.1)
+
+
+def test_what_it_does_not_serve_runs_the_layers(tiny_llama: Path, tmp_path: Path) -> None:
+    """Qwen3 (per-head q/k norms), the core's attention backend, and the switch off: no step is fused, and
+    Qwen3's logits still match transformers."""
+    model, folder = save_tiny("qwen3", tmp_path)
+    llm = _llm(folder)
+    assert llm.engine.model.decoder_stack() is None
+    assert_cached_logits_match(llm, model, _prompts(7, (5,)), decode_steps=4)
+    assert llm.engine.runner.backends["linear"].fused_steps == 0
+    llm.shutdown()
+    for llm in (_llm(tiny_llama, kernels={"attention": "torch"}), _llm(tiny_llama, fused=False)):
+        _run(llm, _prompts(8, (5,)), tokens=4)
+        assert llm.engine.runner.backends["linear"].fused_steps == 0
+        llm.shutdown()
