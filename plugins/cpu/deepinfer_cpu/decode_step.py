@@ -1,90 +1,135 @@
-"""A Llama-family decoder stack for one decode row in one C call (``csrc/decode_step.c``).
+"""A Llama-family decoder stack over a step of short query rows in one C call (``csrc/decode_step.c``).
 
 A batch-1 decode step through the model's Python layers makes ~1,400 small torch ops and ~5,000 Python calls
 around its 120 projections: ~5 ms of a ~20 ms float32 SmolLM2 token on the 2-core VM, the gap to llama.cpp
-(docs/benchmarks.md, issue 36). ``DecodeStep`` hands the whole stack to the kernel instead: the projections
-run the same GEMV as one-row calls of the ``onednn`` backend and attention the same kernel as ``cpu_paged``,
-the norms, rope, SiLU and residual adds run in C between them, and Python makes one call per step.
+(docs/benchmarks.md, issue 36). ``FusedDecoder`` hands the whole stack to the kernel instead: each projection
+runs the kernel its GEMM backend runs for one row (the ``onednn`` backend's GEMV, or the ``cpu_int8`` /
+``cpu_q4_1`` quantized kernels), attention the ``cpu_paged`` kernel, and the norms, rope, SiLU and residual
+adds run in C between them: Python makes one call per step.
 
-The plan (the per-layer tensor pointers, float32 copies of the norm weights and biases) is built once per
-``DenseDecoderStack`` and checked on every call against the tensors' addresses (and the copied ones' version
-counters), so a parameter or cache re-bound to new storage, or a norm weight or bias written in place,
-rebuilds it; the matrices and caches are read where they lie.
+Which steps: those of at most ``max_rows`` rows in all (the GEMM backend's choice: the ``onednn`` backend's
+GEMV takes one row, so 1; the quantized backends' kernels take the calls of fewer than ``quant_dense_rows``
+rows, so those) whose requests have at most ``MAX_QUERY_ROWS`` rows each (``cpu_paged``'s bound). A quantized
+run with ``quant_inputs: int8`` rounds every projection's inputs to int8, so a last-bit difference between two
+ways of computing a norm can move a code and then a greedy token: serving every step its kernels serve (decode
+rows, a request's verification rows, short prompt chunks) keeps one way for all of them, and speculative
+decoding's tokens equal plain decoding's there as they did through the layers.
+
+The plan (per layer the kernels' pointers, float32 copies of the norm weights and biases) is built once per
+``DenseDecoderStack`` and checked on every call against the tensors' addresses and version counters, so a
+parameter or cache re-bound to new storage, or a weight written in place (which a quantized backend
+re-quantizes), rebuilds it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
+from collections.abc import Callable
 
 import torch
 
-from deepinfer.interfaces import DenseDecoderStack
+from deepinfer.interfaces import DenseDecoderStack, ForwardContext
 from deepinfer_cpu.cbuild import CSRC, build_library
+from deepinfer_cpu.paged_attention import MAX_QUERY_ROWS
 
-SOURCES = (CSRC / "decode_step.c", CSRC / "gemv.c", CSRC / "paged_attention.c")
-DTYPES = (torch.float32, torch.bfloat16)
+SOURCES = (CSRC / "decode_step.c", CSRC / "gemv.c", CSRC / "paged_attention.c", CSRC / "quant_linear.c")
+# ``enum kind`` of decode_step.c
+KINDS = ("plain_f32", "plain_bf16", "int8_f32", "int8_q8", "q4_1_f32", "q4_1_q8")
+
+
+class Projection(ctypes.Structure):
+    """``struct projection``: a weight as its kernel takes it, ``kind`` an index into ``KINDS``; ``a``, ``b``,
+    ``c`` the format's tensors (plain: the matrix; int8: codes, scales, with ``group``; q4_1: nibbles, steps,
+    minima)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("group", ctypes.c_int64),
+                ("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("c", ctypes.c_void_p)]
+
+
+# A GEMM backend's answer for one weight: its Projection, and the tensors it points into (kept alive).
+ProjectionOf = Callable[[torch.Tensor], tuple[Projection, tuple[torch.Tensor, ...]] | None]
+
+
+def plain_projection(weight: torch.Tensor) -> tuple[Projection, tuple[torch.Tensor, ...]] | None:
+    """A row-major float32 or bf16 weight, read where it lies (``gemv.c``)."""
+    if weight.dtype not in (torch.float32, torch.bfloat16) or not weight.is_contiguous():
+        return None
+    return Projection(KINDS.index("plain_bf16" if weight.dtype == torch.bfloat16 else "plain_f32"), 0,
+                      weight.data_ptr()), (weight,)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
+                ("qkv", Projection), ("o_proj", Projection), ("gate_up", Projection), ("down", Projection),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
 
 
 class _Shape(ctypes.Structure):
-    """``struct shape`` of ``decode_step.c``."""
-
     _fields_ = [(name, ctypes.c_int64) for name in ("layers", "hidden", "heads", "kv_heads", "head_dim",
                                                     "intermediate", "block_size")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("bf16", ctypes.c_int32)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("tokens", "requests", "table_width")] + [
+        (name, ctypes.c_void_p) for name in ("positions", "slots", "seq_lens", "starts", "tables")]
 
 
 @functools.cache
 def _kernel() -> ctypes._CFuncPtr:
     fn = build_library(SOURCES).decode_step
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 11 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int]
     return fn
 
 
-def fits(stack: DenseDecoderStack) -> bool:
-    """Whether the kernel serves ``stack``: float32 or bf16 weights and plain caches of that dtype, contiguous."""
-    dtype = stack.layers[0].qkv.dtype
-    return dtype in DTYPES and all(
-        t.dtype == dtype and t.is_contiguous() and t.device.type == "cpu"
-        for layer in stack.layers for t in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, *layer.kv_cache)
-    ) and all(len(layer.kv_cache) == 2 for layer in stack.layers)
-
-
 class DecodeStep:
-    """One model's stack, laid out for the kernel (module docstring)."""
+    """One model's stack laid out for the kernel (module docstring); ``build`` gives None when a weight or
+    cache does not fit it."""
 
-    def __init__(self, stack: DenseDecoderStack, block_size: int) -> None:
-        self.dtype = stack.layers[0].qkv.dtype
+    def __init__(self, stack: DenseDecoderStack, block_size: int, layers: list[_Layer],
+                 kept: list[torch.Tensor]) -> None:
         self.block_size = block_size
-        self.shape = _Shape(len(stack.layers), stack.hidden, stack.heads, stack.kv_heads, stack.head_dim,
-                            stack.intermediate, block_size, stack.eps, stack.scale,
-                            int(self.dtype == torch.bfloat16))
-        # float32 copies the kernel reads (widening bf16 is exact); kept alive with the plan
-        self.copies = [t.float().contiguous() for layer in stack.layers
-                       for t in (layer.input_norm, layer.post_norm, layer.qkv_bias) if t is not None]
-        copies = iter(self.copies)
-        pointers = []
-        for layer in stack.layers:
-            input_norm, post_norm = next(copies), next(copies)
-            bias = next(copies) if layer.qkv_bias is not None else None
-            pointers += [input_norm.data_ptr(), layer.qkv.data_ptr(), bias.data_ptr() if bias is not None else None,
-                         layer.o_proj.data_ptr(), post_norm.data_ptr(), layer.gate_up.data_ptr(),
-                         layer.down.data_ptr(), layer.kv_cache[0].data_ptr(), layer.kv_cache[1].data_ptr()]
-        self.plan = (ctypes.c_void_p * len(pointers))(*pointers)
+        self.layers = (_Layer * len(layers))(*layers)
+        self.kept = kept  # the tensors the plan points into
+        dtype = stack.layers[0].kv_cache[0].dtype
+        self.shape = _Shape(len(layers), stack.hidden, stack.heads, stack.kv_heads, stack.head_dim,
+                            stack.intermediate, block_size, stack.eps, stack.scale, int(dtype == torch.bfloat16))
         self.cos, self.sin = stack.rope_cos.float().contiguous(), stack.rope_sin_signed.float().contiguous()
-        self.addresses = _addresses(stack)
+        self.versions = _versions(stack)
+
+    @classmethod
+    def build(cls, stack: DenseDecoderStack, block_size: int, projection: ProjectionOf) -> DecodeStep | None:
+        dtype = stack.layers[0].kv_cache[0].dtype
+        if dtype not in (torch.float32, torch.bfloat16):
+            return None
+        layers, kept = [], []
+        for layer in stack.layers:
+            caches = layer.kv_cache
+            if len(caches) != 2 or any(c.dtype != dtype or not c.is_contiguous() or c.device.type != "cpu"
+                                       for c in caches):
+                return None
+            projections = [projection(w) for w in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+            if any(p is None for p in projections):
+                return None
+            vectors = [t.float().contiguous() if t is not None else None
+                       for t in (layer.input_norm, layer.post_norm, layer.qkv_bias)]
+            kept += [t for t in vectors if t is not None] + [t for p in projections for t in p[1]]
+            layers.append(_Layer(*(t.data_ptr() if t is not None else None for t in vectors),
+                                 *(p[0] for p in projections), caches[0].data_ptr(), caches[1].data_ptr()))
+        return cls(stack, block_size, layers, kept)
 
     def current(self, stack: DenseDecoderStack, block_size: int) -> bool:
-        """Whether this plan still points at ``stack``'s tensors (and the cache's block size)."""
-        return self.block_size == block_size and self.addresses == _addresses(stack)
+        """Whether this plan still describes ``stack``'s tensors (and the cache's block size)."""
+        return self.block_size == block_size and self.versions == _versions(stack)
 
-    def run(self, stack: DenseDecoderStack, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-            seq_lens: torch.Tensor, tables: torch.Tensor) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The residual stream after the last layer for the one row ``x [1, hidden]`` at ``positions[0]``
-        (its key and value written at ``slots[0]``, its request's ``seq_lens[0]`` keys through the block table
-        ``tables[0]``),
-        and the inputs of ``stack.captured_layers``. Index tensors are int64 and contiguous."""
+    def run(self, stack: DenseDecoderStack, x: torch.Tensor, ctx: ForwardContext
+            ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The residual stream after the last layer for the step's rows ``x [T, hidden]`` (their keys and
+        values written to the caches), and the inputs of ``stack.captured_layers``; ``ctx``'s positions, slots,
+        lengths and block tables are int64 and contiguous (``query_start_loc`` is converted here)."""
         x = x.contiguous()
         out = torch.empty_like(x)
         captured = {i: torch.empty_like(x) for i in stack.captured_layers}
@@ -92,17 +137,54 @@ class DecodeStep:
         if captured:
             captures = (ctypes.c_void_p * (len(stack.layers) + 1))(
                 *(captured[i].data_ptr() if i in captured else None for i in range(len(stack.layers) + 1)))
-        failed = _kernel()(ctypes.byref(self.shape), self.plan, x.data_ptr(), out.data_ptr(), self.cos.data_ptr(),
-                           self.sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), seq_lens.data_ptr(),
-                           tables.data_ptr(), captures, torch.get_num_threads())
+        tables, starts = ctx.block_tables, ctx.query_start_loc.to(torch.int64).contiguous()
+        step = _Step(x.shape[0], tables.shape[0], tables.shape[1], ctx.positions.data_ptr(),
+                     ctx.slot_mapping.data_ptr(), ctx.seq_lens.data_ptr(), starts.data_ptr(), tables.data_ptr())
+        failed = _kernel()(ctypes.byref(self.shape), self.layers, ctypes.byref(step), x.data_ptr(), out.data_ptr(),
+                           self.cos.data_ptr(), self.sin.data_ptr(), captures, torch.get_num_threads())
         if failed:
             raise MemoryError("plugins.cpu decode step: the kernel could not allocate its buffers")
         return out, captured
 
 
-def _addresses(stack: DenseDecoderStack) -> tuple[int, ...]:
-    """Every tensor's address, and the version counter of those the plan copies."""
-    return tuple(x for layer in stack.layers for x in (
-        *(t.data_ptr() for t in (layer.qkv, layer.o_proj, layer.gate_up, layer.down, *layer.kv_cache)),
-        *(v for t in (layer.input_norm, layer.post_norm, layer.qkv_bias) if t is not None
-          for v in (t.data_ptr(), t._version))))
+def _versions(stack: DenseDecoderStack) -> tuple[int, ...]:
+    """Every weight's address and version counter, and the caches' addresses (the steps write them)."""
+    return tuple(v for layer in stack.layers for v in (
+        *(v for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up,
+                      layer.down) if t is not None for v in (t.data_ptr(), t._version)),
+        *(c.data_ptr() for c in layer.kv_cache)))
+
+
+class FusedDecoder:
+    """``GemmBackend.decode_stack`` for a CPU GEMM backend whose kernels ``projection`` describes: serves the
+    steps of at most ``max_rows`` rows (module docstring) when the run's attention is ``cpu_paged`` (the
+    kernel attends as it does) and every weight has a projection; None otherwise. ``steps`` counts the steps it
+    served."""
+
+    def __init__(self, projection: ProjectionOf, max_rows: int) -> None:
+        self.projection = projection
+        self.max_rows = max_rows
+        self.steps = 0
+        # per stack its plan, or the versions (``_versions``) at which it did not fit
+        self._plans: weakref.WeakKeyDictionary[DenseDecoderStack, DecodeStep | tuple[int, ...]] = (
+            weakref.WeakKeyDictionary())
+
+    def __call__(self, stack: DenseDecoderStack, x: torch.Tensor, ctx: ForwardContext
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+        rows = x.shape[0]
+        if (not 0 < rows <= self.max_rows or not 0 < ctx.max_query_len <= MAX_QUERY_ROWS
+                or getattr(ctx.backends["paged_attention"], "name", None) != "cpu_paged"):
+            return None
+        index = (ctx.positions, ctx.slot_mapping, ctx.seq_lens, ctx.block_tables)
+        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
+            return None
+        plan = self._plans.get(stack)
+        if isinstance(plan, tuple) and plan == _versions(stack):
+            return None
+        if not isinstance(plan, DecodeStep) or not plan.current(stack, ctx.block_size):
+            plan = DecodeStep.build(stack, ctx.block_size, self.projection)
+            self._plans[stack] = _versions(stack) if plan is None else plan
+            if plan is None:
+                return None
+        self.steps += 1
+        return plan.run(stack, x, ctx)

@@ -19,14 +19,13 @@ the address cannot be reused by another tensor while the entry lives; an in-plac
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from deepinfer.interfaces import BackendCapabilities, DenseDecoderStack, ForwardContext
-from deepinfer_cpu import decode_step
+from deepinfer.interfaces import BackendCapabilities
+from deepinfer_cpu.decode_step import FusedDecoder, plain_projection
 from deepinfer_cpu.gemv import fits, gemv
 
 
@@ -58,12 +57,11 @@ class OneDNNGemmBackend:
     def __init__(self, *, min_rows: int = 2, pack_rows: int = 16, fused_decode: bool = True) -> None:
         self.min_rows = min_rows
         self.pack_rows = pack_rows
-        self.fused_decode = fused_decode
         dtypes = {torch.float32, torch.bfloat16} if _bf16_supported() else {torch.float32}
         self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset(dtypes))
         self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Packed] = {}
-        self._steps: weakref.WeakKeyDictionary[DenseDecoderStack, decode_step.DecodeStep] = weakref.WeakKeyDictionary()
-        self.fused_steps = 0  # steps served by decode_stack
+        if fused_decode:  # GemmBackend's optional decode_stack: one-row steps of a Llama-family stack in C
+            self.decode_stack = FusedDecoder(plain_projection, max_rows=1)  # the GEMV takes one row
 
     def available(self) -> bool:
         return onednn_available()
@@ -80,25 +78,6 @@ class OneDNNGemmBackend:
             return gemv(x, weight, bias) if rows == 1 and fits(x, weight) else F.linear(x, weight, bias)
         packed = self._lookup(weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    def decode_stack(self, stack: DenseDecoderStack, x: torch.Tensor, ctx: ForwardContext
-                     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
-        """A step of one decode row through ``decode_step.py``'s kernel (``fused_decode``), when the run's
-        attention is ``cpu_paged`` (the kernel attends as it does) and the stack's tensors fit the kernel;
-        None otherwise (``GemmBackend``'s contract, ``deepinfer/interfaces.py``)."""
-        if (not self.fused_decode or x.shape[0] != 1 or ctx.num_decodes != 1
-                or getattr(ctx.backends["paged_attention"], "name", None) != "cpu_paged"):
-            return None
-        index = (ctx.positions, ctx.slot_mapping, ctx.seq_lens, ctx.block_tables)
-        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
-            return None
-        step = self._steps.get(stack)
-        if step is None or not step.current(stack, ctx.block_size):
-            if not decode_step.fits(stack):
-                return None
-            step = self._steps[stack] = decode_step.DecodeStep(stack, ctx.block_size)
-        self.fused_steps += 1
-        return step.run(stack, x, *index)
 
     @staticmethod
     def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

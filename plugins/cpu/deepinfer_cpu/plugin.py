@@ -58,7 +58,8 @@ class Plugin:
         if self.quantization is not None:
             backends.append(QuantizedGemmBackend(self.quantization, head_rows=self.vocab_size,
                                                  dense_rows=self.config.quant_dense_rows,
-                                                 inputs=self.config.quant_inputs))
+                                                 inputs=self.config.quant_inputs,
+                                                 fused_decode=self.config.fused_decode))
         return backends
 
     @hookimpl

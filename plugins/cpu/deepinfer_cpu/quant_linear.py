@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from deepinfer.interfaces import BackendCapabilities
 from deepinfer_cpu.cbuild import CSRC, build_library, compiler
+from deepinfer_cpu.decode_step import KINDS, FusedDecoder, Projection
 from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
 
 BLOCK = 32  # inputs per Q4_1 / Q8_0 block
@@ -172,6 +173,10 @@ class QuantizedLinear:
         self.weight, self.inputs, self.n, self.k = weight, inputs, n, k
         pointers = tuple(t.data_ptr() for t in operands)
         self._run = lambda x, bias, out, rows, threads: run(x, *pointers, bias, out, rows, n, k, *tail, threads)
+        kind = f"{'int8' if isinstance(weight, Int8Weight) else 'q4_1'}_{'q8' if q8 else 'f32'}"
+        # the same kernel for the fused decode step (decode_step.py)
+        self.projection = Projection(KINDS.index(kind), tail[0] if tail else 0, *pointers)
+        self.operands = operands
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.dtype != torch.float32 or x.shape[-1] != self.k:
@@ -211,7 +216,7 @@ class QuantizedGemmBackend:
     priority = 20  # above onednn (10): under model.quantization the quantizing backend is the one that fits
 
     def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 8,
-                 inputs: str = "int8") -> None:
+                 inputs: str = "int8", fused_decode: bool = True) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"model.quantization: no CPU kernel for {fmt!r}; choose one of {list(FORMATS)}")
         if inputs not in INPUT_MODES:
@@ -226,6 +231,8 @@ class QuantizedGemmBackend:
         # min_rows=1: every call handed to it has dense_rows rows or more
         self.dense = OneDNNGemmBackend(min_rows=1) if onednn_available() else None
         self._entries: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Entry] = {}
+        if fused_decode:  # GemmBackend's optional decode_stack: one-row steps of a Llama-family stack in C
+            self.decode_stack = FusedDecoder(self._projection, max_rows=dense_rows - 1)
 
     def available(self) -> bool:
         return compiler() is not None
@@ -263,10 +270,21 @@ class QuantizedGemmBackend:
             if self.inputs == "int8":
                 x = quantize_inputs(x)
             return F.linear(x, weight, bias) if self.dense is None else self.dense.linear(x, weight, bias)
+        return self._current(weight, entry).layer(x, bias)
+
+    def _current(self, weight: torch.Tensor, entry: _Entry) -> _Entry:
         if entry.version != weight._version:  # written in place since: quantize the new values
             entry = _Entry(entry.weight, weight._version, QuantizedLinear(self.quantize(weight), self.inputs))
             self._entries[self._key(weight)] = entry
-        return entry.layer(x, bias)
+        return entry
+
+    def _projection(self, weight: torch.Tensor) -> tuple[Projection, tuple[torch.Tensor, ...]] | None:
+        """A prepared weight's quantized kernel, for the fused decode step (``decode_step.ProjectionOf``)."""
+        entry = self._entries.get(self._key(weight))
+        if entry is None:
+            return None
+        layer = self._current(weight, entry).layer
+        return layer.projection, layer.operands
 
     @staticmethod
     def _key(weight: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:

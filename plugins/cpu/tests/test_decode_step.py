@@ -27,6 +27,11 @@ def _llm(folder: Path, fused: bool = True, plugins: dict | None = None, **kw) ->
                plugins={"cpu": {"enabled": True, "fused_decode": fused}, **(plugins or {})})
 
 
+def _fused_steps(llm: LLM) -> int:
+    fused = getattr(llm.engine.runner.backends["linear"], "decode_stack", None)
+    return 0 if fused is None else fused.steps
+
+
 def _prompts(seed: int, lengths: tuple[int, ...] = (3, 17, 33)) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 200, (n,), generator=gen).tolist() for n in lengths]
@@ -38,10 +43,9 @@ def test_every_decode_step_matches_transformers(name: str, tmp_path: Path) -> No
     transformers on the whole sequence; prompts cross block boundaries (16-token blocks)."""
     model, folder = save_tiny(name, tmp_path)
     llm = _llm(folder)
-    backend = llm.engine.runner.backends["linear"]
     prompts = _prompts(1)
     assert_cached_logits_match(llm, model, prompts, decode_steps=20)
-    assert backend.fused_steps == 20 * len(prompts)
+    assert _fused_steps(llm) == 20 * len(prompts)
     llm.shutdown()
 
 
@@ -73,7 +77,7 @@ def test_mixed_steps_and_speculation_equal_the_layers(tiny_llama: Path) -> None:
         for fused in (True, False):
             llm = _llm(tiny_llama, fused, max_num_seqs=2, plugins=extra)
             runs[fused] = _run(llm, prompts)
-            fused_steps += llm.engine.runner.backends["linear"].fused_steps
+            fused_steps += _fused_steps(llm)
             llm.shutdown()
         assert fused_steps > 0
         _assert_same(runs[True], runs[False], 1e-5)
@@ -97,7 +101,7 @@ def test_captured_layer_inputs_equal_the_layers(tiny_llama: Path) -> None:
         model.run_layers = keep
         _run(llm, _prompts(3, (7,)), tokens=10)
         captured[fused] = seen
-        assert llm.engine.runner.backends["linear"].fused_steps == (9 if fused else 0)
+        assert _fused_steps(llm) == (9 if fused else 0)
         llm.shutdown()
     assert len(captured[True]) == len(captured[False]) == 9
     for a, b in zip(captured[True], captured[False], strict=True):
@@ -122,6 +126,28 @@ def test_parameters_rebound_or_written_in_place_are_followed(tiny_llama: Path) -
     _assert_same(runs[True], runs[False], 1e-5)
 
 
+@pytest.mark.parametrize(("quantization", "inputs"), [("q4_1", "int8"), ("q4_1", "float32"), ("int8", "int8")])
+def test_quantized_weights_take_their_kernels_in_the_fused_step(tiny_llama: Path, quantization: str,
+                                                                inputs: str) -> None:
+    """Under ``model.quantization`` each projection of the fused step runs the quantized backend's own kernel
+    (with its input rounding), on every step of fewer than ``quant_dense_rows`` rows (short prompts too), so
+    tokens equal the layers' and logprobs agree within float32 rounding; a weight written in place is
+    re-quantized for the fused step as for the layers."""
+    runs = {}
+    for fused in (True, False):
+        llm = _llm(tiny_llama, fused, quantization=quantization,
+                   plugins={"cpu": {"enabled": True, "fused_decode": fused, "quant_inputs": inputs}})
+        assert llm.engine.runner.backends["linear"].name == f"cpu_{quantization}"
+        first = _run(llm, _prompts(9, (6, 21)))
+        with torch.no_grad():
+            llm.engine.model.layers[0].mlp.down_weight.mul_(-1.0)
+        runs[fused] = first + _run(llm, _prompts(10, (5,)))
+        # 13 decode steps per request, and the prompts of 6 and 5 tokens (fewer rows than quant_dense_rows)
+        assert _fused_steps(llm) == (3 * 13 + 2 if fused else 0)
+        llm.shutdown()
+    _assert_same(runs[True], runs[False], 1e-5)
+
+
 @pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no AVX512-BF16-class CPU")
 def test_bfloat16_steps_equal_the_layers_within_bf16_rounding(tiny_llama: Path) -> None:
     """A bf16 model: the kernel rounds where the torch layers round, so tokens equal and logprobs differ by at
@@ -130,7 +156,7 @@ def test_bfloat16_steps_equal_the_layers_within_bf16_rounding(tiny_llama: Path) 
     for fused in (True, False):
         llm = _llm(tiny_llama, fused, dtype="bfloat16")
         runs[fused] = _run(llm, _prompts(6, (4, 19)))
-        assert llm.engine.runner.backends["linear"].fused_steps == (26 if fused else 0)
+        assert _fused_steps(llm) == (26 if fused else 0)
         llm.shutdown()
     _assert_same(runs[True], runs[False], 0.1)
 
@@ -142,9 +168,9 @@ def test_what_it_does_not_serve_runs_the_layers(tiny_llama: Path, tmp_path: Path
     llm = _llm(folder)
     assert llm.engine.model.decoder_stack() is None
     assert_cached_logits_match(llm, model, _prompts(7, (5,)), decode_steps=4)
-    assert llm.engine.runner.backends["linear"].fused_steps == 0
+    assert _fused_steps(llm) == 0
     llm.shutdown()
     for llm in (_llm(tiny_llama, kernels={"attention": "torch"}), _llm(tiny_llama, fused=False)):
         _run(llm, _prompts(8, (5,)), tokens=4)
-        assert llm.engine.runner.backends["linear"].fused_steps == 0
+        assert _fused_steps(llm) == 0
         llm.shutdown()

@@ -202,7 +202,7 @@ def test_engine_sends_every_gemm_through_the_int8_input_kernel(tmp_path: Path, f
     monkeypatch.setattr(QuantizedLinear, "__call__", spy)
     _, folder = save_tiny("llama", tmp_path / "llama", 0, vocab_size=320)
     llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, quantization=fmt,
-              plugins={"cpu": {"enabled": True, "quant_dense_rows": 1 << 30}})
+              plugins={"cpu": {"enabled": True, "quant_dense_rows": 1 << 30, "fused_decode": False}})  # spied calls
     llm.generate([[5, 6, 7, 8], list(range(20, 33))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
                  use_tqdm=False)
     llm.shutdown()

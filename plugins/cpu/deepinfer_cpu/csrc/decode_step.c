@@ -1,23 +1,27 @@
-/* A whole Llama-family decoder stack for one decode row on the CPU, in one call (deepinfer_cpu/decode_step.py
- * loads it through ctypes; linked with gemv.c and paged_attention.c, whose kernels it calls).
+/* A Llama-family decoder stack over a step of short query rows on the CPU, in one call
+ * (deepinfer_cpu/decode_step.py loads it through ctypes; linked with gemv.c, paged_attention.c and
+ * quant_linear.c, whose kernels it calls).
  *
  * Per layer, what deepinfer/model/llama.py computes: h = RMSNorm(x); qkv = W_qkv h (+ bias); rope on q's and
- * k's heads (rotate-half, the engine's cos and sign-folded sin tables); the row's key and value stored at its
- * cache slot and attended (paged_attention); x += W_o attn; h = RMSNorm(x); g, u = W_gate_up h;
- * x += W_down (silu(g) u). The projections run gemv_f32 / gemv_bf16, attention paged_attention, each with its
- * own OpenMP team; the rest (norms, rope, SiLU, residual adds: ~2,000 floats a layer) runs on the calling
- * thread. A batch-1 step through the Python layers spends ~5 ms of a ~20 ms token on the ~1,400 small torch ops
- * around its 120 projections (docs/benchmarks.md, issue 36); here they are a few microseconds.
+ * k's heads (rotate-half, the engine's cos and sign-folded sin tables); the rows' keys and values stored at
+ * their cache slots and attended (paged_attention); x += W_o attn; h = RMSNorm(x); g, u = W_gate_up h;
+ * x += W_down (silu(g) u). Each projection runs the kernel its GEMM backend runs for these rows (struct
+ * projection: gemv_f32 / gemv_bf16 on a plain weight for one row, or a quantized kernel of quant_linear.c for
+ * a few), attention paged_attention, each with its own OpenMP team; the rest (norms, rope, SiLU, residual
+ * adds: ~2,000 floats per row and layer) runs on the calling thread, row by row, so a row's result does not
+ * depend on the rows beside it when its kernels' do not. A batch-1 step through the Python layers spends
+ * ~5 ms of a ~20 ms token on the ~1,400 small torch ops around its 120 projections (docs/benchmarks.md,
+ * issue 36); here they take microseconds.
  *
- * bf16 (weights, caches, the residual stream): every value the torch layers round to bfloat16 is rounded here
- * at the same point (round to nearest even), sums run in float32, so the two differ only in summation order.
+ * bf16 (plain weights, caches, the residual stream): every value the torch layers round to bfloat16 is
+ * rounded here at the same point (round to nearest even), sums run in float32, so the two differ only in
+ * summation order.
  *
- * plan: per layer LAYER_TENSORS pointers in the order of enum tensor (norm weights and the bias as float32
- * copies; matrices row-major float32 or bf16; the caches [blocks, block_size, kv_heads, dim]).
- * captures: NULL, or layers + 1 pointers (NULL or a [hidden] buffer in the model dtype) that receive the
- * residual stream entering each layer (index layers: leaving the last).
- * table: the request's block table (one row: its width is not needed).
- * Returns 0, 1 when a buffer could not be allocated, or what paged_attention returned. */
+ * layers: the stack's layers (struct layer: norm weights and the bias as float32; the caches [blocks,
+ * block_size, kv_heads, dim]). x_in, x_out [tokens, hidden] in the model dtype. captures: NULL, or layers + 1
+ * pointers (NULL or a [tokens, hidden] buffer in the model dtype) that receive the residual stream entering
+ * each layer (index layers: leaving the last).
+ * Returns 0, or 1 when a buffer could not be allocated (here or in a kernel). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,19 +29,47 @@
 
 void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t N, int64_t K, int threads);
 void gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *out, int64_t N, int64_t K, int threads);
+int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const float *bias, float *out,
+                    int64_t M, int64_t N, int64_t K, int64_t group, int threads);
+int linear_int8_q8(const float *x, const int8_t *q, const float *scale, const float *bias, float *out, int64_t M,
+                   int64_t N, int64_t K, int64_t group, int threads);
+int linear_q4_1_f32(const float *x, const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const float *bias,
+                    float *out, int64_t M, int64_t N, int64_t K, int threads);
+int linear_q4_1_q8(const float *x, const uint8_t *qs, const _Float16 *d, const _Float16 *mn, const float *bias,
+                   float *out, int64_t M, int64_t N, int64_t K, int threads);
 int paged_attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
                     const int64_t *seq_lens, const int64_t *starts, const int64_t *floors, float *out,
                     int64_t requests, int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
                     int64_t table_width, int64_t window, float scale, int threads, const void *new_k,
                     const void *new_v, const int64_t *slots, int64_t new_tokens, int bf16);
 
-enum tensor { INPUT_NORM, QKV, QKV_BIAS, O_PROJ, POST_NORM, GATE_UP, DOWN, K_CACHE, V_CACHE, LAYER_TENSORS };
+/* A weight as its kernel takes it: plain (a: the [N, K] matrix), int8 (a: codes, b: scales, group), q4_1 (a:
+ * nibbles, b: steps, c: minima); *_Q8 kinds round the inputs to int8 blocks first (quant_linear.c). */
+enum kind { PLAIN_F32, PLAIN_BF16, INT8_F32, INT8_Q8, Q4_1_F32, Q4_1_Q8 };
 
-/* The stack's shape (decode_step.py fills the same fields, in this order). */
+struct projection {
+    int64_t kind, group;
+    const void *a, *b, *c;
+};
+
+/* decode_step.py's _Layer and _Shape fill the same fields, in this order. */
+struct layer {
+    const float *input_norm, *post_norm, *qkv_bias;
+    struct projection qkv, o_proj, gate_up, down;
+    void *k_cache, *v_cache;
+};
+
 struct shape {
     int64_t layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
     float eps, scale;
     int32_t bf16;
+};
+
+/* The step: tokens rows of requests requests, request r's rows [starts[r], starts[r + 1]) (the engine's
+ * ForwardContext: positions, slots [tokens]; seq_lens [requests]; tables [requests, table_width]). */
+struct step {
+    int64_t tokens, requests, table_width;
+    const int64_t *positions, *slots, *seq_lens, *starts, *tables;
 };
 
 static inline uint16_t bf16_bits(float f) { /* round to nearest even, as torch's .to(bfloat16) */
@@ -80,13 +112,22 @@ static void rope(float *x, int64_t heads, int64_t d, const float *cos_row, const
     }
 }
 
-static void project(const float *in, const void *w, const float *bias, float *out, int64_t n, int64_t k,
-                    int threads, int bf16) {
-    if (bf16)
-        gemv_bf16(in, w, bias, out, n, k, threads);
-    else
-        gemv_f32(in, w, bias, out, n, k, threads);
-    keep_all(out, n, bf16);
+/* out [rows, n] = in [rows, k] Wᵀ (+ bias) through the weight's kernel, kept as the torch layers keep it. The
+ * plain kinds take one row (decode_step.py sends them no more). */
+static int project(const struct projection *w, const float *in, const float *bias, float *out, int64_t rows,
+                   int64_t n, int64_t k, int threads, int bf16) {
+    int failed = 0;
+    switch (w->kind) {
+    case PLAIN_F32: gemv_f32(in, w->a, bias, out, n, k, threads); break;
+    case PLAIN_BF16: gemv_bf16(in, w->a, bias, out, n, k, threads); break;
+    case INT8_F32: failed = linear_int8_f32(in, w->a, w->b, bias, out, rows, n, k, w->group, threads); break;
+    case INT8_Q8: failed = linear_int8_q8(in, w->a, w->b, bias, out, rows, n, k, w->group, threads); break;
+    case Q4_1_F32: failed = linear_q4_1_f32(in, w->a, w->b, w->c, bias, out, rows, n, k, threads); break;
+    case Q4_1_Q8: failed = linear_q4_1_q8(in, w->a, w->b, w->c, bias, out, rows, n, k, threads); break;
+    default: failed = 1;
+    }
+    keep_all(out, rows * n, bf16);
+    return failed;
 }
 
 static void store(void *dst, const float *src, int64_t n, int bf16) {
@@ -96,50 +137,60 @@ static void store(void *dst, const float *src, int64_t n, int bf16) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
-int decode_step(const struct shape *s, const void *const *plan, const void *x_in, void *x_out,
-                const float *cos_table, const float *sin_table, const int64_t *position, const int64_t *slot,
-                const int64_t *seq_len, const int64_t *table, void *const *captures, int threads) {
+static void load(float *dst, const void *src, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16 ? from_bf16(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+}
+
+int decode_step(const struct shape *s, const struct layer *layers, const struct step *step, const void *x_in,
+                void *x_out, const float *cos_table, const float *sin_table, void *const *captures, int threads) {
     const int bf16 = s->bf16;
-    const int64_t d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d, hidden = s->hidden;
-    const int64_t qkv_size = q_size + 2 * kv_size, widest = s->intermediate * 2 > qkv_size ? s->intermediate * 2
-                                                                                           : qkv_size;
-    const int64_t starts[2] = {0, 1};
-    /* x (float32 residual), h (normed input), wide (qkv or gate/up), attn, new k/v in the cache dtype */
-    float *x = malloc(sizeof(float) * (size_t)(2 * hidden + widest + q_size + 2 * kv_size));
-    if (x == NULL) return 1;
-    float *h = x + hidden, *wide = h + hidden, *attn = wide + widest;
-    void *new_kv = attn + q_size;
+    const int64_t T = step->tokens, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
+    const int64_t hidden = s->hidden, inter = s->intermediate, qkv_size = q_size + 2 * kv_size;
+    const int64_t widest = 2 * inter > qkv_size ? 2 * inter : qkv_size;
     const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
-    for (int64_t i = 0; i < hidden; ++i)
-        x[i] = bf16 ? from_bf16(((const uint16_t *)x_in)[i]) : ((const float *)x_in)[i];
-    const float *cos_row = cos_table + *position * d, *sin_row = sin_table + *position * d;
+    /* per row: x (float32 residual), h (normed input), wide (qkv or gate/up), q, attn; new k and v in the cache
+     * dtype (as floats: room for either) */
+    const int64_t row = 2 * hidden + widest + 2 * q_size + 2 * kv_size;
+    float *x = malloc(sizeof(float) * (size_t)(T * row));
+    if (x == NULL) return 1;
+    float *h = x + T * hidden, *wide = h + T * hidden, *q = wide + T * widest, *attn = q + T * q_size;
+    void *new_k = attn + T * q_size, *new_v = (char *)new_k + element * (size_t)(T * kv_size);
+    load(x, x_in, T * hidden, bf16);
     int failed = 0;
     for (int64_t l = 0; l < s->layers && !failed; ++l) {
-        const void *const *t = plan + l * LAYER_TENSORS;
-        if (captures != NULL && captures[l] != NULL) store(captures[l], x, hidden, bf16);
-        rms_norm(x, t[INPUT_NORM], h, hidden, s->eps, bf16);
-        project(h, t[QKV], t[QKV_BIAS], wide, qkv_size, hidden, threads, bf16);
-        rope(wide, s->heads + s->kv_heads, d, cos_row, sin_row, bf16);
-        store(new_kv, wide + q_size, kv_size, bf16);
-        store((char *)new_kv + element * (size_t)kv_size, wide + q_size + kv_size, kv_size, bf16);
-        failed = paged_attention(wide, t[K_CACHE], t[V_CACHE], table, seq_len, starts, NULL, attn, 1, s->heads,
-                                 s->kv_heads, d, s->block_size, 0, 0, s->scale, threads, new_kv,
-                                 (char *)new_kv + element * (size_t)kv_size, slot, 1, bf16);
-        keep_all(attn, q_size, bf16);
-        project(attn, t[O_PROJ], NULL, h, hidden, q_size, threads, bf16);
-        for (int64_t i = 0; i < hidden; ++i) x[i] = keep(x[i] + h[i], bf16);
-        rms_norm(x, t[POST_NORM], h, hidden, s->eps, bf16);
-        project(h, t[GATE_UP], NULL, wide, 2 * s->intermediate, hidden, threads, bf16);
-        for (int64_t i = 0; i < s->intermediate; ++i) {
-            const float g = wide[i];
-            wide[i] = keep(keep(g / (1.0f + expf(-g)), bf16) * wide[s->intermediate + i], bf16);
+        const struct layer *t = layers + l;
+        if (captures != NULL && captures[l] != NULL) store(captures[l], x, T * hidden, bf16);
+        for (int64_t r = 0; r < T; ++r) rms_norm(x + r * hidden, t->input_norm, h + r * hidden, hidden, s->eps, bf16);
+        failed |= project(&t->qkv, h, t->qkv_bias, wide, T, qkv_size, hidden, threads, bf16);
+        for (int64_t r = 0; r < T; ++r) {
+            float *qkv = wide + r * qkv_size;
+            const int64_t at = step->positions[r] * d;
+            rope(qkv, s->heads + s->kv_heads, d, cos_table + at, sin_table + at, bf16);
+            memcpy(q + r * q_size, qkv, sizeof(float) * (size_t)q_size);
+            store((char *)new_k + element * (size_t)(r * kv_size), qkv + q_size, kv_size, bf16);
+            store((char *)new_v + element * (size_t)(r * kv_size), qkv + q_size + kv_size, kv_size, bf16);
         }
-        project(wide, t[DOWN], NULL, h, hidden, s->intermediate, threads, bf16);
-        for (int64_t i = 0; i < hidden; ++i) x[i] = keep(x[i] + h[i], bf16);
+        failed |= paged_attention(q, t->k_cache, t->v_cache, step->tables, step->seq_lens, step->starts, NULL, attn,
+                                  step->requests, s->heads, s->kv_heads, d, s->block_size, step->table_width, 0,
+                                  s->scale, threads, new_k, new_v, step->slots, T, bf16);
+        keep_all(attn, T * q_size, bf16);
+        failed |= project(&t->o_proj, attn, NULL, h, T, hidden, q_size, threads, bf16);
+        for (int64_t i = 0; i < T * hidden; ++i) x[i] = keep(x[i] + h[i], bf16);
+        for (int64_t r = 0; r < T; ++r) rms_norm(x + r * hidden, t->post_norm, h + r * hidden, hidden, s->eps, bf16);
+        failed |= project(&t->gate_up, h, NULL, wide, T, 2 * inter, hidden, threads, bf16);
+        for (int64_t r = 0; r < T; ++r) { /* silu(gate) · up, packed into the row's first half */
+            float *gu = wide + r * 2 * inter, *act = wide + r * inter;
+            for (int64_t i = 0; i < inter; ++i) {
+                const float g = gu[i], up = gu[inter + i];
+                act[i] = keep(keep(g / (1.0f + expf(-g)), bf16) * up, bf16);
+            }
+        }
+        failed |= project(&t->down, wide, NULL, h, T, hidden, inter, threads, bf16);
+        for (int64_t i = 0; i < T * hidden; ++i) x[i] = keep(x[i] + h[i], bf16);
     }
     if (!failed) {
-        if (captures != NULL && captures[s->layers] != NULL) store(captures[s->layers], x, hidden, bf16);
-        store(x_out, x, hidden, bf16);
+        if (captures != NULL && captures[s->layers] != NULL) store(captures[s->layers], x, T * hidden, bf16);
+        store(x_out, x, T * hidden, bf16);
     }
     free(x);
     return failed;
