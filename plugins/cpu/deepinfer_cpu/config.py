@@ -22,6 +22,9 @@ class CPUConfig(BaseModel):
         "a step of one decode row of a Llama-family model (batch-1 decoding) runs the whole decoder stack in one "
         "C call (csrc/decode_step.c: the same GEMV and attention kernels, norms, rope and SiLU between them in "
         "C) instead of ~1,400 small torch ops; needs the cpu_paged attention backend"))
+    huge_pages: bool = Field(True, description=(
+        "the GEMM backends copy the weights they prepare into anonymous memory advised MADV_HUGEPAGE (2 MB "
+        "pages): a batch-1 step streams every weight, and 4 KB pages cost a TLB miss every 4 KB (huge_pages.py)"))
     quant_dense_rows: int = Field(8, ge=1, description=(
         "under model.quantization, calls with at least this many rows run oneDNN's float32 GEMM on the weights "
         "rounded to the format; fewer rows (decode steps of a few requests, a request's verification rows) run "

@@ -16,15 +16,16 @@ rows, a request's verification rows, short prompt chunks) keeps one way for all 
 decoding's tokens equal plain decoding's there as they did through the layers.
 
 The plan (per layer the kernels' pointers, float32 copies of the norm weights and biases) is built once per
-``DenseDecoderStack`` and checked on every call against the tensors' addresses and version counters, so a
-parameter or cache re-bound to new storage, or a weight written in place (which a quantized backend
-re-quantizes), rebuilds it.
+``DenseDecoderStack`` and checked on every call against the tensors' addresses and the weights' version
+counters (``Stamp``), so a parameter or cache re-bound to new storage, or a weight written in place (which a
+quantized backend re-quantizes), rebuilds it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import weakref
 from collections.abc import Callable
 
@@ -98,7 +99,7 @@ class DecodeStep:
         self.shape = _Shape(len(layers), stack.hidden, stack.heads, stack.kv_heads, stack.head_dim,
                             stack.intermediate, block_size, stack.eps, stack.scale, int(dtype == torch.bfloat16))
         self.cos, self.sin = stack.rope_cos.float().contiguous(), stack.rope_sin_signed.float().contiguous()
-        self.versions = _versions(stack)
+        self.stamp = Stamp(stack)
 
     @classmethod
     def build(cls, stack: DenseDecoderStack, block_size: int, projection: ProjectionOf) -> DecodeStep | None:
@@ -121,9 +122,9 @@ class DecodeStep:
                                  *(p[0] for p in projections), caches[0].data_ptr(), caches[1].data_ptr()))
         return cls(stack, block_size, layers, kept)
 
-    def current(self, stack: DenseDecoderStack, block_size: int) -> bool:
-        """Whether this plan still describes ``stack``'s tensors (and the cache's block size)."""
-        return self.block_size == block_size and self.versions == _versions(stack)
+    def current(self, block_size: int) -> bool:
+        """Whether this plan still describes its stack's tensors (and the cache's block size)."""
+        return self.block_size == block_size and self.stamp.holds()
 
     def run(self, stack: DenseDecoderStack, x: torch.Tensor, ctx: ForwardContext
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -147,12 +148,26 @@ class DecodeStep:
         return out, captured
 
 
-def _versions(stack: DenseDecoderStack) -> tuple[int, ...]:
-    """Every weight's address and version counter, and the caches' addresses (the steps write them)."""
-    return tuple(v for layer in stack.layers for v in (
-        *(v for t in (layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up,
-                      layer.down) if t is not None for v in (t.data_ptr(), t._version)),
-        *(c.data_ptr() for c in layer.kv_cache)))
+class Stamp:
+    """The addresses of a stack's weights and caches and the weights' version counters when it was taken;
+    ``holds()`` says whether they are unchanged (a step checks it: ~30 µs for SmolLM2's 270 tensors, where
+    ``map`` over the unbound getters beats a generator by 3×)."""
+
+    _address = torch.Tensor.data_ptr
+    _version = operator.attrgetter("_version")
+
+    def __init__(self, stack: DenseDecoderStack) -> None:
+        self.weights = [t for layer in stack.layers for t in (
+            layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up, layer.down)
+            if t is not None]
+        self.tensors = self.weights + [c for layer in stack.layers for c in layer.kv_cache]
+        self.values = self._read()
+
+    def _read(self) -> tuple[list[int], list[int]]:
+        return list(map(Stamp._address, self.tensors)), list(map(Stamp._version, self.weights))
+
+    def holds(self) -> bool:
+        return self._read() == self.values
 
 
 class FusedDecoder:
@@ -165,9 +180,8 @@ class FusedDecoder:
         self.projection = projection
         self.max_rows = max_rows
         self.steps = 0
-        # per stack its plan, or the versions (``_versions``) at which it did not fit
-        self._plans: weakref.WeakKeyDictionary[DenseDecoderStack, DecodeStep | tuple[int, ...]] = (
-            weakref.WeakKeyDictionary())
+        # per stack its plan, or the stamp of the tensors with which it did not fit
+        self._plans: weakref.WeakKeyDictionary[DenseDecoderStack, DecodeStep | Stamp] = weakref.WeakKeyDictionary()
 
     def __call__(self, stack: DenseDecoderStack, x: torch.Tensor, ctx: ForwardContext
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
@@ -179,11 +193,11 @@ class FusedDecoder:
         if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
             return None
         plan = self._plans.get(stack)
-        if isinstance(plan, tuple) and plan == _versions(stack):
+        if isinstance(plan, Stamp) and plan.holds():
             return None
-        if not isinstance(plan, DecodeStep) or not plan.current(stack, ctx.block_size):
+        if not isinstance(plan, DecodeStep) or not plan.current(ctx.block_size):
             plan = DecodeStep.build(stack, ctx.block_size, self.projection)
-            self._plans[stack] = _versions(stack) if plan is None else plan
+            self._plans[stack] = Stamp(stack) if plan is None else plan
             if plan is None:
                 return None
         self.steps += 1

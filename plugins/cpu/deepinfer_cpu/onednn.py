@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from deepinfer.interfaces import BackendCapabilities
 from deepinfer_cpu.decode_step import FusedDecoder, plain_projection
 from deepinfer_cpu.gemv import fits, gemv
+from deepinfer_cpu.huge_pages import HugePageArena
 
 
 def onednn_available() -> bool:
@@ -54,12 +55,14 @@ class OneDNNGemmBackend:
     priority = 10
     ops = frozenset({"linear"})
 
-    def __init__(self, *, min_rows: int = 2, pack_rows: int = 16, fused_decode: bool = True) -> None:
+    def __init__(self, *, min_rows: int = 2, pack_rows: int = 16, fused_decode: bool = True,
+                 huge_pages: bool = True) -> None:
         self.min_rows = min_rows
         self.pack_rows = pack_rows
         dtypes = {torch.float32, torch.bfloat16} if _bf16_supported() else {torch.float32}
         self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset(dtypes))
         self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Packed] = {}
+        self.arena = HugePageArena() if huge_pages else None  # where prepared weights live (huge_pages.py)
         if fused_decode:  # GemmBackend's optional decode_stack: one-row steps of a Llama-family stack in C
             self.decode_stack = FusedDecoder(plain_projection, max_rows=1)  # the GEMV takes one row
 
@@ -67,8 +70,9 @@ class OneDNNGemmBackend:
         return onednn_available()
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """The plain weight row-major (the one-row kernel reads it that way), packed for oneDNN."""
-        plain = weight.contiguous()
+        """The plain weight row-major (the one-row kernel reads it that way; on huge pages with
+        ``huge_pages``), packed for oneDNN."""
+        plain = weight.contiguous() if self.arena is None else self.arena.place(weight)
         self._pack(plain)
         return plain
 

@@ -54,12 +54,14 @@ class Plugin:
     @hookimpl
     def deepinfer_gemm_backends(self) -> list[Any]:
         backends: list[Any] = [OneDNNGemmBackend(min_rows=self.config.min_rows, pack_rows=self.config.pack_rows,
-                                                     fused_decode=self.config.fused_decode)]
+                                                     fused_decode=self.config.fused_decode,
+                                                     huge_pages=self.config.huge_pages)]
         if self.quantization is not None:
             backends.append(QuantizedGemmBackend(self.quantization, head_rows=self.vocab_size,
                                                  dense_rows=self.config.quant_dense_rows,
                                                  inputs=self.config.quant_inputs,
-                                                 fused_decode=self.config.fused_decode))
+                                                 fused_decode=self.config.fused_decode,
+                                                 huge_pages=self.config.huge_pages))
         return backends
 
     @hookimpl

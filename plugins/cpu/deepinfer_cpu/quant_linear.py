@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from deepinfer.interfaces import BackendCapabilities
 from deepinfer_cpu.cbuild import CSRC, build_library, compiler
 from deepinfer_cpu.decode_step import KINDS, FusedDecoder, Projection
+from deepinfer_cpu.huge_pages import HugePageArena
 from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
 
 BLOCK = 32  # inputs per Q4_1 / Q8_0 block
@@ -216,7 +217,7 @@ class QuantizedGemmBackend:
     priority = 20  # above onednn (10): under model.quantization the quantizing backend is the one that fits
 
     def __init__(self, fmt: str, *, head_rows: int | None = None, dense_rows: int = 8,
-                 inputs: str = "int8", fused_decode: bool = True) -> None:
+                 inputs: str = "int8", fused_decode: bool = True, huge_pages: bool = True) -> None:
         if fmt not in FORMATS:
             raise ValueError(f"model.quantization: no CPU kernel for {fmt!r}; choose one of {list(FORMATS)}")
         if inputs not in INPUT_MODES:
@@ -229,7 +230,8 @@ class QuantizedGemmBackend:
         self.dense_rows = dense_rows
         self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
         # min_rows=1: every call handed to it has dense_rows rows or more
-        self.dense = OneDNNGemmBackend(min_rows=1) if onednn_available() else None
+        self.dense = OneDNNGemmBackend(min_rows=1, huge_pages=False) if onednn_available() else None
+        self.arena = HugePageArena() if huge_pages else None  # where the quantized weights live (huge_pages.py)
         self._entries: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Entry] = {}
         if fused_decode:  # GemmBackend's optional decode_stack: one-row steps of a Llama-family stack in C
             self.decode_stack = FusedDecoder(self._projection, max_rows=dense_rows - 1)
@@ -253,8 +255,13 @@ class QuantizedGemmBackend:
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight rounded to the format (float32, column-major as torch's GEMM reads it fastest); its
-        quantized form is kept for ``linear``."""
+        quantized form is kept for ``linear`` (on huge pages with ``huge_pages``)."""
         quantized = self.quantize(weight)
+        if self.arena is not None:
+            arena = self.arena
+            quantized = (Int8Weight(arena.place(quantized.q), arena.place(quantized.scale), quantized.group)
+                         if isinstance(quantized, Int8Weight) else
+                         Q41Weight(arena.place(quantized.qs), arena.place(quantized.d), arena.place(quantized.m)))
         rounded = quantized.dequantize().t().contiguous().t()
         if self.dense is not None:
             rounded = self.dense.prepare_weight(rounded)
