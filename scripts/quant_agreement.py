@@ -6,6 +6,9 @@ real chat prompts:
 
 * free-running greedy: each run generates ``--tokens`` tokens per prompt (EOS ignored); the token match rate
   is the fraction of positions whose token equals the float32 run's, and the first divergence is reported;
+* forced decoding of the float32 run's replies (``golden_token_ids``): step by step through the decode path,
+  the share of steps whose most likely token is float32's and the mean extra negative log-likelihood of
+  float32's tokens (nats per token) against float32's own;
 * teacher-forced on the float32 run's sequences: the engine's own full next-token distributions
   (``LLM.teacher_force`` with ``top_k`` = vocabulary) at the generated positions, against float32's: argmax
   agreement and the mean KL(p_fp32 ‖ p_mode) in nats. Teacher forcing is a prefill (many rows per GEMM); with
@@ -50,9 +53,9 @@ MODES: dict[str, dict[str, Any]] = {
 }
 
 
-def build(mode: str, max_num_seqs: int) -> LLM:
+def build(mode: str, max_num_seqs: int, cpu_settings: dict[str, Any]) -> LLM:
     settings = dict(MODES[mode])
-    cpu = {"enabled": True, "quant_inputs": settings.pop("inputs", "int8")}
+    cpu = {"enabled": True, "quant_inputs": settings.pop("inputs", "int8"), **cpu_settings}
     if "quantization" in settings and cpu["quant_inputs"] == "int8":
         cpu["quant_dense_rows"] = 1 << 30  # every call in the kernel: teacher forcing measures the int8 inputs
     return LLM("smollm2-135m-instruct", plugins={"cpu": cpu}, max_num_seqs=max_num_seqs, **settings)
@@ -61,6 +64,20 @@ def build(mode: str, max_num_seqs: int) -> LLM:
 def generate(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def forced_decode(llm: LLM, prompts: list[list[int]], replies: list[list[int]]) -> tuple[int, float]:
+    """Decoding float32's replies token by token (``golden_token_ids``, logprobs of the top token): the steps
+    whose most likely token is float32's, and the summed negative log-probability of float32's tokens. Unlike
+    teacher forcing (a prefill) this runs the decode path: at ``--max-num-seqs 1`` one row per step."""
+    params = [SamplingParams(temperature=0, max_tokens=len(r), ignore_eos=True, golden_token_ids=r, logprobs=1)
+              for r in replies]
+    agree, nll = 0, 0.0
+    for out, reply in zip(llm.generate(prompts, params, use_tqdm=False), replies, strict=True):
+        for token, logprobs in zip(reply, out.outputs[0].logprobs, strict=True):
+            agree += max(logprobs, key=logprobs.get) == token
+            nll -= logprobs[token]
+    return agree, nll
 
 
 def distributions(llm: LLM, sequences: list[list[int]], starts: list[int]) -> list[torch.Tensor]:
@@ -81,11 +98,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=8,
                     help="requests decoded together (1: every decode step has one row, the quantized kernels' path)")
+    ap.add_argument("--cpu", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="plugins.cpu settings for every run, e.g. fused_decode=false (values parsed as JSON)")
     ap.add_argument("--output")
     args = ap.parse_args()
+    cpu_settings = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.cpu)}
 
     started = time.time()
-    ref = build("fp32", args.max_num_seqs)
+    ref = build("fp32", args.max_num_seqs, cpu_settings)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
     chats = ref.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
     prompts = [list(o.prompt_token_ids) for o in chats]
@@ -93,14 +113,16 @@ def main() -> None:
     sequences = [p + o for p, o in zip(prompts, ref_out, strict=True)]
     starts = [len(p) for p in prompts]
     ref_logp = distributions(ref, sequences, starts)
+    _, ref_nll = forced_decode(ref, prompts, ref_out)
     ref.shutdown()
 
-    report: dict[str, Any] = {"tokens": args.tokens, "max_num_seqs": args.max_num_seqs, "prompts": PROMPTS,
-                              "modes": {}}
+    report: dict[str, Any] = {"tokens": args.tokens, "max_num_seqs": args.max_num_seqs, "cpu": cpu_settings,
+                              "prompts": PROMPTS, "modes": {}}
     for mode in args.modes:
-        llm = build(mode, args.max_num_seqs)
+        llm = build(mode, args.max_num_seqs, cpu_settings)
         outs = generate(llm, prompts, args.tokens)
         logp = distributions(llm, sequences, starts)
+        decode_agree, decode_nll = forced_decode(llm, prompts, ref_out)
         llm.shutdown()
         equal = [sum(a == b for a, b in zip(o, r, strict=True)) for o, r in zip(outs, ref_out, strict=True)]
         first = [next((i for i, (a, b) in enumerate(zip(o, r, strict=True)) if a != b), args.tokens)
@@ -115,6 +137,8 @@ def main() -> None:
             "teacher_forced_argmax_agreement": argmax / positions,
             "mean_kl_nats": float(kl.mean()),
             "max_kl_nats": float(kl.max()),
+            "forced_decode_argmax_agreement": decode_agree / positions,
+            "forced_decode_extra_nll_nats": (decode_nll - ref_nll) / positions,  # per token, against float32's
         }
         print(mode, json.dumps(report["modes"][mode]), flush=True)
     report["seconds"] = time.time() - started
