@@ -601,10 +601,31 @@ class MoEBackend(Backend, Protocol):
     rounding), or None when it cannot serve this spec or shape, and the model then runs that reference.
     The model calls it with whatever ``experts`` backend the run selected, compiled or not, so it must
     not be traced by ``torch.compile`` (``torch.compiler.disable``) and must not read the device from
-    the host."""
+    the host.
+
+    Optional ``experts_fp4(x, topk_ids, topk_weights, weights, *, swiglu_limit) -> Tensor | None``: the same op
+    over experts stored in FP4 (``Fp4ExpertWeights``, DeepSeek-V4.1's ``expert_dtype: fp4``), read as stored
+    (no dequantized copy of the experts); None when it cannot serve the call (device, shapes), and the model
+    runs its plain-torch reference (``deepseek_v4/fp4_moe.py``), which dequantizes one active expert at a
+    time. Dequantization is exact (``deepinfer.ops.dequantize_e2m1``), so on the same weights it equals the
+    bf16 op up to the order of the sums."""
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 weights: Any, *, swiglu_limit: float | None = None) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True, eq=False)
+class Fp4ExpertWeights:
+    """A MoE layer's routed experts in FP4, as DeepSeek-V4.1 checkpoints store them: ``w13 uint8 [E, 2I, H/2]``
+    (each expert's gate rows then up rows; e2m1 codes two a byte, the even input index in the low nibble) with
+    ``w13_scale uint8 [E, 2I, H/block]`` (ue8m0: ``2^(b-127)``, one per ``block`` inputs), ``w2 uint8 [E, H,
+    I/2]`` with ``w2_scale uint8 [E, H, I/block]`` (``MoEBackend.experts_fp4``)."""
+
+    w13: torch.Tensor
+    w13_scale: torch.Tensor
+    w2: torch.Tensor
+    w2_scale: torch.Tensor
+    block: int = 32
 
 
 @dataclass(frozen=True)

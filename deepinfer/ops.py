@@ -25,7 +25,8 @@ FP8 packing: ``fp8``, the FP8 KV-cache format module (e4m3 data, one UE8M0 scale
     ``quantize``, ``dequantize``, ``store``, ``gather``, ``roundtrip``, ``num_groups``, ``scale_values``
     and the format's constants ``FP8_DTYPE``, ``FP8_MAX``, ``GROUP``, ``E8M0_BIAS``, ``MIN_AMAX``).
 Layers and weights: ``RMSNorm`` (the core's norm, statistics in float32); ``init_dummy(module, seed)``,
-    the seeded random weights of ``model.load_format: dummy``.
+    the seeded random weights of ``model.load_format: dummy``; ``dequantize_e2m1(packed, scales, block)``, the
+    FP4 (e2m1 with ue8m0 or e4m3 scales) dequantization a kernel reading ``Fp4ExpertWeights`` must equal.
 Randomness and draft choice: ``uniform(seeds, positions, purpose)`` and ``Purpose``, the counter-based
     draws of ``sampling/rng.py``; ``inverse_cdf(probs, u)``, the sampler's choice of a token from one
     uniform per row.
@@ -46,6 +47,7 @@ from deepinfer.defaults import ExactReplayPlanner
 from deepinfer.isotonic import pool_adjacent_violators
 from deepinfer.kv import fp8
 from deepinfer.model.assets import cache_dir
+from deepinfer.model.layers.fp4 import dequantize_e2m1
 from deepinfer.model.layers.norm import RMSNorm
 from deepinfer.model.layers.reference import ALL_KV_DTYPES, TorchAttentionBackend, write_kv
 from deepinfer.model.layers.reference_deepseek import TorchMLABackend, TorchMoEBackend, write_latent
@@ -65,6 +67,7 @@ __all__ = [
     "TorchMoEBackend",
     "TorchSinkAttentionBackend",
     "cache_dir",
+    "dequantize_e2m1",
     "fp8",
     "init_dummy",
     "inverse_cdf",

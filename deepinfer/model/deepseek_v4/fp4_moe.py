@@ -9,9 +9,10 @@ time when a step routes tokens to it (``ExpertTiles``), then runs the same sorte
 reference backend (``reference_deepseek.sorted_experts``), so on the dequantized weights it equals the
 bf16 layer bit for bit (dequantization is exact, ``layers/fp4.py``).
 
-This is the CPU oracle; a GPU backend that dequantizes tiles in registers (``plugins/moe``) is not built
-(docs/status.md, issue 33). The reference path is taken whatever ``kernels`` names for ``experts``: no other
-backend reads FP4 experts yet. Expert parallelism and expert shards are refused.
+This is the CPU oracle. A run's ``experts`` backend may read the stored bytes itself
+(``MoEBackend.experts_fp4``, ``interfaces.Fp4ExpertWeights``: ``plugins/moe``'s Triton kernels dequantize
+tiles in registers); when it has no such method or declines a call, the reference runs. Expert parallelism
+and expert shards are refused.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.errors import ConfigError
-from deepinfer.interfaces import ForwardContext
+from deepinfer.interfaces import ForwardContext, Fp4ExpertWeights
 from deepinfer.model.deepseek_v4.config import V4Dims
 from deepinfer.model.deepseek_v4.moe import V4MoE
 from deepinfer.model.layers.fp4 import dequantize_e2m1
@@ -104,8 +105,16 @@ class V4Fp4MoE(V4MoE):
         return (ExpertTiles(self.w13_fp4, self.w13_scale, dtype, f"layers.{self.layer}.mlp.w13"),
                 ExpertTiles(self.w2_fp4, self.w2_scale, dtype, f"layers.{self.layer}.mlp.w2"))
 
+    def stored(self) -> Fp4ExpertWeights:
+        """The experts' bytes as a backend reads them (``MoEBackend.experts_fp4``)."""
+        return Fp4ExpertWeights(self.w13_fp4, self.w13_scale, self.w2_fp4, self.w2_scale, FP4_BLOCK)
+
     def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, ctx: ForwardContext,
                limit: float | None) -> torch.Tensor:
+        kernel = getattr(ctx.backends.get("experts"), "experts_fp4", None)
+        out = kernel(x, ids, weights, self.stored(), swiglu_limit=limit) if kernel is not None else None
+        if out is not None:
+            return out
         w13, w2 = self.expert_tiles(x.dtype)
         return fp4_experts(x, ids, weights, w13, w2, limit)
 

@@ -6,6 +6,9 @@ the expert-sorted block layout otherwise), run ``gate_up`` (grouped GEMM + SwiGL
 reads the device from the host, every shape is fixed by ``(T, k, E)``, so the MoE layer can be
 captured in a CUDA graph.
 
+``triton`` also serves ``experts_fp4``: DeepSeek-V4.1's FP4 experts read as stored, each weight tile
+dequantized in registers.
+
 ``triton_fp8`` keeps the routed experts in 128×128 block-scaled FP8 (``fp8.Fp8Experts``), quantized
 once in ``prepare_experts`` from the model's bf16 weights (which the core dequantized from an FP8
 checkpoint's ``weight_scale_inv`` when the checkpoint is FP8; re-quantizing recovers the same FP8
@@ -24,7 +27,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.interfaces import BackendCapabilities, RoutingSpec
+from deepinfer.interfaces import BackendCapabilities, Fp4ExpertWeights, RoutingSpec
 from deepinfer.testing import triton_interpreting
 from deepinfer_moe.fp8 import Fp8Experts, quantize_rows
 from deepinfer_moe.layout import group_by_expert, pair_view, sorted_blocks
@@ -72,15 +75,16 @@ def contiguous_experts(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tenso
 def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
                   w2: torch.Tensor, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                   decode_max_tokens: int = 4, swiglu_limit: float | None = None,
-                  sort_free_layout: bool = True) -> torch.Tensor:
+                  sort_free_layout: bool = True, fp4_block: int | None = None) -> torch.Tensor:
     """The MoE op on Triton: ``x [T, H]`` → ``Σ_j topk_weights[t, j] · expert_{ids[t, j]}(x[t])`` ``[T, H]``
-    in ``x.dtype``. With ``w13_scale``/``w2_scale`` the weights are FP8 (``Fp8Experts`` layout).
+    in ``x.dtype``. With ``w13_scale``/``w2_scale`` the weights are FP8 (``Fp8Experts`` layout), or with
+    ``fp4_block`` FP4 (``Fp4ExpertWeights``: packed e2m1 bytes and ue8m0 scales, activations as they are).
     Layouts: ``pair_view`` up to ``decode_max_tokens`` tokens (no launch), ``small_sorted_blocks`` (one
     launch) while the step fits it and ``sort_free_layout`` is on, else the torch ``sorted_blocks``."""
     from deepinfer_moe import triton_kernels as kernels  # imports triton; only when this backend runs
     from deepinfer_moe.layout_kernel import fits_small_layout, small_sorted_blocks
 
-    fp8 = w13_scale is not None
+    fp8 = w13_scale is not None and fp4_block is None
     tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     if tokens == 0:  # an idle expert-parallel rank: nothing to launch (a zero-size grid is an error)
@@ -101,8 +105,10 @@ def fused_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.T
         hq, h_scale = quantize_rows(h)
         per_pair = kernels.down(hq, h_scale, w2, w2_scale, topk_weights, layout, out_dtype=x.dtype, **launch)
     else:
-        h = kernels.gate_up(x.contiguous(), None, w13, None, layout, top_k, out_dtype=x.dtype, **launch, **limit)
-        per_pair = kernels.down(h, None, w2, None, topk_weights, layout, out_dtype=x.dtype, **launch)
+        fp4 = {"fp4_block": fp4_block}
+        h = kernels.gate_up(x.contiguous(), None, w13, w13_scale, layout, top_k, out_dtype=x.dtype, **launch,
+                            **limit, **fp4)
+        per_pair = kernels.down(h, None, w2, w2_scale, topk_weights, layout, out_dtype=x.dtype, **launch, **fp4)
     return kernels.sum_pairs(per_pair, top_k, x.dtype)
 
 
@@ -152,6 +158,18 @@ class TritonMoEBackend:
                                  swiglu_limit=swiglu_limit, sort_free_layout=self.sort_free_layout)
         w13, w2 = weights
         return fused_experts(x, topk_ids, topk_weights, w13.contiguous(), w2.contiguous(),
+                             decode_max_tokens=self.decode_max_tokens, swiglu_limit=swiglu_limit,
+                             sort_free_layout=self.sort_free_layout)
+
+    def experts_fp4(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                    weights: Fp4ExpertWeights, *, swiglu_limit: float | None = None) -> torch.Tensor | None:
+        """FP4 experts read as stored, each weight tile dequantized in registers (``MoEBackend.experts_fp4``;
+        ``triton_kernels.py``). The bf16 backend serves it (``triton_fp8`` declines: its activations are FP8),
+        on CUDA or under the interpreter."""
+        if self.fp8 or (x.device.type != "cuda" and not self.interpret):
+            return None
+        return fused_experts(x, topk_ids, topk_weights, weights.w13, weights.w2, w13_scale=weights.w13_scale,
+                             w2_scale=weights.w2_scale, fp4_block=weights.block,
                              decode_max_tokens=self.decode_max_tokens, swiglu_limit=swiglu_limit,
                              sort_free_layout=self.sort_free_layout)
 

@@ -9,6 +9,12 @@ FP8 (``FP8=True``): ``x``/``h`` are e4m3 with one float32 scale per row and 128 
 e4m3 with one scale per 128×128 tile (``fp8.py``); ``BLOCK_K`` is 128, so each K step multiplies one
 activation scale per row by one weight scale per output column, and accumulates in float32.
 
+FP4 (``FP4=True``, DeepSeek-V4.1's stored experts, ``interfaces.Fp4ExpertWeights``): the weights are e2m1
+codes two a byte (the even input index in the low nibble) with one ue8m0 scale per ``SCALE_BLOCK`` inputs;
+each weight tile is dequantized in registers (``_weight_tile``: code → value by its bits, scale → ``2^(b-127)``
+by its bits, their product exact in float32) and cast to the activations' dtype for ``tl.dot`` — exact in
+bf16 — so no dequantized copy of the experts exists and a step reads half a byte per weight (plus 1/32).
+
 Every launch reads only device memory and has a grid fixed by the shapes, so the step needs no host
 sync and can be captured in a CUDA graph. Under ``TRITON_INTERPRET=1`` (the CPU tests) tiles are
 upcast to float32 before ``tl.dot``: the interpreter (Triton 3.9) returns garbage for bf16 ``tl.dot``,
@@ -31,13 +37,59 @@ SCALE_BLOCK = 128
 
 
 @triton.jit
+def _e2m1_value(code):
+    """float32 value of e2m1 codes (int32, 0..15): bit 3 the sign, ``ee = 0`` subnormal ``m·0.5``, else
+    ``2^(ee-1)·(1 + m/2)`` — the same numbers as ``deepinfer.ops.dequantize_e2m1``'s table."""
+    ee = (code >> 1) & 3
+    half = (code & 1).to(tl.float32) * 0.5
+    power = tl.where(ee == 1, 1.0, tl.where(ee == 2, 2.0, 4.0))
+    magnitude = tl.where(ee == 0, half, power * (1.0 + half))
+    return tl.where((code & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _ue8m0_value(byte):
+    """float32 ``2^(b-127)`` of ue8m0 bytes (int32) from the bits: 0 is the subnormal ``2^-127``, 255 NaN."""
+    bits = tl.where(byte == 0, 1 << 22, tl.where(byte == 255, 0x7FC00000, byte << 23))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(w_base, s_base, cols, kk, stride_wn, stride_sn, mask, FP4: tl.constexpr,
+                 FP4_BLOCK: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` weight tile ``w[cols, kk]ᵀ`` of one expert: loaded as stored, or with
+    ``FP4`` dequantized from its packed codes (``w_base`` bytes ``[N, K/2]``) and scales (``s_base`` bytes
+    ``[N, K/FP4_BLOCK]``) to float32."""
+    col_offsets = cols[None, :].to(tl.int64)
+    if FP4:
+        packed = tl.load(w_base + col_offsets * stride_wn + (kk // 2)[:, None], mask=mask, other=0).to(tl.int32)
+        code = tl.where((kk % 2)[:, None] == 0, packed & 15, (packed >> 4) & 15)
+        scale = tl.load(s_base + col_offsets * stride_sn + (kk // FP4_BLOCK)[:, None], mask=mask, other=127)
+        return _e2m1_value(code) * _ue8m0_value(scale.to(tl.int32))
+    else:
+        return tl.load(w_base + col_offsets * stride_wn + kk[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
+def dequantize_fp4_kernel(w_ptr, s_ptr, out_ptr, rows, cols, stride_w, stride_s, stride_o,
+                          FP4_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """``out [rows, cols]`` float32 = the FP4 matrix ``w [rows, cols/2]`` (scales ``s``) through
+    ``_weight_tile``: what the GEMM kernels multiply, written out so a test can compare it bit for bit."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_c[:, None] < cols) & (offs_r[None, :] < rows)
+    tile = _weight_tile(w_ptr, s_ptr, offs_r, offs_c, stride_w, stride_s, mask, True, FP4_BLOCK)  # [C, R]
+    tl.store(out_ptr + offs_r[None, :].to(tl.int64) * stride_o + offs_c[:, None], tile, mask=mask)
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, out_ptr, pairs_ptr, block_expert_ptr,
     num_pairs, top_k, hidden, inter, limit,
     stride_xt, stride_we, stride_wn, stride_ot, stride_xst, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr, FP4: tl.constexpr, FP4_BLOCK: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` rows of one expert × ``BLOCK_N`` columns of the intermediate width."""
     pid_m = tl.program_id(0)
@@ -56,8 +108,7 @@ def _gate_up_kernel(
     col_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    gate_cols = w_base + offs_n[None, :].to(tl.int64) * stride_wn
-    up_cols = w_base + (offs_n[None, :] + inter).to(tl.int64) * stride_wn
+    s_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
     x_rows = x_ptr + token[:, None] * stride_xt
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -66,8 +117,10 @@ def _gate_up_kernel(
         k_ok = kk < hidden
         a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
         b_mask = k_ok[:, None] & col_ok[None, :]
-        b_gate = tl.load(gate_cols + kk[:, None], mask=b_mask, other=0.0).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_N]
-        b_up = tl.load(up_cols + kk[:, None], mask=b_mask, other=0.0).to(DOT_DTYPE)
+        b_gate = _weight_tile(w_base, s_base, offs_n, kk, stride_wn, stride_wsn, b_mask, FP4,
+                              FP4_BLOCK).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_N]
+        b_up = _weight_tile(w_base, s_base, offs_n + inter, kk, stride_wn, stride_wsn, b_mask, FP4,
+                            FP4_BLOCK).to(DOT_DTYPE)
         if FP8:
             kb = k0 // BLOCK_K
             a_scale = tl.load(x_scale_ptr + token * stride_xst + kb, mask=row_ok, other=0.0)
@@ -94,6 +147,7 @@ def _down_kernel(
     stride_hp, stride_we, stride_wn, stride_op, stride_hsp, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+    FP4: tl.constexpr, FP4_BLOCK: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` rows of one expert × ``BLOCK_N`` hidden columns, times routing weight."""
     pid_m = tl.program_id(0)
@@ -111,14 +165,16 @@ def _down_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < hidden
     offs_k = tl.arange(0, BLOCK_K)
-    w_cols = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :].to(tl.int64) * stride_wn
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    s_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
     h_rows = h_ptr + row[:, None] * stride_hp
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < inter
         a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-        b = tl.load(w_cols + kk[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(DOT_DTYPE)
+        b = _weight_tile(w_base, s_base, offs_n, kk, stride_wn, stride_wsn, k_ok[:, None] & col_ok[None, :], FP4,
+                         FP4_BLOCK).to(DOT_DTYPE)
         if FP8:
             kb = k0 // BLOCK_K
             a_scale = tl.load(h_scale_ptr + row * stride_hsp + kb, mask=row_ok, other=0.0)
@@ -145,19 +201,21 @@ def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
 
 def gate_up(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, w13_scale: torch.Tensor | None,
             layout: BlockLayout, top_k: int, *, out_dtype: torch.dtype, block_n: int, block_k: int,
-            num_warps: int, num_stages: int, swiglu_limit: float | None = None) -> torch.Tensor:
+            num_warps: int, num_stages: int, swiglu_limit: float | None = None,
+            fp4_block: int | None = None) -> torch.Tensor:
     """``silu(x·gateᵀ) · (x·upᵀ)`` for every pair: ``[P, I]`` in ``out_dtype``. ``x [T, H]`` (with
-    ``x_scale [T, ⌈H/128⌉]`` when FP8), ``w13 [E, 2I, H]`` (with ``w13_scale`` when FP8);
-    ``swiglu_limit`` clamps gate ≤ limit and up to ``[-limit, limit]`` first."""
-    fp8 = x_scale is not None
-    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    ``x_scale [T, ⌈H/128⌉]`` when FP8), ``w13 [E, 2I, H]`` (with ``w13_scale`` when FP8; with ``fp4_block``
+    the FP4 bytes ``[E, 2I, H/2]`` and their ue8m0 scales ``[E, 2I, H/fp4_block]``); ``swiglu_limit`` clamps
+    gate ≤ limit and up to ``[-limit, limit]`` first."""
+    fp8, fp4 = x_scale is not None, fp4_block is not None
+    inter, hidden = w13.shape[1] // 2, w13.shape[2] * (2 if fp4 else 1)
     if fp8 and block_k != SCALE_BLOCK:
         raise ValueError(f"FP8 kernels need block_k == {SCALE_BLOCK} (one scale per K step), got {block_k}")
     if x.stride(1) != 1 or w13.stride(2) != 1:
         raise ValueError("gate_up needs x and w13 contiguous along the hidden dimension")
     out = torch.empty(layout.num_pairs, inter, dtype=out_dtype, device=x.device)
     scale_x = x_scale if fp8 else x  # any tensor: the pointer is not read when FP8 is off
-    scale_w = w13_scale if fp8 else w13
+    scale_w = w13_scale if w13_scale is not None else w13
     grid = (layout.num_blocks, triton.cdiv(inter, block_n))
     _gate_up_kernel[grid](
         x, scale_x, w13, scale_w, out, layout.pairs, layout.block_expert,
@@ -166,17 +224,18 @@ def gate_up(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, w1
         scale_x.stride(0), scale_w.stride(0), scale_w.stride(1),
         BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, DOT_DTYPE=_dot_dtype(x.dtype),
         PRECISION=_precision(x.dtype), HAS_LIMIT=swiglu_limit is not None, PAIR_BLOCKS=layout.one_pair_per_block,
-        num_warps=num_warps, num_stages=num_stages,
+        FP4=fp4, FP4_BLOCK=fp4_block or 1, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
 
 def down(h: torch.Tensor, h_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None,
          topk_weights: torch.Tensor, layout: BlockLayout, *, out_dtype: torch.dtype, block_n: int, block_k: int,
-         num_warps: int, num_stages: int) -> torch.Tensor:
-    """``topk_weight[p] · h[p] · w2[e]ᵀ`` for every pair ``p``: ``[P, H]`` in ``out_dtype``."""
-    fp8 = h_scale is not None
-    hidden, inter = w2.shape[1], w2.shape[2]
+         num_warps: int, num_stages: int, fp4_block: int | None = None) -> torch.Tensor:
+    """``topk_weight[p] · h[p] · w2[e]ᵀ`` for every pair ``p``: ``[P, H]`` in ``out_dtype`` (``w2``'s forms as
+    ``gate_up``'s ``w13``)."""
+    fp8, fp4 = h_scale is not None, fp4_block is not None
+    hidden, inter = w2.shape[1], w2.shape[2] * (2 if fp4 else 1)
     if fp8 and block_k != SCALE_BLOCK:
         raise ValueError(f"FP8 kernels need block_k == {SCALE_BLOCK} (one scale per K step), got {block_k}")
     if h.stride(1) != 1 or w2.stride(2) != 1:
@@ -184,7 +243,7 @@ def down(h: torch.Tensor, h_scale: torch.Tensor | None, w2: torch.Tensor, w2_sca
     weights = topk_weights.reshape(-1).contiguous()
     out = torch.empty(layout.num_pairs, hidden, dtype=out_dtype, device=h.device)
     scale_h = h_scale if fp8 else h
-    scale_w = w2_scale if fp8 else w2
+    scale_w = w2_scale if w2_scale is not None else w2
     grid = (layout.num_blocks, triton.cdiv(hidden, block_n))
     _down_kernel[grid](
         h, scale_h, w2, scale_w, out, weights, layout.pairs, layout.block_expert,
@@ -192,9 +251,21 @@ def down(h: torch.Tensor, h_scale: torch.Tensor | None, w2: torch.Tensor, w2_sca
         h.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
         scale_h.stride(0), scale_w.stride(0), scale_w.stride(1),
         BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, DOT_DTYPE=_dot_dtype(h.dtype),
-        PRECISION=_precision(h.dtype), PAIR_BLOCKS=layout.one_pair_per_block, num_warps=num_warps,
-        num_stages=num_stages,
+        PRECISION=_precision(h.dtype), PAIR_BLOCKS=layout.one_pair_per_block, FP4=fp4, FP4_BLOCK=fp4_block or 1,
+        num_warps=num_warps, num_stages=num_stages,
     )
+    return out
+
+
+def dequantize_fp4(packed: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """``[rows, cols]`` float32 from FP4 bytes ``[rows, cols/2]`` and ue8m0 scales ``[rows, cols/block]``
+    through the GEMM kernels' tile code (``dequantize_fp4_kernel``): for checking it against the core's
+    ``dequantize_e2m1``."""
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty(rows, cols, dtype=torch.float32, device=packed.device)
+    grid = (triton.cdiv(rows, 16), triton.cdiv(cols, 64))
+    dequantize_fp4_kernel[grid](packed, scales, out, rows, cols, packed.stride(0), scales.stride(0), out.stride(0),
+                                FP4_BLOCK=block, BLOCK_R=16, BLOCK_C=64)
     return out
 
 
