@@ -12,7 +12,8 @@ The arena maps private anonymous regions (shared ones are shmem, which THP ``mad
 pages) of at least ``CHUNK`` bytes, aligned to 2 MB, and hands out 64-byte-aligned slices in order; each slice
 is a tensor viewing its region, which lives as long as a tensor does. Pages are committed when written, so
 the unused end of the last region costs nothing. Where the platform has no ``MADV_HUGEPAGE`` (or is not
-Linux) the tensors stay where they are.
+Linux) the tensors stay where they are; where the kernel refuses the advice they are still copied (to
+ordinary pages).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class HugePageArena:
         self._region: mmap.mmap | None = None
         self._next = self._end = 0  # free span [next, end) of the current region, in bytes from its start
         self.placed_bytes = 0
+        self.advised = True  # False once the kernel refused MADV_HUGEPAGE
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of the CPU tensor ``tensor`` on huge pages (``tensor`` itself where not
@@ -62,5 +64,8 @@ class HugePageArena:
         region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         start = ctypes.addressof(ctypes.c_char.from_buffer(region))  # the export keeps the region mapped
         first = (-start) % HUGE_PAGE
-        region.madvise(mmap.MADV_HUGEPAGE, first, length - first)
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, first, length - first)
+        except OSError:  # a kernel without THP refuses the advice: the region still holds the weights
+            self.advised = False
         self._region, self._next, self._end = region, first, length

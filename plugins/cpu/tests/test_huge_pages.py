@@ -5,6 +5,7 @@ GEMM weight is placed and greedy tokens equal a run without."""
 
 from __future__ import annotations
 
+import mmap
 import re
 from pathlib import Path
 
@@ -38,6 +39,18 @@ def _huge_kb(address: int) -> int:
                 if field.startswith("AnonHugePages:"):
                     return int(field.split()[1])
     raise AssertionError("address not mapped")
+
+
+def test_a_refused_advice_still_places_the_tensor(monkeypatch) -> None:
+    """A kernel without THP answers MADV_HUGEPAGE with EINVAL: the weights are copied all the same."""
+    class Refusing(mmap.mmap):
+        def madvise(self, *args: int) -> None:
+            raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(mmap, "mmap", Refusing)
+    arena = HugePageArena()
+    t = torch.randn(100)
+    assert torch.equal(arena.place(t), t) and not arena.advised
 
 
 def test_placed_tensors_keep_their_values_in_aligned_shared_regions() -> None:
