@@ -15,13 +15,14 @@ class CPUConfig(BaseModel):
 
     min_rows: int = Field(2, ge=1, description=(
         "calls with at least this many rows run oneDNN on the packed weight; fewer rows (a batch-1 decode "
-        "step) keep torch's matrix-vector product, which streams the plain weight at full bandwidth"))
+        "step) run the C GEMV (gemv.py) on the plain weight, which streams it at full bandwidth"))
     pack_rows: int = Field(16, ge=1, description=(
         "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))
     fused_decode: bool = Field(True, description=(
-        "a step of one decode row of a Llama-family model (batch-1 decoding) runs the whole decoder stack in one "
-        "C call (csrc/decode_step.c: the same GEMV and attention kernels, norms, rope and SiLU between them in "
-        "C) instead of ~1,400 small torch ops; needs the cpu_paged attention backend"))
+        "a Llama-family model's whole decoder stack runs in one C call (csrc/decode_step.c: the GEMM backend's "
+        "own kernels, cpu_paged's attention, norms, rope and SiLU between them in C) instead of ~1,400 small "
+        "torch ops a step: steps of one row under onednn (batch-1 decoding), of fewer than quant_dense_rows "
+        "rows under model.quantization; needs the cpu_paged attention backend"))
     huge_pages: bool = Field(True, description=(
         "the GEMM backends copy the weights they prepare into anonymous memory advised MADV_HUGEPAGE (2 MB "
         "pages): a batch-1 step streams every weight, and 4 KB pages cost a TLB miss every 4 KB (huge_pages.py)"))
