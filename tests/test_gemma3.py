@@ -97,6 +97,18 @@ def test_prefill_and_cached_decode_logits_match(tiny):
     assert_cached_logits_match(llm, model, _prompts([5, 23, 40, 17], seed=1), DECODE_STEPS)
 
 
+def test_cpu_plugin_runs_gemma_layers_one_request_at_a_time(tiny):
+    """With ``plugins.cpu`` (oneDNN GEMMs, ``cpu_paged`` attention) and one request at a time, every decode
+    step is a one-row step the fused decode step would take for a Llama: Gemma's layers (sandwich norms, GELU,
+    q/k norms) are not its form, so it declines and the logits still match transformers."""
+    model, folder = tiny
+    llm = LLM(folder, kv_cache_bytes=1 << 23, block_size=16, max_num_seqs=1, plugins={"cpu": {"enabled": True}})
+    assert llm.engine.model.decoder_stack() is None
+    assert_cached_logits_match(llm, model, _prompts([5, 23], seed=4), DECODE_STEPS)
+    fused = getattr(llm.engine.runner.backends["linear"], "decode_stack", None)
+    assert fused is None or fused.steps == 0
+
+
 def test_chunked_prefill_logits_match(tiny):
     model, folder = tiny
     # A 16-token budget splits every long prompt into chunks that straddle the window's edge.

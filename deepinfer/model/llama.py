@@ -163,9 +163,10 @@ class LlamaForCausalLM(StackedDecoderLM):
 
     def decoder_stack(self) -> DenseDecoderStack | None:
         """The layers as ``DenseDecoderStack`` (one object per binding of the caches), or None for a model
-        outside its form (Qwen3's per-head q/k norms)."""
+        outside its form: Qwen3's per-head q/k norms, and a subclass with layers of its own (Gemma-3's sandwich
+        norms and GELU) — only ``LlamaDecoderLayer``'s computation is the stack's."""
         d = self.d
-        if d.qk_norm:
+        if d.qk_norm or any(type(layer) is not LlamaDecoderLayer for layer in self.layers):
             return None
         if self._stack is None or self._stack.captured_layers != self.captured_layers:
             attn0 = self.layers[0].self_attn
