@@ -657,8 +657,9 @@ class DenseDecoderLayer:
     """One Llama-family decoder layer's tensors as a fused decode step reads them (``DenseDecoderStack``):
     ``input_norm`` and ``post_norm`` ``[hidden]`` (RMSNorm weights), ``qkv [(heads + 2·kv_heads)·head_dim,
     hidden]`` (q, k, v rows stacked) with ``qkv_bias`` or None, ``o_proj [hidden, heads·head_dim]``,
-    ``gate_up [2·intermediate, hidden]`` (gate rows, then up rows), ``down [hidden, intermediate]``, and the
-    layer's paged cache ``kv_cache`` (``AttentionBackend``'s layout)."""
+    ``gate_up [2·intermediate, hidden]`` (gate rows, then up rows), ``down [hidden, intermediate]``, the
+    layer's paged cache ``kv_cache`` (``AttentionBackend``'s layout), and Qwen3's per-head RMSNorm weights
+    ``q_norm``, ``k_norm [head_dim]`` applied to q's and k's heads before rope (None: no such norm)."""
 
     input_norm: torch.Tensor
     qkv: torch.Tensor
@@ -668,18 +669,21 @@ class DenseDecoderLayer:
     gate_up: torch.Tensor
     down: torch.Tensor
     kv_cache: tuple[torch.Tensor, ...]
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
 class DenseDecoderStack:
     """A Llama-family model's decoder layers, for ``GemmBackend.decode_stack``: per layer ``x += o_proj ·
-    attention(rope(qkv · RMSNorm(x)))``, then ``x += down · (silu(gate) · up)(gate_up · RMSNorm(x))``, with
-    RMSNorm's statistics in float32 (``deepinfer.ops.RMSNorm``), rope in the rotate-half layout over
-    ``rope_cos`` and ``rope_sin_signed [max_positions, head_dim]`` (float32; sin with its first half negated, so
-    ``rotate_half(x)·sin = roll(x, head_dim/2)·rope_sin_signed``), causal attention with ``scale`` over the
-    paged cache. ``captured_layers``: the layers whose input the caller keeps (``StackedDecoderLM.
-    capture_hidden``; id ``len(layers)``: the last layer's output). The model keeps one per binding of its
-    weights and caches (identity hash: a backend may key what it derives from it)."""
+    attention(rope(qkv · RMSNorm(x)))`` (q's and k's heads RMS-normed first where the layer has ``q_norm``),
+    then ``x += down · (silu(gate) · up)(gate_up · RMSNorm(x))``, with RMSNorm's statistics in float32
+    (``deepinfer.ops.RMSNorm``), rope in the rotate-half layout over ``rope_cos`` and ``rope_sin_signed
+    [max_positions, head_dim]`` (float32; sin with its first half negated, so ``rotate_half(x)·sin = roll(x,
+    head_dim/2)·rope_sin_signed``), causal attention with ``scale`` over the paged cache. ``captured_layers``:
+    the layers whose input the caller keeps (``StackedDecoderLM.capture_hidden``; id ``len(layers)``: the last
+    layer's output). The model keeps one per binding of its weights and caches (identity hash: a backend may
+    key what it derives from it)."""
 
     layers: tuple[DenseDecoderLayer, ...]
     hidden: int

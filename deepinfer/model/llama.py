@@ -162,11 +162,11 @@ class LlamaForCausalLM(StackedDecoderLM):
         return out
 
     def decoder_stack(self) -> DenseDecoderStack | None:
-        """The layers as ``DenseDecoderStack`` (one object per binding of the caches), or None for a model
-        outside its form: Qwen3's per-head q/k norms, and a subclass with layers of its own (Gemma-3's sandwich
-        norms and GELU) — only ``LlamaDecoderLayer``'s computation is the stack's."""
+        """The layers as ``DenseDecoderStack`` (one object per binding of the caches), or None for a subclass
+        with layers of its own (Gemma-3's sandwich norms and GELU): only ``LlamaDecoderLayer``'s computation
+        is the stack's."""
         d = self.d
-        if d.qk_norm or any(type(layer) is not LlamaDecoderLayer for layer in self.layers):
+        if any(type(layer) is not LlamaDecoderLayer for layer in self.layers):
             return None
         if self._stack is None or self._stack.captured_layers != self.captured_layers:
             attn0 = self.layers[0].self_attn
@@ -174,7 +174,9 @@ class LlamaForCausalLM(StackedDecoderLM):
                 tuple(DenseDecoderLayer(
                     layer.input_layernorm.weight, layer.self_attn.qkv_weight, layer.self_attn.qkv_bias,
                     layer.self_attn.o_weight, layer.post_attention_layernorm.weight, layer.mlp.gate_up_weight,
-                    layer.mlp.down_weight, layer.self_attn.kv_cache) for layer in self.layers),
+                    layer.mlp.down_weight, layer.self_attn.kv_cache,
+                    layer.self_attn.q_norm.weight if d.qk_norm else None,
+                    layer.self_attn.k_norm.weight if d.qk_norm else None) for layer in self.layers),
                 d.hidden, d.heads, d.kv_heads, d.head_dim, d.intermediate, d.eps, attn0.scale,
                 attn0.rotary.cos, attn0.rotary.sin_signed, self.captured_layers)
         return self._stack

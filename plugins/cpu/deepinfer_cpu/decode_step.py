@@ -64,7 +64,8 @@ def plain_projection(weight: torch.Tensor) -> tuple[Projection, tuple[torch.Tens
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("qkv_bias", ctypes.c_void_p),
                 ("qkv", Projection), ("o_proj", Projection), ("gate_up", Projection), ("down", Projection),
-                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p)]
 
 
 class _Shape(ctypes.Structure):
@@ -116,10 +117,11 @@ class DecodeStep:
             if any(p is None for p in projections):
                 return None
             vectors = [t.float().contiguous() if t is not None else None
-                       for t in (layer.input_norm, layer.post_norm, layer.qkv_bias)]
+                       for t in (layer.input_norm, layer.post_norm, layer.qkv_bias, layer.q_norm, layer.k_norm)]
             kept += [t for t in vectors if t is not None] + [t for p in projections for t in p[1]]
-            layers.append(_Layer(*(t.data_ptr() if t is not None else None for t in vectors),
-                                 *(p[0] for p in projections), caches[0].data_ptr(), caches[1].data_ptr()))
+            pointers = [t.data_ptr() if t is not None else None for t in vectors]
+            layers.append(_Layer(*pointers[:3], *(p[0] for p in projections), caches[0].data_ptr(),
+                                 caches[1].data_ptr(), *pointers[3:]))
         return cls(stack, block_size, layers, kept)
 
     def current(self, block_size: int) -> bool:
@@ -158,8 +160,8 @@ class Stamp:
 
     def __init__(self, stack: DenseDecoderStack) -> None:
         self.weights = [t for layer in stack.layers for t in (
-            layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up, layer.down)
-            if t is not None]
+            layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up, layer.down,
+            layer.q_norm, layer.k_norm) if t is not None]
         self.tensors = self.weights + [c for layer in stack.layers for c in layer.kv_cache]
         self.values = self._read()
 

@@ -2,8 +2,8 @@
  * (deepinfer_cpu/decode_step.py loads it through ctypes; linked with gemv.c, paged_attention.c and
  * quant_linear.c, whose kernels it calls).
  *
- * Per layer, what deepinfer/model/llama.py computes: h = RMSNorm(x); qkv = W_qkv h (+ bias); rope on q's and
- * k's heads (rotate-half, the engine's cos and sign-folded sin tables); the rows' keys and values stored at
+ * Per layer, what deepinfer/model/llama.py computes: h = RMSNorm(x); qkv = W_qkv h (+ bias); (Qwen3: each
+ * head of q and k RMS-normed); rope on q's and k's heads (rotate-half, the engine's cos and sign-folded sin tables); the rows' keys and values stored at
  * their cache slots and attended (paged_attention); x += W_o attn; h = RMSNorm(x); g, u = W_gate_up h;
  * x += W_down (silu(g) u). Each projection runs the kernel its GEMM backend runs for these rows (struct
  * projection: gemv_f32 / gemv_bf16 on a plain weight for one row, or a quantized kernel of quant_linear.c for
@@ -57,6 +57,7 @@ struct layer {
     const float *input_norm, *post_norm, *qkv_bias;
     struct projection qkv, o_proj, gate_up, down;
     void *k_cache, *v_cache;
+    const float *q_norm, *k_norm; /* per-head RMSNorm weights [head_dim] (Qwen3), or NULL */
 };
 
 struct shape {
@@ -165,6 +166,11 @@ int decode_step(const struct shape *s, const struct layer *layers, const struct 
         for (int64_t r = 0; r < T; ++r) {
             float *qkv = wide + r * qkv_size;
             const int64_t at = step->positions[r] * d;
+            if (t->q_norm != NULL) /* Qwen3: each head of q and of k RMS-normed before rope */
+                for (int64_t head = 0; head < s->heads + s->kv_heads; ++head) {
+                    float *v = qkv + head * d;
+                    rms_norm(v, head < s->heads ? t->q_norm : t->k_norm, v, d, s->eps, bf16);
+                }
             rope(qkv, s->heads + s->kv_heads, d, cos_table + at, sin_table + at, bf16);
             memcpy(q + r * q_size, qkv, sizeof(float) * (size_t)q_size);
             store((char *)new_k + element * (size_t)(r * kv_size), qkv + q_size, kv_size, bf16);
