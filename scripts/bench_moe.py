@@ -13,6 +13,11 @@ GPU both are printed next to the H200 limits measured in ``reference/kernels.md`
 
     python scripts/bench_moe.py --tokens 1 16 256 4096 --output moe.json            # every available backend
     python scripts/bench_moe.py --backends torch grouped --tokens 1 16 256 --repeats 5
+    python scripts/bench_moe.py --backends triton triton_fp8 triton_fp4 --tokens 1 16 256 4096   # issue 33
+
+``triton_fp4`` and ``torch_fp4`` run the same experts stored as DeepSeek-V4.1's FP4 (e2m1 codes with a ue8m0
+scale per 32 inputs, ``quantize_e2m1`` of the bf16 weights) through ``TritonMoEBackend.experts_fp4`` and the
+core's plain-torch reference (``deepseek_v4/fp4_moe.py``, one expert dequantized at a time).
 """
 
 from __future__ import annotations
@@ -44,14 +49,47 @@ def backends_by_name() -> dict[str, Any]:
 
     from deepinfer.model.layers.reference_deepseek import TorchMoEBackend
 
-    return {b.name: b for b in (TorchMoEBackend(), GroupedMoEBackend(), TritonMoEBackend(),
-                                TritonMoEBackend(fp8=True), DeepGemmMoEBackend(warmup_tokens=()))}
+    backends = (TorchMoEBackend(), GroupedMoEBackend(), TritonMoEBackend(), TritonMoEBackend(fp8=True),
+                DeepGemmMoEBackend(warmup_tokens=()), Fp4Experts("triton_fp4", TritonMoEBackend()),
+                Fp4Experts("torch_fp4", TorchMoEBackend()))
+    return {b.name: b for b in backends}
+
+
+class Fp4Experts:
+    """The experts stored as FP4 (``interfaces.Fp4ExpertWeights``) and run by ``inner``'s ``experts_fp4``
+    (``triton_fp4``), or by the core's reference FP4 path when ``inner`` has none (``torch_fp4``)."""
+
+    def __init__(self, name: str, inner: Any) -> None:
+        self.name, self.inner = name, inner
+        self.capabilities = inner.capabilities
+
+    def available(self) -> bool:
+        return self.inner.available()
+
+    def prepare_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> Any:
+        from deepinfer.interfaces import Fp4ExpertWeights
+        from deepinfer.model.layers.fp4 import quantize_e2m1
+
+        (q13, s13), (q2, s2) = quantize_e2m1(w13), quantize_e2m1(w2)
+        return Fp4ExpertWeights(q13, s13, q2, s2, 32)
+
+    def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: Any) -> Any:
+        from deepinfer.model.deepseek_v4.fp4_moe import ExpertTiles, fp4_experts
+
+        if hasattr(self.inner, "experts_fp4"):
+            return self.inner.experts_fp4(x, topk_ids, topk_weights, weights)
+        tiles = (ExpertTiles(weights.w13, weights.w13_scale, x.dtype, "w13"),
+                 ExpertTiles(weights.w2, weights.w2_scale, x.dtype, "w2"))
+        return fp4_experts(x, topk_ids, topk_weights, *tiles, None)
 
 
 def weight_bytes(backend: str, dtype: torch.dtype) -> float:
-    """Bytes per routed-expert weight element as the backend stores it (FP8 adds one fp32 per 128²)."""
+    """Bytes per routed-expert weight element as the backend stores it (FP8 adds one fp32 per 128², FP4 one
+    byte per 32)."""
     if backend in ("triton_fp8", "deep_gemm"):
         return 1.0 + 4.0 / (128 * 128)
+    if backend in ("triton_fp4", "torch_fp4"):
+        return 0.5 + 1.0 / 32
     return torch.finfo(dtype).bits / 8
 
 
@@ -118,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
     ap.add_argument("--backends", nargs="+", default=None,
-                    help="torch grouped triton triton_fp8 deep_gemm (default: every available one)")
+                    help="torch grouped triton triton_fp8 deep_gemm triton_fp4 torch_fp4 (default: every available "
+                    "one)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, help="float32 | bfloat16 (default: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--repeats", type=int, default=5)
