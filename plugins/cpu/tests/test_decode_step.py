@@ -83,6 +83,19 @@ def test_mixed_steps_and_speculation_equal_the_layers(tiny_llama: Path) -> None:
         _assert_same(runs[True], runs[False], 1e-5)
 
 
+def test_the_overlapped_executor_gives_the_same_tokens(tiny_llama: Path) -> None:
+    """The fused step on the overlapped executor's worker thread (plugins.scheduling): the tokens and
+    logprobs of the synchronous run, every decode step fused."""
+    runs = {}
+    for executor in ("sync", "overlap"):
+        llm = _llm(tiny_llama, scheduler={"executor": executor},
+                   plugins={"scheduling": {"enabled": executor == "overlap"}})
+        runs[executor] = _run(llm, _prompts(11, (9, 30)))
+        assert _fused_steps(llm) == 2 * 13
+        llm.shutdown()
+    _assert_same(runs["overlap"], runs["sync"], 0.0)
+
+
 def test_captured_layer_inputs_equal_the_layers(tiny_llama: Path) -> None:
     """The layer inputs a drafter reads (``capture_hidden``: the first layer's, the second's, the last
     output) at every fused step equal the layers' within float32 rounding."""
