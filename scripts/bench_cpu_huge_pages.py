@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 from deepinfer_cpu.gemv import gemv
@@ -41,7 +42,8 @@ def main() -> None:
                 gemv(rows[w.shape[1]], w)
             times[name].append(time.perf_counter() - start)
     total = sum(w.numel() * w.element_size() for w in plain)
-    huge = [line.split()[1] for line in open("/proc/meminfo") if line.startswith("AnonHugePages")]
+    meminfo = Path("/proc/meminfo").read_text().splitlines()
+    huge = [line.split()[1] for line in meminfo if line.startswith("AnonHugePages")]
     print(f"{args.dtype}, {total / 1e6:.0f} MB per step, {torch.get_num_threads()} threads, AnonHugePages {huge} kB")
     for name, values in times.items():
         median = statistics.median(values)

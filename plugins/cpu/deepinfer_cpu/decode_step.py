@@ -3,7 +3,7 @@
 A batch-1 decode step through the model's Python layers makes ~1,400 small torch ops and ~5,000 Python calls
 around its 120 projections: ~5 ms of a ~20 ms float32 SmolLM2 token on the 2-core VM, the gap to llama.cpp
 (docs/benchmarks.md, issue 36). ``FusedDecoder`` hands the whole stack to the kernel instead: each projection
-runs the kernel its GEMM backend runs for one row (the ``onednn`` backend's GEMV, or the ``cpu_int8`` /
+runs the kernel its GEMM backend runs for those rows (the ``onednn`` backend's GEMV, or the ``cpu_int8`` /
 ``cpu_q4_1`` quantized kernels), attention the ``cpu_paged`` kernel, and the norms, rope, SiLU and residual
 adds run in C between them: Python makes one call per step.
 
