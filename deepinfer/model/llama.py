@@ -123,6 +123,8 @@ class LlamaForCausalLM(StackedDecoderLM):
     architecture = "LlamaForCausalLM"
     # The backend ops this model calls (the plugin host must find a fitting backend for each).
     backend_ops = frozenset({"linear", "paged_attention"})
+    _stack: DenseDecoderStack | None = None  # decoder_stack(), built on first use (a class default: subclasses
+    # that build their own layers, Gemma-3, skip this __init__)
 
     def __init__(self, hf_config: dict[str, Any], *, dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> None:
@@ -135,7 +137,6 @@ class LlamaForCausalLM(StackedDecoderLM):
         self.layers = nn.ModuleList(LlamaDecoderLayer(d, rotary, **kw) for _ in range(d.layers))
         self.norm = RMSNorm(d.hidden, d.eps, **kw)
         self.lm_head = None if d.tied else nn.Parameter(torch.empty(d.vocab, d.hidden, **kw))
-        self._stack: DenseDecoderStack | None = None  # decoder_stack(), built on first use
 
     def cache_specs(self) -> Sequence[PagedKVSpec]:
         return [PagedKVSpec(self.d.kv_heads, self.d.head_dim) for _ in range(self.d.layers)]
@@ -166,9 +167,9 @@ class LlamaForCausalLM(StackedDecoderLM):
         with layers of its own (Gemma-3's sandwich norms and GELU): only ``LlamaDecoderLayer``'s computation
         is the stack's."""
         d = self.d
-        if any(type(layer) is not LlamaDecoderLayer for layer in self.layers):
-            return None
         if self._stack is None or self._stack.captured_layers != self.captured_layers:
+            if any(type(layer) is not LlamaDecoderLayer for layer in self.layers):
+                return None
             attn0 = self.layers[0].self_attn
             self._stack = DenseDecoderStack(
                 tuple(DenseDecoderLayer(

@@ -1,9 +1,10 @@
 """Building the plugin's C kernels (``csrc/*.c``) once per machine with the system C compiler.
 
 A kernel is compiled on first use (``FLAGS``) into ``<deepinfer cache>/cpu_kernels/`` under a name hashed
-from its sources, the flags and the compiler, so a machine builds each version once (under a second) and
-loads it through ctypes; a failed build raises with the compiler's message. A library may link several
-sources (``decode_step.c`` calls the GEMV and attention kernels of ``gemv.c`` and ``paged_attention.c``).
+from its sources (and ``csrc``'s headers), the flags and the compiler, so a machine builds each version once
+(under a second) and loads it through ctypes; a failed build raises with the compiler's message. A library
+may link several sources (``decode_step.c`` calls the kernels of ``gemv.c``, ``paged_attention.c`` and
+``quant_linear.c``).
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def build_library(source: Path | Sequence[Path], march: str = "native") -> ctype
     if cc is None:
         raise RuntimeError(f"plugins.cpu: the {sources[0].name} kernel needs a C compiler (cc, gcc or clang)")
     flags = tuple(f"-march={march}" if f == "-march=native" else f for f in FLAGS)
-    text = b"".join(s.read_bytes() for s in sources)
+    # the headers the sources include (csrc/*.h) are part of what is built
+    text = b"".join(f.read_bytes() for f in [*sources, *sorted(CSRC.glob("*.h"))])
     key = hashlib.sha256(text + " ".join((cc, *flags)).encode()).hexdigest()[:16]
     target = cache_dir() / "cpu_kernels" / f"{sources[0].stem}-{key}.so"
     if not target.exists():

@@ -33,7 +33,7 @@ import torch
 
 from deepinfer.interfaces import DenseDecoderStack, ForwardContext
 from deepinfer_cpu.cbuild import CSRC, build_library
-from deepinfer_cpu.paged_attention import MAX_QUERY_ROWS
+from deepinfer_cpu.paged_attention import MAX_QUERY_ROWS, as_int64
 
 SOURCES = (CSRC / "decode_step.c", CSRC / "gemv.c", CSRC / "paged_attention.c", CSRC / "quant_linear.c")
 # ``enum kind`` of decode_step.c
@@ -131,8 +131,7 @@ class DecodeStep:
     def run(self, stack: DenseDecoderStack, x: torch.Tensor, ctx: ForwardContext
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The residual stream after the last layer for the step's rows ``x [T, hidden]`` (their keys and
-        values written to the caches), and the inputs of ``stack.captured_layers``; ``ctx``'s positions, slots,
-        lengths and block tables are int64 and contiguous (``query_start_loc`` is converted here)."""
+        values written to the caches), and the inputs of ``stack.captured_layers``."""
         x = x.contiguous()
         out = torch.empty_like(x)
         captured = {i: torch.empty_like(x) for i in stack.captured_layers}
@@ -140,9 +139,10 @@ class DecodeStep:
         if captured:
             captures = (ctypes.c_void_p * (len(stack.layers) + 1))(
                 *(captured[i].data_ptr() if i in captured else None for i in range(len(stack.layers) + 1)))
-        tables, starts = ctx.block_tables, ctx.query_start_loc.to(torch.int64).contiguous()
-        step = _Step(x.shape[0], tables.shape[0], tables.shape[1], ctx.positions.data_ptr(),
-                     ctx.slot_mapping.data_ptr(), ctx.seq_lens.data_ptr(), starts.data_ptr(), tables.data_ptr())
+        index = [as_int64(t) for t in (ctx.positions, ctx.slot_mapping, ctx.seq_lens, ctx.query_start_loc,
+                                        ctx.block_tables)]  # kept alive until the call returns
+        tables = index[-1]
+        step = _Step(x.shape[0], tables.shape[0], tables.shape[1], *(t.data_ptr() for t in index))
         failed = _kernel()(ctypes.byref(self.shape), self.layers, ctypes.byref(step), x.data_ptr(), out.data_ptr(),
                            self.cos.data_ptr(), self.sin.data_ptr(), captures, torch.get_num_threads())
         if failed:
@@ -190,9 +190,6 @@ class FusedDecoder:
         rows = x.shape[0]
         if (not 0 < rows <= self.max_rows or not 0 < ctx.max_query_len <= MAX_QUERY_ROWS
                 or getattr(ctx.backends["paged_attention"], "name", None) != "cpu_paged"):
-            return None
-        index = (ctx.positions, ctx.slot_mapping, ctx.seq_lens, ctx.block_tables)
-        if any(t.dtype != torch.int64 or not t.is_contiguous() for t in index):
             return None
         plan = self._plans.get(stack)
         if isinstance(plan, Stamp) and plan.holds():

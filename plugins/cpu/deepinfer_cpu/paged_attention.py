@@ -33,7 +33,8 @@ from deepinfer.interfaces import BackendCapabilities, ForwardContext
 from deepinfer.ops import TorchAttentionBackend
 from deepinfer_cpu.cbuild import CSRC, FLAGS, build_library, compiler
 
-__all__ = ["FLAGS", "MAX_QUERY_ROWS", "CPUPagedAttentionBackend", "compiler", "load_kernel", "paged_attention"]
+__all__ = ["FLAGS", "MAX_QUERY_ROWS", "CPUPagedAttentionBackend", "as_int64", "compiler", "load_kernel",
+           "paged_attention"]
 
 SOURCE = CSRC / "paged_attention.c"
 # Query rows per request the kernel takes (a verification step's 1 + max_draft, short prompts); its score
@@ -62,7 +63,8 @@ def _contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _int64(t: torch.Tensor) -> torch.Tensor:
+def as_int64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous int64 tensor (itself when it already is one: the engine's index tensors)."""
     return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 
@@ -81,17 +83,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     assert k_cache.is_contiguous() and v_cache.is_contiguous()
     out_dtype = q.dtype
     q = _contiguous(q.float())
-    tables, lens, starts = _int64(block_tables), _int64(seq_lens), _int64(query_starts)
+    tables, lens, starts = as_int64(block_tables), as_int64(seq_lens), as_int64(query_starts)
     floor_arg = None
     if floors is not None:
-        floors = _int64(floors)
+        floors = as_int64(floors)
         floor_arg = floors.data_ptr()
     new_k = new_v = slots = None
     new_tokens = 0
     if new_kv is not None:
         new_k, new_v, slots = new_kv
         assert new_k.dtype == new_v.dtype == k_cache.dtype
-        new_k, new_v, slots = _contiguous(new_k), _contiguous(new_v), _int64(slots)
+        new_k, new_v, slots = _contiguous(new_k), _contiguous(new_v), as_int64(slots)
         new_tokens = slots.shape[0]
     out = torch.empty_like(q)
     heads, dim = q.shape[1], q.shape[2]

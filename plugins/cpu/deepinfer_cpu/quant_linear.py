@@ -157,14 +157,15 @@ class QuantizedLinear:
     of these calls, so a call does little more than allocate its output."""
 
     def __init__(self, weight: Int8Weight | Q41Weight, inputs: str = "float32", *, march: str = "native") -> None:
-        lib, q8 = load_kernel(march), inputs == "int8"
+        q8 = inputs == "int8"
         if isinstance(weight, Int8Weight):
             n, k = weight.q.shape
-            run, operands = lib.linear_int8_q8 if q8 else lib.linear_int8_f32, (weight.q, weight.scale)
-            tail: tuple[int, ...] = (weight.group,)
+            operands, tail, fmt = (weight.q, weight.scale), (weight.group,), "int8"
         else:
             n, k = weight.d.shape[0], weight.qs.shape[1] * 2
-            run, operands, tail = lib.linear_q4_1_q8 if q8 else lib.linear_q4_1_f32, (weight.qs, weight.d, weight.m), ()
+            operands, tail, fmt = (weight.qs, weight.d, weight.m), (), "q4_1"
+        kind = f"{fmt}_{'q8' if q8 else 'f32'}"  # the C entry point linear_<kind>, and decode_step.KINDS'
+        run = getattr(load_kernel(march), f"linear_{kind}")
         if inputs not in INPUT_MODES or (q8 and k % BLOCK):
             raise ValueError(f"quantized linear: inputs must be one of {list(INPUT_MODES)} (int8 needs a width "
                              f"divisible by {BLOCK}), got {inputs!r} at width {k}")
@@ -174,7 +175,6 @@ class QuantizedLinear:
         self.weight, self.inputs, self.n, self.k = weight, inputs, n, k
         pointers = tuple(t.data_ptr() for t in operands)
         self._run = lambda x, bias, out, rows, threads: run(x, *pointers, bias, out, rows, n, k, *tail, threads)
-        kind = f"{'int8' if isinstance(weight, Int8Weight) else 'q4_1'}_{'q8' if q8 else 'f32'}"
         # the same kernel for the fused decode step (decode_step.py)
         self.projection = Projection(KINDS.index(kind), tail[0] if tail else 0, *pointers)
         self.operands = operands
@@ -230,10 +230,11 @@ class QuantizedGemmBackend:
         self.dense_rows = dense_rows
         self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
         # min_rows=1: every call handed to it has dense_rows rows or more
-        self.dense = OneDNNGemmBackend(min_rows=1, huge_pages=False) if onednn_available() else None
+        self.dense = (OneDNNGemmBackend(min_rows=1, fused_decode=False, huge_pages=False) if onednn_available()
+                      else None)
         self.arena = HugePageArena() if huge_pages else None  # where the quantized weights live (huge_pages.py)
         self._entries: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Entry] = {}
-        if fused_decode:  # GemmBackend's optional decode_stack: one-row steps of a Llama-family stack in C
+        if fused_decode:  # GemmBackend's optional decode_stack: the steps its kernels take (fewer than dense_rows)
             self.decode_stack = FusedDecoder(self._projection, max_rows=dense_rows - 1)
 
     def available(self) -> bool:

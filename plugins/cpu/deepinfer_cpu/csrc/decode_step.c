@@ -27,6 +27,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t N, int64_t K, int threads);
 void gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *out, int64_t N, int64_t K, int threads);
 int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const float *bias, float *out,
@@ -73,19 +75,8 @@ struct step {
     const int64_t *positions, *slots, *seq_lens, *starts, *tables;
 };
 
-static inline uint16_t bf16_bits(float f) { /* round to nearest even, as torch's .to(bfloat16) */
-    union { float f; uint32_t u; } v = {.f = f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u); /* NaN stays NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
-
-static inline float from_bf16(uint16_t b) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)b << 16};
-    return v.f;
-}
-
 /* v as the torch layers hold it: rounded to bfloat16 in a bf16 model, as it is in a float32 one. */
-static inline float keep(float v, int bf16) { return bf16 ? from_bf16(bf16_bits(v)) : v; }
+static inline float keep(float v, int bf16) { return bf16 ? bf16_to_float(float_to_bf16(v)) : v; }
 
 static void keep_all(float *v, int64_t n, int bf16) {
     if (bf16)
@@ -133,13 +124,13 @@ static int project(const struct projection *w, const float *in, const float *bia
 
 static void store(void *dst, const float *src, int64_t n, int bf16) {
     if (bf16)
-        for (int64_t i = 0; i < n; ++i) ((uint16_t *)dst)[i] = bf16_bits(src[i]);
+        for (int64_t i = 0; i < n; ++i) ((uint16_t *)dst)[i] = float_to_bf16(src[i]);
     else
         memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
 static void load(float *dst, const void *src, int64_t n, int bf16) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16 ? from_bf16(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16 ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
 }
 
 int decode_step(const struct shape *s, const struct layer *layers, const struct step *step, const void *x_in,

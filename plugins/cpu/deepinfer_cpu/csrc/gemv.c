@@ -12,6 +12,8 @@
  * it is loaded (a 16-bit shift); x and out stay float32. */
 #include <stdint.h>
 
+#include "bf16.h"
+
 #ifndef ROWS /* -DROWS=… -DLANES=…: scripts/bench_cpu_gemv_sweep.py */
 #define ROWS 1
 #endif
@@ -19,13 +21,8 @@
 #define LANES 16
 #endif
 
-static inline float widen(uint16_t x) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)x << 16};
-    return v.f;
-}
-
 static inline float weight_at(const void *w, int64_t i, const int bf16) {
-    return bf16 ? widen(((const uint16_t *)w)[i]) : ((const float *)w)[i];
+    return bf16 ? bf16_to_float(((const uint16_t *)w)[i]) : ((const float *)w)[i];
 }
 
 /* Output rows [n0, n0 + rows): LANES partial sums per row across K, then one horizontal sum each. bf16 is a

@@ -22,6 +22,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "bf16.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -42,11 +44,6 @@ static inline float exp_nonpositive(float x) {
     p = p * r + 1.0f;
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
     return x < -87.0f ? 0.0f : p * scale.f;
-}
-
-static inline float bf16_to_float(uint16_t x) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)x << 16};
-    return v.f;
 }
 
 /* q . k over dim, k float32 or bfloat16: 16-lane partial sums, then a tree (an OpenMP simd reduction over
