@@ -162,10 +162,11 @@ def _llama_cpp_baseline(args: argparse.Namespace, model: str, work: list, points
     n_ctx = max(len(p) + m for p, m in work) + 16
     comparison = []
     for c, ours, ids in zip(points, list(runs), engine_ids, strict=True):
+        slots = c if c is not None else args.baseline_batch
         theirs, their_ids = run_llama_cpp(python, gguf, work, threads=torch.get_num_threads(), n_ctx=n_ctx,
-                                          dtype=args.baseline_dtype, offline=c is None)
+                                          dtype=args.baseline_dtype, slots=slots, offline=c is None)
         runs.append(theirs)
-        comparison.append({"concurrency": c, "baseline_batch_size": 1, "baseline": theirs["engine"],
+        comparison.append({"concurrency": c, "baseline_batch_size": slots, "baseline": theirs["engine"],
                            "baseline_dtype": args.baseline_dtype,
                            "output_throughput_ratio": ours["output_throughput"] / theirs["output_throughput"],
                            "token_match": token_match(ids, their_ids)})

@@ -5,9 +5,10 @@ The peer is ``llama-cpp-python`` in an environment of its own: ``--baseline-pyth
 ``llama_cpp_peer.py`` on the same token-id workload. Its GGUF is the model alias's own file
 (``assets.fetch_gguf``: SmolLM2's Q4_1, the file deepinfer converts from) or ``--baseline-gguf``;
 ``--baseline-dtype float32`` / ``bfloat16`` runs it dequantized to that dtype (the weights deepinfer's
-float32 / bf16 run holds), ``q4_1`` (default) as shipped. Requests run one at a time (the library's ``Llama.generate``),
-greedy, EOS ignored; every token's arrival is stamped, so the metrics are the engine's (TTFT, TPOT,
-ITL, throughput). In offline mode every request starts at the run's start, as for the engine.
+float32 / bf16 run holds), ``q4_1`` (default) as shipped. Requests run as ``llama-server`` runs them: ``slots``
+sequences continuously batched in one context (the concurrency, or ``--baseline-batch`` offline), greedy, EOS
+ignored; every token's arrival is stamped, so the metrics are the engine's (TTFT, TPOT, ITL, throughput). In
+offline mode every request starts at the run's start, as for the engine.
 """
 
 from __future__ import annotations
@@ -45,15 +46,18 @@ def peer_python(given: str | None) -> str:
 DTYPES = ("q4_1", "float32", "bfloat16")
 
 
-def run_llama_cpp(python: str, gguf: Path, work: Work, *, threads: int, n_ctx: int, dtype: str,
+def run_llama_cpp(python: str, gguf: Path, work: Work, *, threads: int, n_ctx: int, dtype: str, slots: int,
                   offline: bool) -> tuple[dict[str, Any], list[list[int]]]:
-    """Run ``work`` through llama.cpp in ``python``'s environment; returns (run, output ids)."""
+    """Run ``work`` through llama.cpp in ``python``'s environment, ``slots`` sequences at a time; returns
+    (run, output ids)."""
     if dtype not in DTYPES:
         raise ValueError(f"--baseline-dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if slots < 1:
+        raise ValueError(f"the llama.cpp baseline needs at least one slot, got {slots}")
     with tempfile.TemporaryDirectory() as tmp:
         source, destination = Path(tmp) / "in.json", Path(tmp) / "out.json"
         source.write_text(json.dumps({"gguf": str(gguf), "work": work, "threads": threads, "n_ctx": n_ctx,
-                                      "dtype": dtype}))
+                                      "dtype": dtype, "slots": slots, "offline": offline}))
         # Run as -c source, not by path: the script's folder (deepinfer/bench, with its http.py) must not lead
         # the peer's sys.path.
         done = subprocess.run([python, "-c", PEER_SCRIPT.read_text(), str(source), str(destination)],
@@ -62,10 +66,10 @@ def run_llama_cpp(python: str, gguf: Path, work: Work, *, threads: int, n_ctx: i
             raise RuntimeError(f"the llama.cpp baseline failed: {done.stderr.strip()[-1000:]}")
         result = json.loads(destination.read_text())
     t0 = result["start"]
-    records = [RequestRecord(prompt_len=len(prompt), start=t0 if offline else r["start"], chunk_times=r["times"],
+    records = [RequestRecord(prompt_len=len(prompt), start=r["start"], chunk_times=r["times"],
                              chunk_tokens=[1] * len(r["tokens"]), output_token_ids=r["tokens"])
                for (prompt, _), r in zip(work, result["requests"], strict=True)]
     outputs = [r["tokens"] for r in result["requests"]]
     run = peer_run(f"llama.cpp {result['version']}", records, outputs, result["end"] - t0, offline=offline,
-                   batch_size=1, gguf=result["gguf"], baseline_dtype=dtype)
+                   batch_size=slots, gguf=result["gguf"], baseline_dtype=dtype)
     return run, outputs
