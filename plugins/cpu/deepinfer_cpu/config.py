@@ -13,15 +13,17 @@ class CPUConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    min_rows: int = Field(2, ge=1, description=(
-        "calls with at least this many rows run oneDNN on the packed weight; fewer rows (a batch-1 decode "
-        "step) run the C GEMV (gemv.py) on the plain weight, which streams it at full bandwidth"))
+    min_rows: int = Field(7, ge=1, description=(
+        "calls with at least this many rows run oneDNN on the packed weight; fewer rows (decode steps of up to "
+        "6 requests, a batch-1 verification step of up to 5 drafts) run the C GEMV (gemv.py) on the plain weight, "
+        "which streams it once for every row and sums each row as if alone; on this project's 2-core AVX-512 VM "
+        "it beat oneDNN up to 4 rows, was level at 6 and lost at 8 (docs/benchmarks.md)"))
     pack_rows: int = Field(16, ge=1, description=(
         "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))
     fused_decode: bool = Field(True, description=(
         "a Llama-family model's whole decoder stack runs in one C call (csrc/decode_step.c: the GEMM backend's "
         "own kernels, cpu_paged's attention, norms, rope and SiLU between them in C) instead of ~1,400 small "
-        "torch ops a step: steps of one row under onednn (batch-1 decoding), of fewer than quant_dense_rows "
+        "torch ops a step: steps of fewer than min_rows rows under onednn, of fewer than quant_dense_rows "
         "rows under model.quantization; needs the cpu_paged attention backend"))
     huge_pages: bool = Field(True, description=(
         "the GEMM backends copy the weights they prepare into anonymous memory advised MADV_HUGEPAGE (2 MB "

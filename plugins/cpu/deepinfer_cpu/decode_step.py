@@ -7,13 +7,14 @@ runs the kernel its GEMM backend runs for those rows (the ``onednn`` backend's G
 ``cpu_q4_1`` quantized kernels), attention the ``cpu_paged`` kernel, and the norms, rope, SiLU and residual
 adds run in C between them: Python makes one call per step.
 
-Which steps: those of at most ``max_rows`` rows in all (the GEMM backend's choice: the ``onednn`` backend's
-GEMV takes one row, so 1; the quantized backends' kernels take the calls of fewer than ``quant_dense_rows``
-rows, so those) whose requests have at most ``MAX_QUERY_ROWS`` rows each (``cpu_paged``'s bound). A quantized
-run with ``quant_inputs: int8`` rounds every projection's inputs to int8, so a last-bit difference between two
-ways of computing a norm can move a code and then a greedy token: serving every step its kernels serve (decode
-rows, a request's verification rows, short prompt chunks) keeps one way for all of them, and speculative
-decoding's tokens equal plain decoding's there as they did through the layers.
+Which steps: those of at most ``max_rows`` rows in all (the GEMM backend's choice: the rows its own kernels
+take — the ``onednn`` backend's GEMV those of fewer than ``min_rows`` rows, the quantized backends' kernels
+those of fewer than ``quant_dense_rows``) whose requests have at most ``MAX_QUERY_ROWS`` rows each
+(``cpu_paged``'s bound). A quantized run with ``quant_inputs: int8`` rounds every projection's inputs to int8,
+so a last-bit difference between two ways of computing a norm can move a code and then a greedy token: serving
+every step its kernels serve (decode rows, a request's verification rows, short prompt chunks) keeps one way
+for all of them, and speculative decoding's tokens equal plain decoding's there as they did through the
+layers.
 
 The plan (per layer the kernels' pointers, float32 copies of the norm weights and biases) is built once per
 ``DenseDecoderStack`` and checked on every call against the tensors' addresses and the weights' version

@@ -1,9 +1,12 @@
-"""A batch-1 decode step's projections: one input row times a row-major float32 or bfloat16 weight (``csrc/gemv.c``).
+"""Decode and verification steps' projections: a few input rows times a row-major float32 or bfloat16 weight
+(``csrc/gemv.c``).
 
 torch's matrix-vector product streams SmolLM2's weights at 11–25 GB/s on the 2-core VM (the row-major
 layout at ~14, the column-major one the ``onednn`` backend used to keep at 15–25); the kernel, one weight
-stream per thread with 16-lane sums, reads a whole step's projections at ~40 GB/s (``csrc/gemv.c``,
-``docs/benchmarks.md``). ``OneDNNGemmBackend`` sends its one-row float32 and bfloat16 calls here.
+stream per thread read once for up to 8 input rows, reads a whole step's projections at ~55 GB/s
+(``csrc/gemv.c``, ``docs/benchmarks.md``). Each row's sums run in one order whatever the number of rows, so
+a row's result is bitwise the same alone or beside others. ``OneDNNGemmBackend`` sends its float32 and
+bfloat16 calls of fewer than ``min_rows`` rows here.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def load_kernel() -> ctypes.CDLL:
     lib = build_library(SOURCE)
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).restype = None
-        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_int]
+        getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
     return lib
 
 
@@ -34,18 +37,18 @@ def _buildable() -> bool:
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``gemv`` serves ``x @ weightᵀ``: one row against a contiguous weight of the same dtype,
-    float32 or bfloat16, on a machine that can build the kernel."""
+    """Whether ``gemv`` serves ``x @ weightᵀ``: rows against a contiguous weight of the same dtype, float32 or
+    bfloat16, on a machine that can build the kernel."""
     return (x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
-            and weight.is_contiguous() and x.numel() == x.shape[-1] == weight.shape[1] and _buildable())
+            and weight.is_contiguous() and x.shape[-1] == weight.shape[1] and _buildable())
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K]`` (one row) times ``weight [N, K]``ᵀ (+ ``bias [N]``) → ``[..., N]`` (``fits`` holds).
+    """``x [..., K]`` times ``weight [N, K]``ᵀ (+ ``bias [N]``) → ``[..., N]`` (``fits`` holds).
 
-    A decode step makes ~120 of these calls, so the wrapper does the least it can (issue 36): a row that is
-    already contiguous is passed as it is, and the output is allocated in its final shape. A bfloat16 call
-    sums in float32 (its row widened, each weight widened where it is loaded) and rounds the result to
+    A decode step makes ~120 of these calls, so the wrapper does the least it can (issue 36): rows that are
+    already contiguous are passed as they are, and the output is allocated in its final shape. A bfloat16 call
+    sums in float32 (its rows widened, each weight widened where it is loaded) and rounds the result to
     bfloat16 once, as oneDNN's bf16 GEMM does."""
     n, k = weight.shape
     bf16 = weight.dtype == torch.bfloat16
@@ -59,7 +62,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         bias = bias.contiguous().float()
         bias_arg = bias.data_ptr()
     kernel = _kernels()[bf16]
-    kernel(x.data_ptr(), weight.data_ptr(), bias_arg, out.data_ptr(), n, k, torch.get_num_threads())
+    kernel(x.data_ptr(), weight.data_ptr(), bias_arg, out.data_ptr(), x.numel() // k if k else 0, n, k,
+           torch.get_num_threads())
     return out.bfloat16() if bf16 else out
 
 

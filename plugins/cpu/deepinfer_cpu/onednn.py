@@ -5,8 +5,9 @@ decode rows) to a BLAS GEMM that re-packs the whole weight on every call; for th
 of SmolLM2 that packing costs more than the multiply. oneDNN can pack a weight once
 (``torch.ops.mkldnn._reorder_linear_weight``, the op Inductor's CPU freezing uses) and multiply any
 number of rows against the packed copy (``_linear_pointwise``). Calls with fewer than ``min_rows``
-rows run on the plain weight, kept row-major: one float32 row through ``gemv.py``'s kernel (31–39 GB/s on
-this VM, against 11–25 for torch's matrix-vector product), anything else through ``F.linear``.
+rows run on the plain weight, kept row-major: float32 and bf16 rows through ``gemv.py``'s kernel (~55 GB/s on
+this VM, against 11–25 for torch's matrix-vector product; each row summed as if alone), anything else through
+``F.linear``.
 
 Which weights are packed: every weight the model lists in ``gemm_weights`` (at ``prepare_weight``)
 and any other ``nn.Parameter`` on first use (the tied LM head, which must stay a plain embedding
@@ -55,7 +56,7 @@ class OneDNNGemmBackend:
     priority = 10
     ops = frozenset({"linear"})
 
-    def __init__(self, *, min_rows: int = 2, pack_rows: int = 16, fused_decode: bool = True,
+    def __init__(self, *, min_rows: int = 7, pack_rows: int = 16, fused_decode: bool = True,
                  huge_pages: bool = True) -> None:
         self.min_rows = min_rows
         self.pack_rows = pack_rows
@@ -63,14 +64,14 @@ class OneDNNGemmBackend:
         self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset(dtypes))
         self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Packed] = {}
         self.arena = HugePageArena() if huge_pages else None  # where prepared weights live (huge_pages.py)
-        if fused_decode:  # GemmBackend's optional decode_stack: one-row steps of a Llama-family stack in C
-            self.decode_stack = FusedDecoder(plain_projection, max_rows=1)  # the GEMV takes one row
+        if fused_decode:  # GemmBackend's optional decode_stack: a Llama-family stack in C, for the GEMV's steps
+            self.decode_stack = FusedDecoder(plain_projection, max_rows=min_rows - 1)
 
     def available(self) -> bool:
         return onednn_available()
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor:
-        """The plain weight row-major (the one-row kernel reads it that way; on huge pages with
+        """The plain weight row-major (the GEMV reads it that way; on huge pages with
         ``huge_pages``), packed for oneDNN."""
         plain = weight.contiguous() if self.arena is None else self.arena.place(weight)
         self._pack(plain)
@@ -79,7 +80,7 @@ class OneDNNGemmBackend:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if rows < self.min_rows or x.dtype != weight.dtype or not isinstance(weight, torch.nn.Parameter):
-            return gemv(x, weight, bias) if rows == 1 and fits(x, weight) else F.linear(x, weight, bias)
+            return gemv(x, weight, bias) if rows and fits(x, weight) else F.linear(x, weight, bias)
         packed = self._lookup(weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 

@@ -1,4 +1,5 @@
-"""The one-row float32 kernel (``gemv.py``) against a float64 product, and the ``onednn`` backend's use of it."""
+"""The few-row float32 / bf16 kernel (``gemv.py``) against a float64 product, each row bitwise the same alone or
+beside others, and the ``onednn`` backend's use of it."""
 
 from __future__ import annotations
 
@@ -39,25 +40,46 @@ def test_bfloat16_gemv_sums_the_bf16_values_in_float32(n: int, k: int) -> None:
     assert torch.equal(gemv(strided, w), gemv(strided.contiguous(), w))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(5, 7), (96, 576), (33, 1541)])
+def test_each_row_is_bitwise_the_same_alone_or_beside_others(dtype: torch.dtype, n: int, k: int) -> None:
+    """1–19 rows in one call (past the kernel's 8 rows per weight pass): every row equals its one-row call bit
+    for bit, so a verification step's rows equal decode steps'; the rows match a float64 product."""
+    gen = torch.Generator().manual_seed(n + k)
+    w, bias = torch.randn(n, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
+    x = torch.randn(19, k, generator=gen).to(dtype)
+    alone = torch.cat([gemv(x[i:i + 1], w, bias) for i in range(19)])
+    for rows in (2, 3, 8, 9, 19):
+        assert fits(x[:rows], w)
+        got = gemv(x[:rows], w, bias)
+        assert got.shape == (rows, n) and got.dtype == dtype
+        assert torch.equal(got, alone[:rows])
+    want = x.double() @ w.double().t() + bias.double()
+    bound = want.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 1e-5) + 1e-4
+    assert ((alone.double() - want).abs() <= bound).all()
+
+
 def test_what_gemv_does_not_serve() -> None:
     w = torch.randn(8, 16)
-    assert not fits(torch.randn(2, 16), w)  # two rows
+    assert fits(torch.randn(2, 16), w)  # rows
     assert not fits(torch.randn(1, 16), w.t().contiguous().t())  # column-major
     assert not fits(torch.randn(1, 16), w.bfloat16())  # mixed dtypes
     assert not fits(torch.randn(1, 16).half(), w.half())
+    assert not fits(torch.randn(1, 15), w)  # another K
 
 
 @pytest.mark.skipif(not onednn_available(), reason="needs torch's oneDNN ops")
-def test_the_backend_sends_one_row_calls_to_gemv_and_keeps_weights_row_major(monkeypatch) -> None:
+def test_the_backend_sends_calls_of_fewer_than_min_rows_to_gemv_and_keeps_weights_row_major(monkeypatch) -> None:
     backend = OneDNNGemmBackend()
+    assert backend.min_rows == 7 and backend.decode_stack.max_rows == 6
     weight = torch.nn.Parameter(torch.randn(40, 24), requires_grad=False)
     plain = backend.prepare_weight(weight)
     assert plain.is_contiguous()
     calls = []
     real = gemv_module.gemv
-    monkeypatch.setattr("deepinfer_cpu.onednn.gemv", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr("deepinfer_cpu.onednn.gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     param = torch.nn.Parameter(plain, requires_grad=False)
-    one, many = torch.randn(1, 24), torch.randn(3, 24)
-    torch.testing.assert_close(backend.linear(one, param), one @ plain.t(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(backend.linear(many, param), many @ plain.t(), rtol=1e-5, atol=1e-5)
-    assert len(calls) == 1
+    for rows in (1, 3, 6, 7, 12):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(backend.linear(x, param), x @ plain.t(), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 3, 6]  # 7 and 12 rows: oneDNN on the packed copy

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from deepinfer_cpu.cbuild import compiler
+from spec_setup import spec_plugins, write_oracle_file
 from tiny_models import assert_cached_logits_match, save_tiny
 
 from deepinfer import LLM, SamplingParams
@@ -39,13 +40,14 @@ def _prompts(seed: int, lengths: tuple[int, ...] = (3, 17, 33)) -> list[list[int
 
 @pytest.mark.parametrize("name", ["llama", "llama-tied-llama3rope", "qwen2", "qwen3"])
 def test_every_decode_step_matches_transformers(name: str, tmp_path: Path) -> None:
-    """One request at a time: every decode step is fused (counted), and each step's logits are within 1e-4 of
-    transformers on the whole sequence; prompts cross block boundaries (16-token blocks)."""
+    """One request at a time: every decode step is fused (counted; the 3-token prompt too: fewer rows than
+    ``min_rows``), and each step's logits are within 1e-4 of transformers on the whole sequence; prompts cross
+    block boundaries (16-token blocks)."""
     model, folder = save_tiny(name, tmp_path)
     llm = _llm(folder)
     prompts = _prompts(1)
     assert_cached_logits_match(llm, model, prompts, decode_steps=20)
-    assert _fused_steps(llm) == 20 * len(prompts)
+    assert _fused_steps(llm) == 20 * len(prompts) + 1
     llm.shutdown()
 
 
@@ -67,9 +69,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_mixed_steps_and_speculation_equal_the_layers(tiny_llama: Path) -> None:
-    """Two sequence slots over five prompts (steps of one row are fused, of two rows not, in one request's
-    life: each reads the cache the other wrote), then ``ngram`` speculation (verification steps of several
-    rows between fused ones): tokens equal the layers', logprobs within float32 rounding."""
+    """Two sequence slots over five prompts (decode steps and short prompts are fused, prompt chunks of
+    ``min_rows`` rows or more not, in one request's life: each reads the cache the other wrote), then ``ngram``
+    speculation (verification steps too): tokens equal the layers', logprobs within float32 rounding."""
     prompts = _prompts(2, (5, 40, 9, 23, 2))
     ngram = {"spec_decode": {"enabled": True, "drafter": "ngram", "max_draft": 3}}
     for extra in ({}, ngram):
@@ -81,6 +83,30 @@ def test_mixed_steps_and_speculation_equal_the_layers(tiny_llama: Path) -> None:
             llm.shutdown()
         assert fused_steps > 0
         _assert_same(runs[True], runs[False], 1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_verification_steps_equal_plain_decoding_bit_for_bit(tiny_llama: Path, dtype: str,
+                                                                 tmp_path: Path) -> None:
+    """At batch 1 every decode and verification step is fused (fewer rows than ``min_rows``), and the GEMV
+    and attention sum each row as if alone: speculation (the ``oracle`` drafter on the known continuations,
+    30% of drafts corrupted, so drafts are accepted and rejected) gives exactly plain decoding's tokens and
+    logprobs."""
+    if dtype == "bfloat16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no AVX512-BF16-class CPU")
+    prompts = _prompts(12, (5, 14))
+    plain_llm = _llm(tiny_llama, dtype=dtype)
+    plain = _run(plain_llm, prompts, tokens=24)
+    plain_llm.shutdown()
+    oracle = write_oracle_file(tmp_path, prompts, [o.token_ids for o in plain])
+    llm = _llm(tiny_llama, dtype=dtype, plugins=spec_plugins("oracle", "fixed", oracle_file=oracle,
+                                                             oracle_corruption=0.3))
+    spec = _run(llm, prompts, tokens=24)
+    stats = llm.get_stats()["spec_decode"]
+    assert stats["verify_steps"] > 0 and 1.5 < stats["mean_acceptance_length"] < 5.0  # accepted and rejected
+    assert _fused_steps(llm) >= stats["verify_steps"]  # every step fused: decode, verification, the prompts
+    llm.shutdown()
+    _assert_same(spec, plain, 0.0)
 
 
 def test_the_overlapped_executor_gives_the_same_tokens(tiny_llama: Path) -> None:
@@ -169,7 +195,7 @@ def test_bfloat16_steps_equal_the_layers_within_bf16_rounding(tiny_llama: Path) 
     for fused in (True, False):
         llm = _llm(tiny_llama, fused, dtype="bfloat16")
         runs[fused] = _run(llm, _prompts(6, (4, 19)))
-        assert _fused_steps(llm) == (26 if fused else 0)
+        assert _fused_steps(llm) == (2 * 13 + 1 if fused else 0)  # decode steps and the 4-token prompt
         llm.shutdown()
     _assert_same(runs[True], runs[False], 0.1)
 

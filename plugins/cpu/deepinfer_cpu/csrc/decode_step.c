@@ -6,8 +6,7 @@
  * head of q and k RMS-normed); rope on q's and k's heads (rotate-half, the engine's cos and sign-folded sin tables); the rows' keys and values stored at
  * their cache slots and attended (paged_attention); x += W_o attn; h = RMSNorm(x); g, u = W_gate_up h;
  * x += W_down (silu(g) u). Each projection runs the kernel its GEMM backend runs for these rows (struct
- * projection: gemv_f32 / gemv_bf16 on a plain weight for one row, or a quantized kernel of quant_linear.c for
- * a few), attention paged_attention, each with its own OpenMP team; the rest (norms, rope, SiLU, residual
+ * projection: gemv_f32 / gemv_bf16 on a plain weight, or a quantized kernel of quant_linear.c), attention paged_attention, each with its own OpenMP team; the rest (norms, rope, SiLU, residual
  * adds: ~2,000 floats per row and layer) runs on the calling thread, row by row, so a row's result does not
  * depend on the rows beside it when its kernels' do not. A batch-1 step through the Python layers spends
  * ~5 ms of a ~20 ms token on the ~1,400 small torch ops around its 120 projections (docs/benchmarks.md,
@@ -29,8 +28,10 @@
 
 #include "bf16.h"
 
-void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t N, int64_t K, int threads);
-void gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *out, int64_t N, int64_t K, int threads);
+void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+              int threads);
+void gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
+               int threads);
 int linear_int8_f32(const float *x, const int8_t *q, const float *scale, const float *bias, float *out,
                     int64_t M, int64_t N, int64_t K, int64_t group, int threads);
 int linear_int8_q8(const float *x, const int8_t *q, const float *scale, const float *bias, float *out, int64_t M,
@@ -104,14 +105,13 @@ static void rope(float *x, int64_t heads, int64_t d, const float *cos_row, const
     }
 }
 
-/* out [rows, n] = in [rows, k] Wᵀ (+ bias) through the weight's kernel, kept as the torch layers keep it. The
- * plain kinds take one row (decode_step.py sends them no more). */
+/* out [rows, n] = in [rows, k] Wᵀ (+ bias) through the weight's kernel, kept as the torch layers keep it. */
 static int project(const struct projection *w, const float *in, const float *bias, float *out, int64_t rows,
                    int64_t n, int64_t k, int threads, int bf16) {
     int failed = 0;
     switch (w->kind) {
-    case PLAIN_F32: gemv_f32(in, w->a, bias, out, n, k, threads); break;
-    case PLAIN_BF16: gemv_bf16(in, w->a, bias, out, n, k, threads); break;
+    case PLAIN_F32: gemv_f32(in, w->a, bias, out, rows, n, k, threads); break;
+    case PLAIN_BF16: gemv_bf16(in, w->a, bias, out, rows, n, k, threads); break;
     case INT8_F32: failed = linear_int8_f32(in, w->a, w->b, bias, out, rows, n, k, w->group, threads); break;
     case INT8_Q8: failed = linear_int8_q8(in, w->a, w->b, bias, out, rows, n, k, w->group, threads); break;
     case Q4_1_F32: failed = linear_q4_1_f32(in, w->a, w->b, w->c, bias, out, rows, n, k, threads); break;
