@@ -18,6 +18,7 @@ import torch
 
 from deepinfer.interfaces import LayerCacheInfo
 from deepinfer.kv.fp8 import FP8_DTYPE, num_groups
+from deepinfer.kv.memory import cache_zeros
 
 
 class CacheSpec(Protocol):
@@ -48,12 +49,11 @@ class PagedKVSpec:
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, ...]:
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        kv = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        kv = (cache_zeros(shape, dtype, device), cache_zeros(shape, dtype, device))
         if dtype != FP8_DTYPE:
             return kv
         scales = (*shape[:-1], num_groups(self.head_dim))
-        return (*kv, torch.zeros(scales, dtype=torch.uint8, device=device),
-                torch.zeros(scales, dtype=torch.uint8, device=device))
+        return (*kv, cache_zeros(scales, torch.uint8, device), cache_zeros(scales, torch.uint8, device))
 
     def info(self) -> LayerCacheInfo:
         return LayerCacheInfo(kind="sliding" if self.window else "full", window=self.window)
@@ -84,10 +84,10 @@ class PagedLatentSpec:
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device) -> tuple[torch.Tensor, ...]:
-        rows = torch.zeros(num_blocks, block_size, self.latent_dim + self.rope_dim, dtype=dtype, device=device)
+        rows = cache_zeros((num_blocks, block_size, self.latent_dim + self.rope_dim), dtype, device)
         if dtype != FP8_DTYPE:
             return (rows,)
-        return rows, torch.zeros(num_blocks, block_size, self.scale_bytes(), dtype=torch.uint8, device=device)
+        return rows, cache_zeros((num_blocks, block_size, self.scale_bytes()), torch.uint8, device)
 
     def info(self) -> LayerCacheInfo:
         return LayerCacheInfo(kind="full")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.kv.fp8 import FP4_KV_DTYPE, FP8_DTYPE
+from deepinfer.kv.memory import cache_zeros
 from deepinfer.kv.row_writes import write_rows
 from deepinfer.kv.v41_formats import FP4_INDEX, FP4_MAIN, MXFP8, V41KVFormat
 
@@ -64,8 +65,8 @@ def allocate(leading: tuple[int, ...], width: int, fmt: V41KVFormat | None, dtyp
              device: torch.device) -> torch.Tensor:
     """Zeros ``[*leading, width]`` in ``dtype``, or ``[*leading, bytes_per_token]`` uint8 in layout ``fmt``."""
     if fmt is None:
-        return torch.zeros(*leading, width, dtype=dtype, device=device)
-    return torch.zeros(*leading, fmt.bytes_per_token, dtype=torch.uint8, device=device)
+        return cache_zeros((*leading, width), dtype, device)
+    return cache_zeros((*leading, fmt.bytes_per_token), torch.uint8, device)
 
 
 def format_of(cache: torch.Tensor, width: int) -> V41KVFormat | None:
