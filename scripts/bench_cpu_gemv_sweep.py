@@ -29,6 +29,20 @@ from deepinfer_cpu.huge_pages import HugePageArena
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
 
 
+def time_interleaved(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Each variant run once to warm up, then ``repeats`` rounds of every variant in turn (so drifts of the
+    machine hit all alike); the seconds of each run, per variant."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for run in variants.values():
+        run()
+    for _ in range(repeats):
+        for name, run in variants.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 6, 8])
@@ -78,15 +92,7 @@ def main() -> None:
                 for w, p in zip(weights, packed, strict=True):
                     torch.ops.mkldnn._linear_pointwise(typed[w.shape[1]], p, None, "none", [], "")
             variants["oneDNN packed"] = onednn
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for run in variants.values():
-            run()  # warm
-        for _ in range(args.repeats):
-            for name, run in variants.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-        for name, values in times.items():
+        for name, values in time_interleaved(variants, args.repeats).items():
             median = statistics.median(values)
             print(f"| {rows} | {name} | {median * 1e3:.2f} | {total / median / 1e9:.1f} |")
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from bench_cpu_gemv_sweep import time_interleaved
 from deepinfer_cpu.onednn import OneDNNGemmBackend
 from deepinfer_cpu.quant_linear import Int8Weight, Q41Weight, QuantizedLinear, quantize_int8, quantize_q4_1
 
@@ -64,15 +64,7 @@ def main() -> None:
             "f32": lambda inputs=inputs: [layer(inputs[layer.k]) for layer in f32_in],
             "onednn": lambda inputs=inputs: [dense.linear(inputs[p.shape[1]], p) for p in packed],
         }
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for run in variants.values():
-            run()  # warm
-        for _ in range(args.repeats):
-            for name, run in variants.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-        med = {name: statistics.median(v) for name, v in times.items()}
+        med = {name: statistics.median(v) for name, v in time_interleaved(variants, args.repeats).items()}
         print(f"| {rows} | {med['int8'] * 1e3:.2f} ({total / med['int8'] / 1e9:.1f}) | "
               f"{med['f32'] * 1e3:.2f} ({total / med['f32'] / 1e9:.1f}) | {med['onednn'] * 1e3:.2f} |")
 

@@ -63,8 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="requests in flight, comma-separated for a sweep (default: offline, all at once)")
     bench.add_argument("--baseline", choices=["transformers", "llama.cpp"], default=None,
                        help="also run the workload through transformers' generate (static padded batches) or "
-                            "llama.cpp (llama-cpp-python in its own environment, one request at a time)")
-    bench.add_argument("--baseline-batch", type=int, default=8, help="baseline batch size in offline mode")
+                            "llama.cpp (llama-cpp-python in its own environment, continuously batched in "
+                            "slots as llama-server runs them)")
+    bench.add_argument("--baseline-batch", type=int, default=8,
+                       help="baseline batch size (llama.cpp: slots) in offline mode")
     bench.add_argument("--baseline-python", default=None, metavar="PATH",
                        help="with --baseline llama.cpp: the interpreter of an environment with llama-cpp-python "
                             "(default $DEEPINFER_LLAMA_CPP_PYTHON)")
