@@ -4,25 +4,27 @@
  *
  * OpenMP splits the output rows n; each thread streams one weight row at a time (one sequential stream per
  * thread: two to four at once ran ~2× slower over a SmolLM2 step on the 2-core VM) against up to BLOCK input
- * rows, then again from L1 for the next BLOCK. Each (input row, weight row) pair keeps LANES = CHAINS × 16
- * partial sums: CHAINS independent FMA chains of 16-float vectors (GCC vector extensions: zmm registers with
- * AVX-512, pairs or quads of narrower ones elsewhere), folded by a fixed tree, then the K % LANES tail in
- * order. That order is the same whatever M is, so a row's result is bitwise the same alone or beside others:
+ * rows, then again from L1 for the next BLOCK. Each (input row, weight row) pair keeps 64 partial sums in
+ * independent FMA chains of SIMD vectors (GCC vector extensions), folded by a fixed tree, then the K % 64 tail
+ * in order. That order is the same whatever M is, so a row's result is bitwise the same alone or beside others:
  * a verification step's rows equal decode steps'. It is another order than a BLAS GEMV's. Any K.
- * scripts/bench_cpu_gemv_sweep.py measures it against oneDNN's packed GEMM at 1–8 rows.
+ * The vector width is the dtype's: float32 weights 8 chains of 8-float (ymm) vectors, bf16 weights 4 chains of
+ * 16-float (zmm with AVX-512) vectors — on the 2-core AMD VM 16-float vectors ran a one-row float32 step 5–15%
+ * slower and 8-float ones a bf16 step ~20% slower end to end. scripts/bench_cpu_gemv_sweep.py measures it
+ * against oneDNN's packed GEMM at 1–8 rows.
  *
- * gemv_bf16: the same over a bfloat16 weight (half the bytes), each weight vector widened exactly to float32
- * where it is loaded (a 16-bit shift) and shared by the block's rows; x and out stay float32. */
+ * gemv_bf16: each bf16 weight vector is widened exactly to float32 where it is loaded (a 16-bit shift) and
+ * shared by the block's rows; x and out stay float32. */
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
 
-#define CHAINS 4
-#define LANES (CHAINS * 16)
+#define LANES 64
 #define BLOCK 4
 
-typedef float floats16 __attribute__((vector_size(64), aligned(4)));     /* any 4-byte alignment */
+typedef float floats8 __attribute__((vector_size(32), aligned(4)));     /* any 4-byte alignment */
+typedef float floats16 __attribute__((vector_size(64), aligned(4)));
 typedef uint16_t halves16 __attribute__((vector_size(32), aligned(2)));  /* 16 bfloat16 */
 typedef uint32_t words16 __attribute__((vector_size(64)));
 
@@ -33,56 +35,78 @@ static inline floats16 widen(const uint16_t *w) { /* 16 bfloat16 → float32, ex
     return out;
 }
 
-static inline floats16 weights_at(const void *w, int64_t k, const int bf16) {
-    return bf16 ? widen((const uint16_t *)w + k) : *(const floats16 *)((const float *)w + k);
-}
+/* One pair's sum: the chains folded pairwise (chain c += chain c + width, width halving), the vector's lanes
+ * likewise, then the tail [body, K) in order. */
+#define FOLD(WIDTH, CHAINS, chains, total)                                                                \
+    do {                                                                                                       \
+        for (int width = (CHAINS) / 2; width > 0; width /= 2)                                                  \
+            for (int c = 0; c < width; ++c) chains[c] += chains[c + width];                                    \
+        float lanes[WIDTH];                                                                                    \
+        memcpy(lanes, &chains[0], sizeof lanes);                                                               \
+        for (int width = (WIDTH) / 2; width > 0; width /= 2)                                                   \
+            for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];                                      \
+        total = lanes[0];                                                                                      \
+    } while (0)
 
-static inline float weight_at(const void *w, int64_t k, const int bf16) {
-    return bf16 ? bf16_to_float(((const uint16_t *)w)[k]) : ((const float *)w)[k];
-}
-
-/* One pair's sum: its CHAINS vectors folded by the tree, then the tail [body, K) in order. */
-static inline float fold(const floats16 *chains, const float *x, const void *w, int64_t body, int64_t K,
-                         const int bf16) {
-    const floats16 sum = (chains[0] + chains[1]) + (chains[2] + chains[3]);
-    float lanes[16];
-    memcpy(lanes, &sum, sizeof lanes);
-    for (int width = 8; width > 0; width /= 2)
-        for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
-    float total = lanes[0];
-    for (int64_t k = body; k < K; ++k) total += x[k] * weight_at(w, k, bf16);
-    return total;
-}
-
-/* out[m * N] for m < rows: input rows x [rows, K] against one weight row w. rows and bf16 are constants at each
- * call below, so every inlined copy keeps its rows × CHAINS sums in registers. */
-__attribute__((always_inline)) static inline void dot_block(const float *x, const void *w, float *out, int64_t N,
-                                                            int64_t K, float bias, const int rows,
-                                                            const int bf16) {
+/* out[m * N] for m < rows: input rows x [rows, K] against one float32 weight row w. rows is a constant at each
+ * call below, so every inlined copy keeps its rows × 8 sums in registers. */
+__attribute__((always_inline)) static inline void dot_block_f32(const float *x, const float *w, float *out,
+                                                                int64_t N, int64_t K, float bias, const int rows) {
     const int64_t body = K - K % LANES;
-    floats16 acc[BLOCK][CHAINS];
+    floats8 acc[BLOCK][8];
+#pragma GCC unroll 4
+    for (int m = 0; m < rows; ++m)
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) acc[m][c] = (floats8){0};
+    for (int64_t k = 0; k < body; k += LANES) {
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {
+            const floats8 weights = *(const floats8 *)(w + k + 8 * c);
+#pragma GCC unroll 4
+            for (int m = 0; m < rows; ++m) acc[m][c] += *(const floats8 *)(x + m * K + k + 8 * c) * weights;
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < rows; ++m) {
+        float total;
+        FOLD(8, 8, acc[m], total);
+        for (int64_t k = body; k < K; ++k) total += x[m * K + k] * w[k];
+        out[m * N] = total + bias;
+    }
+}
+
+/* The same over a bf16 weight row, 4 chains of 16-float vectors. */
+__attribute__((always_inline)) static inline void dot_block_bf16(const float *x, const uint16_t *w, float *out,
+                                                                 int64_t N, int64_t K, float bias, const int rows) {
+    const int64_t body = K - K % LANES;
+    floats16 acc[BLOCK][4];
 #pragma GCC unroll 4
     for (int m = 0; m < rows; ++m)
 #pragma GCC unroll 4
-        for (int c = 0; c < CHAINS; ++c) acc[m][c] = (floats16){0};
+        for (int c = 0; c < 4; ++c) acc[m][c] = (floats16){0};
     for (int64_t k = 0; k < body; k += LANES) {
 #pragma GCC unroll 4
-        for (int c = 0; c < CHAINS; ++c) {
-            const floats16 weights = weights_at(w, k + 16 * c, bf16);
+        for (int c = 0; c < 4; ++c) {
+            const floats16 weights = widen(w + k + 16 * c);
 #pragma GCC unroll 4
             for (int m = 0; m < rows; ++m) acc[m][c] += *(const floats16 *)(x + m * K + k + 16 * c) * weights;
         }
     }
 #pragma GCC unroll 4
-    for (int m = 0; m < rows; ++m) out[m * N] = fold(acc[m], x + m * K, w, body, K, bf16) + bias;
+    for (int m = 0; m < rows; ++m) {
+        float total;
+        FOLD(16, 4, acc[m], total);
+        for (int64_t k = body; k < K; ++k) total += x[m * K + k] * bf16_to_float(w[k]);
+        out[m * N] = total + bias;
+    }
 }
 
 #define BLOCK_CASE(r)                                                                                          \
     case r:                                                                                                    \
         if (bf16)                                                                                              \
-            dot_block(x + m0 * K, (const uint16_t *)w + n * K, out + m0 * N + n, N, K, b, r, 1);                \
+            dot_block_bf16(x + m0 * K, (const uint16_t *)w + n * K, out + m0 * N + n, N, K, b, r);             \
         else                                                                                                   \
-            dot_block(x + m0 * K, (const float *)w + n * K, out + m0 * N + n, N, K, b, r, 0);                   \
+            dot_block_f32(x + m0 * K, (const float *)w + n * K, out + m0 * N + n, N, K, b, r);                 \
         break;
 
 static void gemv(const float *x, const void *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
