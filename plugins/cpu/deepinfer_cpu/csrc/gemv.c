@@ -48,58 +48,36 @@ static inline floats16 widen(const uint16_t *w) { /* 16 bfloat16 → float32, ex
         total = lanes[0];                                                                                      \
     } while (0)
 
-/* out[m * N] for m < rows: input rows x [rows, K] against one float32 weight row w. rows is a constant at each
- * call below, so every inlined copy keeps its rows × 8 sums in registers. */
-__attribute__((always_inline)) static inline void dot_block_f32(const float *x, const float *w, float *out,
-                                                                int64_t N, int64_t K, float bias, const int rows) {
-    const int64_t body = K - K % LANES;
-    floats8 acc[BLOCK][8];
-#pragma GCC unroll 4
-    for (int m = 0; m < rows; ++m)
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) acc[m][c] = (floats8){0};
-    for (int64_t k = 0; k < body; k += LANES) {
-#pragma GCC unroll 8
-        for (int c = 0; c < 8; ++c) {
-            const floats8 weights = *(const floats8 *)(w + k + 8 * c);
-#pragma GCC unroll 4
-            for (int m = 0; m < rows; ++m) acc[m][c] += *(const floats8 *)(x + m * K + k + 8 * c) * weights;
-        }
+/* NAME(x, w, out, N, K, bias, rows): out[m * N] for m < rows, input rows x [rows, K] against one weight row w of
+ * WEIGHT elements, in CHAINS chains of VEC vectors (WIDTH floats) loaded by LOAD(w + k) and folded by FOLD, then
+ * the tail in order through SCALAR(w[k]). rows is a constant at each call below, so every inlined copy keeps its
+ * rows × CHAINS sums in registers. */
+#define DOT_BLOCK(NAME, WEIGHT, VEC, WIDTH, CHAINS, LOAD, SCALAR)                                              \
+    __attribute__((always_inline)) static inline void NAME(const float *x, const WEIGHT *w, float *out,       \
+                                                           int64_t N, int64_t K, float bias, const int rows) { \
+        const int64_t body = K - K % LANES;                                                                    \
+        VEC acc[BLOCK][CHAINS];                                                                                \
+        _Pragma("GCC unroll 4") for (int m = 0; m < rows; ++m)                                                 \
+            _Pragma("GCC unroll 8") for (int c = 0; c < (CHAINS); ++c) acc[m][c] = (VEC){0};                   \
+        for (int64_t k = 0; k < body; k += LANES) {                                                            \
+            _Pragma("GCC unroll 8") for (int c = 0; c < (CHAINS); ++c) {                                       \
+                const VEC weights = LOAD(w + k + (WIDTH) * c);                                                 \
+                _Pragma("GCC unroll 4") for (int m = 0; m < rows; ++m)                                         \
+                    acc[m][c] += *(const VEC *)(x + m * K + k + (WIDTH) * c) * weights;                        \
+            }                                                                                                  \
+        }                                                                                                      \
+        _Pragma("GCC unroll 4") for (int m = 0; m < rows; ++m) {                                               \
+            float total;                                                                                       \
+            FOLD(WIDTH, CHAINS, acc[m], total);                                                                \
+            for (int64_t k = body; k < K; ++k) total += x[m * K + k] * SCALAR(w[k]);                           \
+            out[m * N] = total + bias;                                                                         \
+        }                                                                                                      \
     }
-#pragma GCC unroll 4
-    for (int m = 0; m < rows; ++m) {
-        float total;
-        FOLD(8, 8, acc[m], total);
-        for (int64_t k = body; k < K; ++k) total += x[m * K + k] * w[k];
-        out[m * N] = total + bias;
-    }
-}
 
-/* The same over a bf16 weight row, 4 chains of 16-float vectors. */
-__attribute__((always_inline)) static inline void dot_block_bf16(const float *x, const uint16_t *w, float *out,
-                                                                 int64_t N, int64_t K, float bias, const int rows) {
-    const int64_t body = K - K % LANES;
-    floats16 acc[BLOCK][4];
-#pragma GCC unroll 4
-    for (int m = 0; m < rows; ++m)
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) acc[m][c] = (floats16){0};
-    for (int64_t k = 0; k < body; k += LANES) {
-#pragma GCC unroll 4
-        for (int c = 0; c < 4; ++c) {
-            const floats16 weights = widen(w + k + 16 * c);
-#pragma GCC unroll 4
-            for (int m = 0; m < rows; ++m) acc[m][c] += *(const floats16 *)(x + m * K + k + 16 * c) * weights;
-        }
-    }
-#pragma GCC unroll 4
-    for (int m = 0; m < rows; ++m) {
-        float total;
-        FOLD(16, 4, acc[m], total);
-        for (int64_t k = body; k < K; ++k) total += x[m * K + k] * bf16_to_float(w[k]);
-        out[m * N] = total + bias;
-    }
-}
+#define LOAD_F32(p) (*(const floats8 *)(p))
+#define AS_FLOAT(v) (v)
+DOT_BLOCK(dot_block_f32, float, floats8, 8, 8, LOAD_F32, AS_FLOAT)
+DOT_BLOCK(dot_block_bf16, uint16_t, floats16, 16, 4, widen, bf16_to_float)
 
 #define BLOCK_CASE(r)                                                                                          \
     case r:                                                                                                    \
