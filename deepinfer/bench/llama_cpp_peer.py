@@ -13,7 +13,7 @@ weights deepinfer runs in that dtype (bf16: the float32 values rounded to neares
 
 The requests run as ``llama-server`` runs its parallel slots, on the library's low-level API: ``slots``
 sequences in one context (``n_seq_max``, each with a KV buffer of its own of ``n_ctx`` positions: ``kv_unified`` off,
-which ran 1.5–1.8× faster than one unified buffer at 32 slots on the 2-core VM), continuous
+as ``llama-server -np N`` sets it), continuous
 batching — every step is one ``llama_decode`` of each generating slot's last token plus as many prompt tokens
 of slots still prefilling as fit in the 2,048-token batch (``llama-server``'s ``n_batch``; ``n_ubatch`` 512) —
 and a request takes a slot as soon as one frees. Greedy (the logits' argmax), EOS ignored. Each request's
