@@ -1,12 +1,12 @@
 """Decode and verification steps' projections: a few input rows times a row-major float32 or bfloat16 weight
 (``csrc/gemv.c``).
 
-torch's matrix-vector product streams SmolLM2's weights at 11–25 GB/s on the 2-core VM (the row-major
-layout at ~14, the column-major one the ``onednn`` backend used to keep at 15–25); the kernel, one weight
-stream per thread read once for up to 8 input rows, reads a whole step's projections at ~55 GB/s
-(``csrc/gemv.c``, ``docs/benchmarks.md``). Each row's sums run in one order whatever the number of rows, so
-a row's result is bitwise the same alone or beside others. ``OneDNNGemmBackend`` sends its float32 and
-bfloat16 calls of fewer than ``min_rows`` rows here.
+torch's matrix-vector product streams SmolLM2's weights at 11–25 GB/s on the 2-core VM (the row-major layout
+at ~14, the column-major one the ``onednn`` backend used to keep at 15–25); the kernel, one weight stream per
+thread read from memory once for up to 4 input rows (then from L1 for the next 4), reads a whole one-row
+step's projections at 33–60 GB/s as the VM's memory allows (``csrc/gemv.c``, ``docs/benchmarks.md``). Each
+row's sums run in one order whatever the number of rows, so a row's result is bitwise the same alone or beside
+others. ``OneDNNGemmBackend`` sends its float32 and bfloat16 calls of fewer than ``min_rows`` rows here.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
  * quant_linear.c, whose kernels it calls).
  *
  * Per layer, what deepinfer/model/llama.py computes: h = RMSNorm(x); qkv = W_qkv h (+ bias); (Qwen3: each
- * head of q and k RMS-normed); rope on q's and k's heads (rotate-half, the engine's cos and sign-folded sin tables); the rows' keys and values stored at
- * their cache slots and attended (paged_attention); x += W_o attn; h = RMSNorm(x); g, u = W_gate_up h;
- * x += W_down (silu(g) u). Each projection runs the kernel its GEMM backend runs for these rows (struct
- * projection: gemv_f32 / gemv_bf16 on a plain weight, or a quantized kernel of quant_linear.c), attention paged_attention, each with its own OpenMP team; the rest (norms, rope, SiLU, residual
- * adds: ~2,000 floats per row and layer) runs on the calling thread, row by row, so a row's result does not
+ * head of q and k RMS-normed); rope on q's and k's heads (rotate-half, the engine's cos and sign-folded sin
+ * tables); the rows' keys and values stored at their cache slots and attended (paged_attention);
+ * x += W_o attn; h = RMSNorm(x); g, u = W_gate_up h; x += W_down (silu(g) u). Each projection runs the kernel its GEMM backend runs for these rows (struct
+ * projection: gemv_f32 / gemv_bf16 on a plain weight, or a quantized kernel of quant_linear.c), attention
+ * paged_attention, each with its own OpenMP team; the rest (norms, rope, SiLU, residual adds: ~2,000 floats per
+ * row and layer) runs on the calling thread, row by row, so a row's result does not
  * depend on the rows beside it when its kernels' do not. A batch-1 step through the Python layers spends
  * ~5 ms of a ~20 ms token on the ~1,400 small torch ops around its 120 projections (docs/benchmarks.md,
  * issue 36); here they take microseconds.

@@ -35,9 +35,9 @@ static inline floats16 widen(const uint16_t *w) { /* 16 bfloat16 → float32, ex
     return out;
 }
 
-/* One pair's sum: the chains folded pairwise (chain c += chain c + width, width halving), the vector's lanes
- * likewise, then the tail [body, K) in order. */
-#define FOLD(WIDTH, CHAINS, chains, total)                                                                \
+/* One pair's vector sums into total: the chains folded pairwise (chain c += chain c + width, width halving), then
+ * the vector's lanes likewise (the caller adds the K % LANES tail). */
+#define FOLD(WIDTH, CHAINS, chains, total)                                                                     \
     do {                                                                                                       \
         for (int width = (CHAINS) / 2; width > 0; width /= 2)                                                  \
             for (int c = 0; c < width; ++c) chains[c] += chains[c + width];                                    \
