@@ -1,27 +1,24 @@
 /* A Llama-family decoder stack over a step of short query rows on the CPU, in one call
- * (deepinfer_cpu/decode_step.py loads it through ctypes; linked with gemv.c, paged_attention.c and
- * quant_linear.c, whose kernels it calls).
+ * (deepinfer_cpu/decode_step.py loads it through ctypes; linked with gemv.c, paged_attention.c and quant_linear.c,
+ * whose kernels it calls).
  *
- * Per layer, what deepinfer/model/llama.py computes: h = RMSNorm(x); qkv = W_qkv h (+ bias); (Qwen3: each
- * head of q and k RMS-normed); rope on q's and k's heads (rotate-half, the engine's cos and sign-folded sin
- * tables); the rows' keys and values stored at their cache slots and attended (paged_attention);
- * x += W_o attn; h = RMSNorm(x); g, u = W_gate_up h; x += W_down (silu(g) u). Each projection runs the kernel its GEMM backend runs for these rows (struct
- * projection: gemv_f32 / gemv_bf16 on a plain weight, or a quantized kernel of quant_linear.c), attention
- * paged_attention, each with its own OpenMP team; the rest (norms, rope, SiLU, residual adds: ~2,000 floats per
- * row and layer) runs on the calling thread, row by row, so a row's result does not
- * depend on the rows beside it when its kernels' do not. A batch-1 step through the Python layers spends
- * ~5 ms of a ~20 ms token on the ~1,400 small torch ops around its 120 projections (docs/benchmarks.md,
- * issue 36); here they take microseconds.
+ * Per layer, what deepinfer/model/llama.py computes: h = RMSNorm(x); qkv = W_qkv h (+ bias); (Qwen3: each head of q
+ * and k RMS-normed); rope on q's and k's heads (rotate-half, the engine's cos and sign-folded sin tables); the
+ * rows' keys and values stored at their cache slots and attended (paged_attention); x += W_o attn; h = RMSNorm(x);
+ * g, u = W_gate_up h; x += W_down (silu(g) u). Each projection runs the kernel its GEMM backend runs for these rows
+ * (struct projection: gemv_f32 / gemv_bf16 on a plain weight, or a quantized kernel of quant_linear.c), attention
+ * paged_attention, each with its own OpenMP team; the rest (norms, rope, SiLU, residual adds: ~2,000 floats per row
+ * and layer) runs on the calling thread, row by row, so a row's result does not depend on the rows beside it when
+ * its kernels' do not. A batch-1 step through the Python layers spends ~5 ms of a ~20 ms token on the ~1,400 small
+ * torch ops around its 120 projections (docs/benchmarks.md, issue 36); here they take microseconds.
  *
- * bf16 (plain weights, caches, the residual stream): every value the torch layers round to bfloat16 is
- * rounded here at the same point (round to nearest even), sums run in float32, so the two differ only in
- * summation order.
+ * bf16 (plain weights, caches, the residual stream): every value the torch layers round to bfloat16 is rounded here
+ * at the same point (round to nearest even), sums run in float32, so the two differ only in summation order.
  *
- * layers: the stack's layers (struct layer: norm weights and the bias as float32; the caches [blocks,
- * block_size, kv_heads, dim]). x_in, x_out [tokens, hidden] in the model dtype. captures: NULL, or layers + 1
- * pointers (NULL or a [tokens, hidden] buffer in the model dtype) that receive the residual stream entering
- * each layer (index layers: leaving the last).
- * Returns 0, or 1 when a buffer could not be allocated (here or in a kernel). */
+ * layers: the stack's layers (struct layer: norm weights and the bias as float32; the caches [blocks, block_size,
+ * kv_heads, dim]). x_in, x_out [tokens, hidden] in the model dtype. captures: NULL, or layers + 1 pointers (NULL or
+ * a [tokens, hidden] buffer in the model dtype) that receive the residual stream entering each layer (index layers:
+ * leaving the last). Returns 0, or 1 when a buffer could not be allocated (here or in a kernel). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
