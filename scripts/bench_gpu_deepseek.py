@@ -6,7 +6,7 @@ transformers run: transformers has no V4.1; run it with ``--eager``: V4.1 steps 
 
     python scripts/bench_gpu_deepseek.py [--shape v2lite|v4|v41|llama8b] [--batch 1 16 64 256] [--plugins attention moe]
         [--eager] [--kv-dtype auto|fp8] [--output bench.json] [--profile-out prof.txt] [--no-transformers]
-        [--length-spread 63]
+        [--length-spread 63] [--expert-dtype bf16|fp4]
 
 Model: ``DeepseekV3ForCausalLM``, hidden 2048, 16 heads, no q_lora, kv_lora 512, rope 64, nope 128,
 v 128, 64 routed experts top-6 + 2 shared, moe width 1408, dense width 10944, first layer dense,
@@ -91,8 +91,9 @@ def distinct_experts(config: dict, batch: int) -> float:
 
 def model_step_bytes(model: torch.nn.Module, config: dict, batch: int, ctx: float) -> dict[str, float]:
     """Bytes one decode step of ``batch`` requests at mean context ``ctx`` reads, counted from the built
-    model's parameters (routed experts ``w13``/``w2`` scaled by the distinct fraction, the input
-    embedding by ``batch`` rows unless it is also the LM head, MTP layers excluded) plus the KV."""
+    model's parameters (routed experts ``w13``/``w2``, or their FP4 bytes and scales, scaled by the distinct
+    fraction, the input embedding by ``batch`` rows unless it is also the LM head, MTP layers excluded) plus
+    the KV."""
     distinct = distinct_experts(config, batch)
     fraction = distinct / text_of(config)["n_routed_experts"] if distinct else 1.0
     tied = getattr(model, "lm_head", None) is None
@@ -101,7 +102,7 @@ def model_step_bytes(model: torch.nn.Module, config: dict, batch: int, ctx: floa
         if name.startswith("mtp_layers."):
             continue
         size = param.numel() * param.element_size()
-        if name.endswith((".w13", ".w2")):
+        if name.endswith((".w13", ".w2", ".w13_fp4", ".w13_scale", ".w2_fp4", ".w2_scale")):
             size *= fraction
         elif name == "embed_tokens.weight" and not tied:
             size = batch * param.shape[1] * param.element_size()
@@ -372,6 +373,9 @@ def main() -> None:
                         help="v2lite: the 8-layer V2-Lite-shaped V3 model; v4: scripts/deepseek_v4_shaped.json; "
                              "v41: scripts/deepseek_v41_shaped.json; llama8b: scripts/llama3_8b_shaped.json")
     parser.add_argument("--kv-dtype", default="auto", help="cache.kv_dtype (auto or fp8)")
+    parser.add_argument("--expert-dtype", choices=["bf16", "fp4"], default="bf16",
+                        help="--shape v41: quantization_config.expert_dtype (fp4: routed experts stored as e2m1 "
+                             "bytes with ue8m0 scales per 32, dummy codes)")
     parser.add_argument("--max-prefill-tokens", type=int, default=32768,
                         help="cap on scheduler.max_num_batched_tokens (prefill chunk)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
@@ -391,6 +395,10 @@ def main() -> None:
                              "which decodes balanced routing in lockstep)")
     args = parser.parse_args()
     config = SHAPES[args.shape]
+    if args.expert_dtype != "bf16":
+        if config is not V41_CONFIG:
+            parser.error("--expert-dtype needs --shape v41")
+        config = {**config, "quantization_config": {"expert_dtype": args.expert_dtype}}
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": config,
               "date": time.strftime("%Y-%m-%d"), "plugins": args.plugins, "cuda_graphs": not args.eager,
               "kv_dtype": args.kv_dtype, "compile": "inductor" if args.compile else "off", "gemm": args.gemm,
@@ -406,7 +414,7 @@ def main() -> None:
                                               args.max_prefill_tokens, "inductor" if args.compile else "off",
                                               args.gemm, args.length_spread)
     torch.cuda.empty_cache()
-    if not args.no_transformers and config is not LLAMA_CONFIG and config is not V41_CONFIG:
+    if not args.no_transformers and args.shape in ("v2lite", "v4"):
         try:
             result["transformers"] = bench_transformers(config, args.batch, args.repeats)
         except Exception as exc:

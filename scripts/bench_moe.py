@@ -1,7 +1,9 @@
 """MoE layer time for a DeepSeek-V2-Lite-shaped layer, per MoE backend (issue 12).
 
-The layer: hidden 2048, 64 routed experts of width 1408, top-6, plus 2 shared experts (one dense
-SwiGLU of width 2816) and the float32 router GEMM. Tokens pick 6 distinct experts uniformly at random
+The layer (``--shape v2lite``): hidden 2048, 64 routed experts of width 1408, top-6, plus 2 shared experts
+(one dense SwiGLU of width 2816) and the float32 router GEMM; ``--shape v41``: DeepSeek-V4.1-Flash's
+(``scripts/deepseek_v41_shaped.json``): hidden 4096, 64 routed experts of width 2048, top-6, 1 shared.
+Tokens pick 6 distinct experts uniformly at random
 (the balanced routing of ``kernels.force_balanced_routing``); the routing weights are random. Each
 backend runs the same inputs; times are medians over ``--repeats`` rounds after ``--warmup`` calls,
 each round calling every backend once (interleaved, so a busy machine slows them alike).
@@ -13,7 +15,7 @@ GPU both are printed next to the H200 limits measured in ``reference/kernels.md`
 
     python scripts/bench_moe.py --tokens 1 16 256 4096 --output moe.json            # every available backend
     python scripts/bench_moe.py --backends torch grouped --tokens 1 16 256 --repeats 5
-    python scripts/bench_moe.py --backends triton triton_fp8 triton_fp4 --tokens 1 16 256 4096   # issue 33
+    python scripts/bench_moe.py --shape v41 --backends triton triton_fp8 triton_fp4 --tokens 1 16 256 4096  # issue 33
 
 ``triton_fp4`` and ``torch_fp4`` run the same experts stored as DeepSeek-V4.1's FP4 (e2m1 codes with a ue8m0
 scale per 32 inputs, ``quantize_e2m1`` of the bf16 weights) through ``TritonMoEBackend.experts_fp4`` and the
@@ -29,13 +31,26 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from datetime import date
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-EXPERTS, TOP_K, HIDDEN, INTER, SHARED = 64, 6, 2048, 1408, 2
+
+@dataclass(frozen=True)
+class Shape:
+    """One MoE layer's sizes: routed experts, top-k, hidden width, expert width, shared experts."""
+
+    experts: int
+    top_k: int
+    hidden: int
+    inter: int
+    shared: int
+
+
+SHAPES = {"v2lite": Shape(64, 6, 2048, 1408, 2), "v41": Shape(64, 6, 4096, 2048, 1)}
 # Limits measured on the H200 (reference/kernels.md §2): DeepGEMM FP8 dense peak and bf16 GEMM; the
 # HBM figure is the H200's nominal 4.8 TB/s (not measured here).
 H200_LIMITS = {"fp8_tflops": 1239.0, "bf16_tflops": 757.0, "hbm_gbs": 4800.0}
@@ -70,7 +85,11 @@ class Fp4Experts:
         from deepinfer.interfaces import Fp4ExpertWeights
         from deepinfer.model.layers.fp4 import quantize_e2m1
 
-        (q13, s13), (q2, s2) = quantize_e2m1(w13), quantize_e2m1(w2)
+        def stored(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # expert by expert: bounded temporaries
+            packed, scales = zip(*(quantize_e2m1(expert) for expert in w), strict=True)
+            return torch.stack(packed), torch.stack(scales)
+
+        (q13, s13), (q2, s2) = stored(w13), stored(w2)
         return Fp4ExpertWeights(q13, s13, q2, s2, 32)
 
     def experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, weights: Any) -> Any:
@@ -93,36 +112,37 @@ def weight_bytes(backend: str, dtype: torch.dtype) -> float:
     return torch.finfo(dtype).bits / 8
 
 
-def layer_cost(tokens: int, active_experts: int, backend: str, dtype: torch.dtype) -> tuple[float, float]:
+def layer_cost(shape: Shape, tokens: int, active_experts: int, backend: str,
+               dtype: torch.dtype) -> tuple[float, float]:
     """``(bytes, flops)`` of one layer call: weights read once each (active experts, shared, router),
     activations in and out; flops are 2 per multiply-add."""
     act = torch.finfo(dtype).bits / 8
-    routed = active_experts * 3 * INTER * HIDDEN * weight_bytes(backend, dtype)
-    shared = 3 * SHARED * INTER * HIDDEN * act
-    router = EXPERTS * HIDDEN * 4
-    activations = 2 * tokens * HIDDEN * act
-    flops = 2 * tokens * (TOP_K * 3 * INTER * HIDDEN + 3 * SHARED * INTER * HIDDEN + EXPERTS * HIDDEN)
+    expert = 3 * shape.inter * shape.hidden
+    routed = active_experts * expert * weight_bytes(backend, dtype)
+    shared = shape.shared * expert * act
+    router = shape.experts * shape.hidden * 4
+    activations = 2 * tokens * shape.hidden * act
+    flops = 2 * tokens * ((shape.top_k + shape.shared) * expert + shape.experts * shape.hidden)
     return routed + shared + router + activations, flops
 
 
-def make_layer(device: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+def make_layer(shape: Shape, device: str, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, scale: float) -> torch.Tensor:
         return (torch.randn(*shape, generator=gen) * scale).to(device, dtype)
 
-    return {"w13": rand(EXPERTS, 2 * INTER, HIDDEN, scale=HIDDEN ** -0.5),
-            "w2": rand(EXPERTS, HIDDEN, INTER, scale=INTER ** -0.5),
-            "shared13": rand(2 * SHARED * INTER, HIDDEN, scale=HIDDEN ** -0.5),
-            "shared2": rand(HIDDEN, SHARED * INTER, scale=(SHARED * INTER) ** -0.5),
-            "gate": (torch.randn(EXPERTS, HIDDEN, generator=gen) * HIDDEN ** -0.5).to(device)}
+    e, h, i, shared = shape.experts, shape.hidden, shape.inter, shape.shared * shape.inter
+    return {"w13": rand(e, 2 * i, h, scale=h ** -0.5), "w2": rand(e, h, i, scale=i ** -0.5),
+            "shared13": rand(2 * shared, h, scale=h ** -0.5), "shared2": rand(h, shared, scale=shared ** -0.5),
+            "gate": (torch.randn(e, h, generator=gen) * h ** -0.5).to(device)}
 
 
 def layer_fn(backend: Any, layer: dict[str, torch.Tensor], experts: Any, topk_ids: torch.Tensor,
              topk_weights: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """One MoE layer forward: router GEMM (float32; its top-k is replaced by the fixed balanced routing
     so every backend sees the same experts), routed experts through ``backend``, shared experts."""
-    width = SHARED * INTER
+    width = layer["shared2"].shape[1]
 
     def run(x: torch.Tensor) -> torch.Tensor:
         F.linear(x.float(), layer["gate"]).softmax(dim=-1)
@@ -154,6 +174,7 @@ def time_calls(fn: Callable[[], Any], device: str, warmup: int, repeats: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="v2lite")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 4096])
     ap.add_argument("--backends", nargs="+", default=None,
                     help="torch grouped triton triton_fp8 deep_gemm triton_fp4 torch_fp4 (default: every available "
@@ -176,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in offered]
     if unknown:
         ap.error(f"unknown backends {unknown}; known: {sorted(offered)}")
-    layer = make_layer(args.device, dtype, args.seed)
+    shape = SHAPES[args.shape]
+    layer = make_layer(shape, args.device, dtype, args.seed)
     # Each backend prepares its own copy: grouped re-lays its weights out in place, and the reference
     # must be timed on the layout the engine gives it.
     prepared = {name: offered[name].prepare_experts(layer["w13"].clone(), layer["w2"].clone())
@@ -184,9 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     for tokens in args.tokens:
         gen = torch.Generator().manual_seed(args.seed + tokens)
-        ids = torch.rand(tokens, EXPERTS, generator=gen).topk(TOP_K, dim=-1).indices.to(args.device)
-        weights = (torch.rand(tokens, TOP_K, generator=gen) + 0.1).to(args.device)
-        x = torch.randn(tokens, HIDDEN, generator=gen).to(args.device, dtype)
+        ids = torch.rand(tokens, shape.experts, generator=gen).topk(shape.top_k, dim=-1).indices.to(args.device)
+        weights = (torch.rand(tokens, shape.top_k, generator=gen) + 0.1).to(args.device)
+        x = torch.randn(tokens, shape.hidden, generator=gen).to(args.device, dtype)
         active = int(torch.unique(ids).numel())
         runs = {name: layer_fn(offered[name], layer, prepared[name], ids, weights) for name in names}
         times: dict[str, list[float]] = {name: [] for name in names}
@@ -198,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 times[name] += time_calls(lambda run=runs[name], x=x: run(x), args.device, 0, 1)
         for name in names:
             median = statistics.median(times[name])
-            nbytes, flops = layer_cost(tokens, active, name, dtype)
+            nbytes, flops = layer_cost(shape, tokens, active, name, dtype)
             row = {"backend": name, "tokens": tokens, "median_ms": median * 1e3,
                    "times_ms": [t * 1e3 for t in times[name]], "active_experts": active,
                    "bytes": nbytes, "flops": flops, "gbs": nbytes / median / 1e9, "tflops": flops / median / 1e12}
@@ -209,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
             "limits": H200_LIMITS if args.device == "cuda" else None,
-            "shape": {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": INTER, "shared": SHARED},
+            "shape": {"name": args.shape, **asdict(shape)},
             "repeats": args.repeats, "warmup": args.warmup, "command": " ".join(sys.argv)}
     if args.output:
         with open(args.output, "w") as f:

@@ -20,14 +20,16 @@ BLOCK = 32
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in multiply:RuntimeWarning")  # scale 2^127 · 6: ±inf
-def test_tiles_dequantize_every_code_and_scale_exactly() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_tiles_dequantize_every_code_and_scale_exactly(device: str) -> None:
     """Row r has every scale byte r (0: the subnormal 2^-127; 254: overflow to ±inf for codes above 1; 255:
     NaN) and its 256 bytes are every pair of codes: the kernel's values equal the core's, NaN for NaN."""
     from deepinfer_moe.triton_kernels import dequantize_fp4
 
     packed = torch.arange(256, dtype=torch.uint8).repeat(256, 1)  # [256, 256] → 512 values a row
     scales = torch.arange(256, dtype=torch.uint8).unsqueeze(1).repeat(1, 512 // BLOCK)
-    got = dequantize_fp4(packed, scales, BLOCK)
+    got = dequantize_fp4(packed.to(device), scales.to(device), BLOCK).cpu()
     want = dequantize_e2m1(packed, scales, BLOCK, dtype=torch.float32)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert torch.equal(torch.signbit(got[:255]), torch.signbit(want[:255]))  # -0.0 for code 8, too
@@ -73,11 +75,14 @@ def test_triton_fp8_and_unserved_devices_decline() -> None:
     assert backend.experts_fp4(x, ids, routing, weights) is None
 
 
-def test_a_v41_model_with_fp4_experts_generates_as_the_reference_through_the_kernels(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_v41_model_with_fp4_experts_generates_as_the_reference_through_the_kernels(tmp_path, monkeypatch,
+                                                                                     device: str) -> None:
     """A tiny DeepSeek-V4.1 with FP4 experts (``expert_dtype: fp4``) through the engine with ``kernels.moe:
-    triton`` (every MoE layer's experts read as stored by the kernels): each step's logits within float32
-    rounding of the model's reference path (``kernels.moe: auto``, one expert dequantized at a time), greedy
-    tokens equal."""
+    triton`` (every MoE layer's experts read as stored by the kernels; compiled for real on CUDA, the
+    interpreter on CPU): each step's logits within float32 rounding of the model's reference path
+    (``kernels.moe: auto``, one expert dequantized at a time), greedy tokens equal."""
     from test_deepseek_v41 import _logits_by_request, build_v41, reference_tensors, v41_llm
     from test_deepseek_v41_fp4 import fp4_config, fp4_experts, write
 
@@ -88,11 +93,14 @@ def test_a_v41_model_with_fp4_experts_generates_as_the_reference_through_the_ker
     calls = []
     served = TritonMoEBackend.experts_fp4
     monkeypatch.setattr(TritonMoEBackend, "experts_fp4", lambda *a, **k: calls.append(1) or served(*a, **k))
-    kernel_llm = v41_llm(folder, kernels={"moe": "triton"}, plugins={"moe": {"enabled": True}})
+    kernel_llm = v41_llm(folder, kernels={"moe": "triton"}, plugins={"moe": {"enabled": True}}, device=device)
     assert kernel_llm.engine.runner.backends["experts"].name == "triton"
     got = _logits_by_request(kernel_llm, batch, 4)
     assert calls  # every MoE layer of every step
-    want = _logits_by_request(v41_llm(folder), batch, 4)
+    want = _logits_by_request(v41_llm(folder, device=device), batch, 4)
     for g, w in zip(got, want, strict=True):
         assert g.argmax(-1).tolist() == w.argmax(-1).tolist()
-        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+        steps = [(round((a - b).abs().max().item(), 6), round(b.abs().max().item(), 3))
+                 for a, b in zip(g, w, strict=True)]
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, s=steps: f"{m}\n(max diff, max|logit|) by step: {s}")

@@ -1,7 +1,9 @@
 """GPU checks for the lead's H200 runs (``-m gpu``): the Triton kernels compiled for real (bf16 and FP8)
 and DeepGEMM (when ``deep_gemm`` imports) against the float32 reference on a DeepSeek-V2-Lite-shaped
 layer (64 experts, top-6, hidden 2048, width 1408), with skewed and empty-expert routing and ragged
-token counts on both layouts, plus CUDA-graph capture and replay with new routing."""
+token counts on both layouts, plus CUDA-graph capture and replay with new routing; the FP4 experts
+(DeepSeek-V4.1's stored e2m1 bytes, ``experts_fp4``) against the reference on the same dequantized weights,
+eager and replayed from a graph."""
 
 from __future__ import annotations
 
@@ -171,3 +173,49 @@ def test_fused_router_and_experts_capture_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, step(), rtol=0, atol=0)
+
+
+def _fp4(p, swiglu_limit: float | None = None):
+    """``p``'s experts stored as FP4 (``quantize_e2m1``: ue8m0 per 32) and the reference on them."""
+    from deepinfer.interfaces import Fp4ExpertWeights
+    from deepinfer.model.layers.fp4 import dequantize_e2m1, quantize_e2m1
+
+    (q13, s13), (q2, s2) = quantize_e2m1(p.w13), quantize_e2m1(p.w2)
+    weights = Fp4ExpertWeights(q13, s13, q2, s2, 32)
+    dense = [dequantize_e2m1(q, s, 32, dtype=torch.float32) for q, s in ((q13, s13), (q2, s2))]
+    return weights, reference(p, *dense, swiglu_limit=swiglu_limit)
+
+
+@pytest.mark.parametrize("routing", ROUTINGS)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_triton_fp4_matches_reference_on_the_dequantized_weights(tokens: int, routing: str) -> None:
+    """bf16 activations times tiles dequantized in registers: the bf16 kernels' error against the float32
+    reference on the same (exactly dequantized) weights, both layouts, with V4.1's clamped SwiGLU."""
+    from deepinfer_moe.triton_backend import TritonMoEBackend
+
+    p = make_problem(tokens, **V2_LITE, routing=routing, seed=tokens, device="cuda", dtype=torch.bfloat16)
+    weights, want = _fp4(p, swiglu_limit=10.0)
+    out = TritonMoEBackend().experts_fp4(p.x, p.topk_ids, p.topk_weights, weights, swiglu_limit=10.0)
+    assert out is not None and out.dtype == torch.bfloat16
+    assert relative_error(out, want) < 1e-2
+
+
+def test_triton_fp4_captures_in_a_cuda_graph_and_replays_new_routing() -> None:
+    from deepinfer_moe.triton_backend import TritonMoEBackend
+
+    tokens = 16
+    p = make_problem(tokens, **V2_LITE, routing="uniform", seed=9, device="cuda", dtype=torch.bfloat16)
+    weights, _ = _fp4(p)
+    backend = TritonMoEBackend()
+    x, ids, w = p.x.clone(), p.topk_ids.clone(), p.topk_weights.clone()
+    backend.experts_fp4(x, ids, w, weights)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.experts_fp4(x, ids, w, weights)
+    new_ids, new_w = make_routing(tokens, V2_LITE["experts"], V2_LITE["top_k"], "skewed", seed=10, device="cuda")
+    ids.copy_(new_ids)
+    w.copy_(new_w)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, backend.experts_fp4(x, ids, w, weights), rtol=0, atol=0)
