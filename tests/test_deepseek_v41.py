@@ -22,6 +22,7 @@ from deepinfer.kv.pools import bytes_per_block
 from deepinfer.model.deepseek_v4 import engram, hyper, v41_attention, v41_indexer
 from deepinfer.model.deepseek_v4.v41 import DeepseekV41ForCausalLM
 from deepinfer.model.deepseek_v4.v41_config import CandidateLimit, V41Dims
+from deepinfer.ops import TorchSinkAttentionBackend
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -302,8 +303,10 @@ def test_candidate_limit_equals_full_scoring_restricted_to_the_candidates(ratio)
     keys = torch.randn(count, dim, generator=gen)
     paged = keys.view(1, count, dim)  # one block holding every entry
     positions = torch.tensor([3, 17, 40, 55, 79]) if ratio == 2 else torch.tensor([3, 17, 20, 30, 39])
-    table = torch.tensor([0])
-    scores = v41_indexer.index_scores(q, w, paged, table, positions, count, ratio, 0.25)
+    # one request of 5 query rows whose 40 entries fill the block table's width; the reference backend's scores
+    ctx = SimpleNamespace(block_tables=torch.tensor([[0]]), positions=positions, query_start_loc_host=[0, rows],
+                          seq_lens_host=[count * ratio])
+    scores = TorchSinkAttentionBackend().indexer_scores(q, w, paged, ctx, ratio=ratio, scale=0.25)
     ref = _float64_scores(q, w, keys, positions, ratio, 0.25)
     assert torch.allclose(scores.double(), ref, rtol=1e-5, atol=1e-6)
     blocks = v41_indexer.candidate_blocks(scores, limit)

@@ -126,6 +126,20 @@ def test_deepseek_v4_decode_steps_replay_graphs_equal_eager(tmp_path: Path) -> N
         assert_every_bucket_replays(_llm(tmp_path, graphs=True, load_format="dummy", plugins=plugins), eager)
 
 
+def test_deepseek_v41_decode_steps_replay_graphs_equal_eager(tmp_path: Path) -> None:
+    """DeepSeek-V4.1 (cross-layer sharing, candidate blocks, C1/C2 compressors, shifted hyper-connections):
+    decode steps replay graphs of every bucket with the eager run's tokens and logprobs, also under the
+    overlapped executor; every block comes back."""
+    from test_deepseek_v41 import v41_config
+
+    (tmp_path / "config.json").write_text(json.dumps(v41_config()))
+    eager_llm = _llm(tmp_path, graphs=False, load_format="dummy")
+    eager = {n: _run(eager_llm, _prompts(n)) for n in BATCHES}
+    eager_llm.shutdown()
+    for plugins in ({}, {"scheduling": {"enabled": True}}):
+        assert_every_bucket_replays(_llm(tmp_path, graphs=True, load_format="dummy", plugins=plugins), eager)
+
+
 @pytest.mark.parametrize(("drafter", "plan"), [("oracle", "fixed"), ("oracle", "varlen"), ("mtp", "fixed")])
 def test_deepseek_v4_verification_steps_replay_graphs_equal_eager(tmp_path: Path, drafter: str, plan: str,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:

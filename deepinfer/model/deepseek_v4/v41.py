@@ -116,6 +116,7 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
     sharing, candidate-block limit and shifted hyper-connections."""
 
     architecture = ARCH
+    backend_ops = frozenset({"linear", "sink_attention", "indexer_scores", "experts"})
 
     def __init__(self, hf_config: dict[str, Any], *, dtype: torch.dtype, device: torch.device,
                  max_positions: int) -> None:
@@ -179,9 +180,9 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         raise ValueError(f"{ARCH}: DSpark/MTP layers are not supported yet (num_nextn_predict_layers is ignored)")
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{ARCH}: its indexer, candidate blocks and Engram n-grams read the step's per-request "
-                               "host lists, which a CUDA graph replay does not refresh; set kernels.cuda_graphs=false")
+        if self.ngram_history is not None and input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"{ARCH}: its Engram n-grams read the step's per-request host lists, which a CUDA "
+                               "graph replay does not refresh; set kernels.cuda_graphs=false")
         # ``device_rows`` looked up through the package, as V4's forward does (tests swap it there).
         step_rows = _DeviceRows.of(ctx) if v4_package.device_rows(ctx, self.max_backtrack + 1) else _segments(ctx)
         x = self.embed_tokens(input_ids)

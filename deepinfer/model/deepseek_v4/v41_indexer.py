@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's projected indexer and the candidate-block limit, in plain torch.
+"""DeepSeek-V4.1's projected indexer and the candidate-block limit.
 
 V4.1 has no indexer compressor: a KV-source layer's indexer key of entry ``e`` is
 ``rope(k_norm(wk(c_e)))`` where ``c_e`` is the normed compressed entry before its rope, at the entry's
@@ -24,7 +24,7 @@ from deepinfer.model.deepseek_v4.config import V4Dims
 from deepinfer.model.deepseek_v4.norm import V4RMSNorm
 from deepinfer.model.deepseek_v4.rotary import V4Rotary
 from deepinfer.model.deepseek_v4.v41_config import CandidateLimit
-from deepinfer.model.layers.reference_deepseek_v4 import gather_entries, row_block
+from deepinfer.model.layers.reference_deepseek_v4 import row_block
 
 
 class IndexKeys(nn.Module):
@@ -58,17 +58,6 @@ class IndexQuery(nn.Module):
         gemm = ctx.backends["linear"]
         q = rotary.rotate(gemm.linear(q_latent, self.q_b_weight).view(-1, self.heads, self.dim), positions)
         return q, gemm.linear(x, self.weights_weight).float() * self.heads ** -0.5
-
-
-def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
-                 positions: torch.Tensor, count: int, ratio: int, scale: float) -> torch.Tensor:
-    """One request's float32 scores ``[rows, count]`` (−inf for incomplete entries) of its queries
-    ``q [rows, heads, dim]`` at ``positions [rows]`` over its first ``count`` entries in the paged ``keys``."""
-    entries = gather_entries(keys, table, count, q.shape[-1]).float()
-    scores = torch.einsum("nhd,cd->nhc", q.float(), entries).relu_().mul_(scale)
-    scores = scores.mul_(weights.unsqueeze(-1)).sum(dim=1)
-    complete = ((positions + 1) // ratio).unsqueeze(1)
-    return scores.masked_fill_(torch.arange(count, device=q.device) >= complete, float("-inf"))
 
 
 def top_entries(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -109,25 +98,24 @@ def restrict_to_candidates(scores: torch.Tensor, picks: torch.Tensor, entries_pe
 def select(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext, *, ratio: int,
            topk: int, scale: float, limit: CandidateLimit | None, role: str,
            candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An index source's top-k ``[T, topk]`` (−1: none), request by request. ``role``: ``"plain"``,
-    ``"source"`` (also returns the candidate blocks ``[T, topk_blocks]``) or ``"limited"`` (scores only
-    inside ``candidates``)."""
-    out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
+    """An index source's top-k ``[T, topk]`` (−1: none). ``role``: ``"plain"``, ``"source"`` (also returns
+    the candidate blocks ``[T, topk_blocks]``) or ``"limited"`` (scores only inside ``candidates``). The
+    scores come from the backend op ``indexer_scores`` over every entry the block tables
+    address, in blocks of query rows that bound them; the ranking here reads no host list, so with a
+    graph-safe backend a decode step captures."""
+    backend = ctx.backends["indexer_scores"]
+    tokens = q.shape[0]
+    out = torch.empty(tokens, topk, dtype=torch.int64, device=q.device)
     picked = (None if role != "source" or limit is None
-              else torch.full((q.shape[0], limit.topk_blocks), -1, dtype=torch.int64, device=q.device))
-    starts = ctx.query_start_loc_host
-    for i in range(len(ctx.seq_lens_host)):
-        count = ctx.seq_lens_host[i] // ratio
-        # Blocks of query rows bound the [rows, heads, count] score tensor, as the V4 reference op does.
-        step = row_block(q.shape[1] * max(count, 1))
-        for lo in range(starts[i], starts[i + 1], step):
-            hi = min(starts[i + 1], lo + step)
-            scores = index_scores(q[lo:hi], weights[lo:hi], keys, ctx.block_tables[i], ctx.positions[lo:hi],
-                                  count, ratio, scale)
-            if picked is not None and limit is not None:
-                picked[lo:hi] = candidate_blocks(scores, limit)
-            if role == "limited":
-                assert candidates is not None and limit is not None
-                scores = restrict_to_candidates(scores, candidates[lo:hi], limit.block_tokens // ratio)
-            out[lo:hi] = top_entries(scores, topk)
+              else torch.empty(tokens, limit.topk_blocks, dtype=torch.int64, device=q.device))
+    step = row_block(ctx.block_tables.shape[1] * keys.shape[1])
+    for lo in range(0, tokens, step):
+        hi = min(tokens, lo + step)
+        scores = backend.indexer_scores(q[lo:hi], weights[lo:hi], keys, ctx, ratio=ratio, scale=scale, start=lo)
+        if picked is not None and limit is not None:
+            picked[lo:hi] = candidate_blocks(scores, limit)
+        if role == "limited":
+            assert candidates is not None and limit is not None
+            scores = restrict_to_candidates(scores, candidates[lo:hi], limit.block_tokens // ratio)
+        out[lo:hi] = top_entries(scores, topk)
     return out, picked

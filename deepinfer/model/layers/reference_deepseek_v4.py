@@ -33,6 +33,7 @@ against a dense float64 statement of the semantics.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -85,7 +86,7 @@ class TorchSinkAttentionBackend:
 
     name = "torch_v4"
     priority = 0
-    ops = frozenset({"sink_attention", "indexer_topk"})
+    ops = frozenset({"sink_attention", "indexer_topk", "indexer_scores"})
     # cache.kv_dtype fp8 / fp4: V4.1's layouts (kv/v41_cache.py), dequantized to float32 on read.
     capabilities = BackendCapabilities(dtypes=_ALL_DTYPES, kv_dtypes=frozenset({"auto", "fp8", "fp4"}), varlen=True)
 
@@ -186,20 +187,47 @@ class TorchSinkAttentionBackend:
         for a query at position p if complete, ``e < (p + 1) // ratio``. Returns int64 ``[T, topk]``:
         the best entries first, −1 where the query has fewer complete entries than ``topk``."""
         out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
-        starts, lens = ctx.query_start_loc_host, ctx.seq_lens_host
-        for i, end in enumerate(lens):
-            lo, hi = starts[i], starts[i + 1]
-            count = end // ratio
-            if count == 0:
-                continue
-            entries = gather_entries(keys, ctx.block_tables[i], count, q.shape[-1]).float()
-            rows = row_block(q.shape[1] * count)
-            for a in range(lo, hi, rows):
-                b = min(hi, a + rows)
-                scores = torch.einsum("nhd,cd->nhc", q[a:b].float(), entries).relu_().mul_(scale)
-                scores = scores.mul_(weights[a:b].unsqueeze(-1)).sum(dim=1)  # [rows, count]
-                complete = ((ctx.positions[a:b] + 1) // ratio).unsqueeze(1)
-                scores = scores.masked_fill_(torch.arange(count, device=q.device) >= complete, float("-inf"))
-                picks = scores.topk(min(topk, count), dim=-1).indices
-                out[a:b, : picks.shape[1]] = torch.where(picks < complete, picks, -1)
+        for i, lo, hi, count in _request_rows(ctx, 0, q.shape[0], ratio):
+            for a, b, scores in _request_scores(q, weights, keys, ctx, i, lo, hi, count, ratio, scale):
+                picks = scores.topk(min(topk, count), dim=-1)
+                out[a:b, : picks.indices.shape[1]] = torch.where(picks.values > float("-inf"), picks.indices, -1)
         return out
+
+    def indexer_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext, *,
+                       ratio: int, scale: float, start: int = 0) -> torch.Tensor:
+        """The scores ``indexer_topk`` ranks, for the step's query rows ``[start, start + len(q))`` (``q`` and
+        ``weights`` hold those rows): float32 ``[rows, block_tables.shape[1] · keys.shape[1]]`` — every
+        entry a block table can address — with −inf for incomplete entries and past each request's
+        entries (DeepSeek-V4.1 ranks them itself: candidate blocks, ``v41_indexer.py``)."""
+        width = ctx.block_tables.shape[1] * keys.shape[1]
+        out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
+        for i, lo, hi, count in _request_rows(ctx, start, start + q.shape[0], ratio):
+            for a, b, scores in _request_scores(q, weights, keys, ctx, i, lo, hi, count, ratio, scale, start):
+                out[a:b, :count] = scores
+        return out
+
+
+def _request_rows(ctx: ForwardContext, start: int, end: int, ratio: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(request, lo, hi, entries)`` of each request with query rows in ``[start, end)`` and at least one
+    entry: its rows there (step indices) and its entry count after this step (host lists)."""
+    starts = ctx.query_start_loc_host
+    for i, length in enumerate(ctx.seq_lens_host):
+        lo, hi, count = max(starts[i], start), min(starts[i + 1], end), length // ratio
+        if lo < hi and count:
+            yield i, lo, hi, count
+
+
+def _request_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext, i: int,
+                    lo: int, hi: int, count: int, ratio: int, scale: float,
+                    start: int = 0) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Request ``i``'s float32 index scores ``[rows, count]`` (−inf for incomplete entries) of step rows
+    ``[lo, hi)`` (``q``/``weights`` row ``t − start``), in blocks of rows ``(a, b, scores)`` (indices into
+    ``q``) that bound the ``[rows, heads, count]`` product (the reference's ``PREFILL_SCORE_ELEMENTS``)."""
+    entries = gather_entries(keys, ctx.block_tables[i], count, q.shape[-1]).float()
+    visible, step = torch.arange(count, device=q.device), row_block(q.shape[1] * count)
+    for a in range(lo - start, hi - start, step):
+        b = min(hi - start, a + step)
+        scores = torch.einsum("nhd,cd->nhc", q[a:b].float(), entries).relu_().mul_(scale)
+        scores = scores.mul_(weights[a:b].unsqueeze(-1)).sum(dim=1)
+        complete = ((ctx.positions[a + start:b + start] + 1) // ratio).unsqueeze(1)
+        yield a, b, scores.masked_fill_(visible >= complete, float("-inf"))

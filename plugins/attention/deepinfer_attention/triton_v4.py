@@ -66,7 +66,7 @@ class TritonV4Backend:
     steps stating at most ``max_query_len`` query tokens per request read no host list."""
 
     name = "triton_v4"
-    ops = frozenset({"sink_attention", "indexer_topk"})
+    ops = frozenset({"sink_attention", "indexer_topk", "indexer_scores"})
 
     def __init__(self, *, max_query_len: int = 16) -> None:
         self.max_query_len = max_query_len
@@ -123,3 +123,17 @@ class TritonV4Backend:
                                   scale=scale, token_req=None if token_req is None else token_req[a:b])
             out[a:b] = topk_entries(scores, topk)
         return out
+
+    def indexer_scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext, *,
+                       ratio: int, scale: float, start: int = 0) -> torch.Tensor:
+        """Same contract as ``TorchSinkAttentionBackend.indexer_scores`` (one ``index_scores`` launch; no host
+        list for decode-only steps, so DeepSeek-V4.1's ranking of them captures in CUDA graphs)."""
+        from deepinfer_attention.v4_kernels import index_scores  # imports triton: only when this backend runs
+
+        rows = q.shape[0]
+        if all_decode(ctx):  # token t is request t
+            token_req = torch.arange(start, start + rows, device=q.device) if start else None
+        else:
+            token_req = device_token_req(ctx, start + rows)[start:]
+        return index_scores(q, weights, keys, ctx.block_tables, ctx.positions[start:start + rows], ratio=ratio,
+                            scale=scale, token_req=token_req)

@@ -87,7 +87,8 @@ def test_plugin_offers_the_v4_backends() -> None:
 
     backends = {b.name: b for b in Plugin(AttentionConfig(triton_max_query_len=4)).deepinfer_attention_backends()}
     triton_v4, deep_gemm_v4 = backends["triton_v4"], backends["deep_gemm_v4"]
-    assert triton_v4.ops == {"sink_attention", "indexer_topk"} and deep_gemm_v4.ops == {"indexer_topk"}
+    assert triton_v4.ops == {"sink_attention", "indexer_topk", "indexer_scores"}
+    assert deep_gemm_v4.ops == {"indexer_topk"}
     assert triton_v4.max_query_len == 4 and triton_v4.capabilities.graph_safe
     if torch.cuda.is_available():  # auto: triton_v4 above the reference (0); FP8 DeepGEMM only when named
         assert triton_v4.priority > 0 > deep_gemm_v4.priority
@@ -258,6 +259,24 @@ def test_indexer_topk_matches_reference(name: str, mode: str) -> None:
     assert (picks == -1).any()  # some request has fewer complete entries than top-k
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_indexer_scores_match_reference(name: str, mode: str) -> None:
+    """``indexer_scores`` (DeepSeek-V4.1's ranking reads them) over the block tables' whole width, for the
+    step's rows from an offset on: the reference backend's numbers, −inf at the same entries."""
+    p = _problem(name, mode=mode, seed=23)
+    kw = {"ratio": SHAPES[name][1]["ratio"], "scale": SCALE}
+    tokens = p.index_q.shape[0]
+    for start in (0, tokens // 2):
+        args = (p.index_q[start:], p.index_w[start:], p.index_keys, p.ctx)
+        expected = TorchSinkAttentionBackend().indexer_scores(*args, **kw, start=start)
+        scores = _backend().indexer_scores(*args, **kw, start=start)
+        assert scores.shape == expected.shape == (tokens - start, p.ctx.block_tables.shape[1] * p.index_keys.shape[1])
+        assert torch.equal(torch.isneginf(scores), torch.isneginf(expected))
+        finite = ~torch.isneginf(expected)
+        assert torch.allclose(scores[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
 def test_decode_path_reads_no_host_list() -> None:
     """A graph replay states ``max_query_len == 1`` and keeps the capture's host lists: the decode path
     must give the same answer when every host list is wrong."""
@@ -271,6 +290,11 @@ def test_decode_path_reads_no_host_list() -> None:
     kw = {"ratio": 4, "topk": 4, "scale": SCALE}
     assert torch.equal(backend.indexer_topk(p.index_q, p.index_w, p.index_keys, stale, **kw),
                        backend.indexer_topk(p.index_q, p.index_w, p.index_keys, p.ctx, **kw))
+    kw.pop("topk")
+    for start in (0, 2):
+        args = (p.index_q[start:], p.index_w[start:], p.index_keys)
+        assert torch.equal(backend.indexer_scores(*args, stale, **kw, start=start),
+                           backend.indexer_scores(*args, p.ctx, **kw, start=start))
 
 
 def test_deep_gemm_key_packing_follows_its_layout() -> None:
@@ -357,3 +381,40 @@ def test_tiny_v4_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path)
     assert replays >= params.max_tokens - 1  # every decode step of the batch went through a bucket
     assert ids == ref_ids
     assert relative_error(logits, ref_logits) < 1e-5
+
+
+def test_tiny_v41_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path) -> None:
+    """DeepSeek-V4.1 (cross-layer sharing, candidate blocks, C1/C2 compressors) through ``triton_v4``, decode
+    steps replayed from emulated CUDA graph buckets: the reference backend's tokens and logits. Its ranking
+    (``v41_indexer.select``) reads ``indexer_scores`` and no host list."""
+    from test_deepseek_v4 import prompts
+    from test_deepseek_v41 import build_v41, v41_llm
+    from tiny_models import record_logits
+
+    from deepinfer import SamplingParams
+    from deepinfer.engine.graphs import DecodeGraphs
+
+    build_v41(tmp_path)
+    batch = prompts([3, 29, 12], seed=29)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    runs, replays = [], 0
+    for kernels in ("auto", "triton_v4"):
+        llm = v41_llm(tmp_path, plugins={"attention": {"enabled": True}}, kernels={"attention": kernels})
+        engine = llm.engine
+        assert engine.runner.backends["indexer_scores"].name == kernels.replace("auto", "torch_v4")
+        if kernels == "triton_v4":
+            graphs = DecodeGraphs(engine.model, engine.runner.backends, engine.config.cache.block_size,
+                                  torch.device("cpu"), max_tokens=4, max_query_lens=(1,),
+                                  max_blocks=engine.kv.blocks_needed(engine.max_model_len), emulate=True,
+                                  stateful=True)
+            graphs.capture()
+            engine.runner.graphs = graphs
+        steps = record_logits(llm)
+        outs = llm.generate(batch, params, use_tqdm=False)
+        runs.append(([o.outputs[0].token_ids for o in outs], torch.cat([lg[:len(ids)] for ids, lg in steps])))
+        replays = engine.runner.graphs.replays if kernels == "triton_v4" else 0
+        llm.shutdown()
+    (ref_ids, ref_logits), (ids, logits) = runs
+    assert replays >= params.max_tokens - 1
+    assert ids == ref_ids
+    assert relative_error(logits, ref_logits) < 1e-4
