@@ -106,3 +106,24 @@ def test_compiled_deepseek_v4_gives_the_plain_tokens_and_logprobs(tmp_path: Path
     for (ids_p, lp_p), (ids_c, lp_c) in zip(*results, strict=True):
         assert ids_p == ids_c
         assert torch.allclose(torch.tensor(lp_p), torch.tensor(lp_c), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_deepseek_v41_gives_the_plain_tokens_and_logprobs(tmp_path: Path) -> None:
+    """DeepSeek-V4.1's compiled layers (shifted hyper-connections, cross-layer sharing, candidate blocks,
+    the index ranking between its backend calls): the plain layers' greedy tokens and logprobs."""
+    from test_deepseek_v4 import prompts
+    from test_deepseek_v41 import build_v41, v41_llm
+
+    build_v41(tmp_path)
+    batch = prompts([5, 23, 40, 9], seed=5)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    results = []
+    for mode in ("off", "inductor"):
+        llm = v41_llm(tmp_path, kernels={"compile": mode}, max_num_batched_tokens=32)
+        outs = [o.outputs[0] for o in llm.generate(batch, sp, use_tqdm=False)]
+        results.append([(o.token_ids, [d[t] for t, d in zip(o.token_ids, o.logprobs, strict=True)]) for o in outs])
+        llm.shutdown()
+    for (ids_p, lp_p), (ids_c, lp_c) in zip(*results, strict=True):
+        assert ids_p == ids_c
+        assert torch.allclose(torch.tensor(lp_p), torch.tensor(lp_c), atol=1e-4, rtol=0)
