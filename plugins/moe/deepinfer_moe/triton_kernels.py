@@ -39,12 +39,14 @@ SCALE_BLOCK = 128
 @triton.jit
 def _e2m1_value(code):
     """float32 value of e2m1 codes (int32, 0..15): bit 3 the sign, ``ee = 0`` subnormal ``m·0.5``, else
-    ``2^(ee-1)·(1 + m/2)`` — the same numbers as ``deepinfer.ops.dequantize_e2m1``'s table."""
+    ``2^(ee-1)·(1 + m/2)`` — the same numbers as ``deepinfer.ops.dequantize_e2m1``'s table, the sign set
+    as a bit (so code 8 is −0.0, as there)."""
     ee = (code >> 1) & 3
     half = (code & 1).to(tl.float32) * 0.5
     power = tl.where(ee == 1, 1.0, tl.where(ee == 2, 2.0, 4.0))
     magnitude = tl.where(ee == 0, half, power * (1.0 + half))
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    sign = (code & 8) << 28  # bit 31
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -55,19 +57,33 @@ def _ue8m0_value(byte):
 
 
 @triton.jit
-def _weight_tile(w_base, s_base, cols, kk, stride_wn, stride_sn, mask, FP4: tl.constexpr,
-                 FP4_BLOCK: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` weight tile ``w[cols, kk]ᵀ`` of one expert: loaded as stored, or with
-    ``FP4`` dequantized from its packed codes (``w_base`` bytes ``[N, K/2]``) and scales (``s_base`` bytes
-    ``[N, K/FP4_BLOCK]``) to float32."""
+def _weight_tile(w_base, s_base, cols, k0, size_k, stride_wn, stride_sn, col_ok, BLOCK_K: tl.constexpr,
+                 FP4: tl.constexpr, FP4_BLOCK: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` weight tile ``w[cols, k0:k0 + BLOCK_K]ᵀ`` of one expert (inputs past
+    ``size_k`` and columns not ``col_ok`` read 0): loaded as stored, or with ``FP4`` dequantized to float32
+    from its packed codes (``w_base`` bytes ``[N, K/2]``) and scales (``s_base`` bytes ``[N, K/FP4_BLOCK]``).
+    FP4 reads each byte once, as a ``[BLOCK_K/2, BLOCK_N]`` tile contiguous along K, and each scale once
+    (``[BLOCK_K/FP4_BLOCK, BLOCK_N]``); the low and high nibbles are interleaved back into input order."""
     col_offsets = cols[None, :].to(tl.int64)
     if FP4:
-        packed = tl.load(w_base + col_offsets * stride_wn + (kk // 2)[:, None], mask=mask, other=0).to(tl.int32)
-        code = tl.where((kk % 2)[:, None] == 0, packed & 15, (packed >> 4) & 15)
-        scale = tl.load(s_base + col_offsets * stride_sn + (kk // FP4_BLOCK)[:, None], mask=mask, other=127)
-        return _e2m1_value(code) * _ue8m0_value(scale.to(tl.int32))
+        HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // FP4_BLOCK
+        pairs = k0 // 2 + tl.arange(0, HALF)
+        packed = tl.load(w_base + col_offsets * stride_wn + pairs[:, None],
+                         mask=(pairs[:, None] * 2 < size_k) & col_ok[None, :], other=0).to(tl.int32)
+        groups = k0 // FP4_BLOCK + tl.arange(0, GROUPS)
+        scale = _ue8m0_value(tl.load(s_base + col_offsets * stride_sn + groups[:, None],
+                                     mask=(groups[:, None] * FP4_BLOCK < size_k) & col_ok[None, :],
+                                     other=127).to(tl.int32))  # [GROUPS, BLOCK_N]
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, FP4_BLOCK // 2, scale.shape[1])),
+                           (HALF, scale.shape[1]))  # one row per byte row
+        low = _e2m1_value(packed & 15) * scale  # inputs k0 + 2i
+        high = _e2m1_value((packed >> 4) & 15) * scale  # inputs k0 + 2i + 1
+        return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, low.shape[1]))
     else:
-        return tl.load(w_base + col_offsets * stride_wn + kk[:, None], mask=mask, other=0.0)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_base + col_offsets * stride_wn + kk[:, None], mask=(kk[:, None] < size_k) & col_ok[None, :],
+                       other=0.0)
 
 
 @triton.jit
@@ -76,9 +92,11 @@ def dequantize_fp4_kernel(w_ptr, s_ptr, out_ptr, rows, cols, stride_w, stride_s,
     """``out [rows, cols]`` float32 = the FP4 matrix ``w [rows, cols/2]`` (scales ``s``) through
     ``_weight_tile``: what the GEMM kernels multiply, written out so a test can compare it bit for bit."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    k0 = tl.program_id(1) * BLOCK_C
+    offs_c = k0 + tl.arange(0, BLOCK_C)
+    tile = _weight_tile(w_ptr, s_ptr, offs_r, k0, cols, stride_w, stride_s, offs_r < rows, BLOCK_C, True,
+                        FP4_BLOCK)  # [C, R]
     mask = (offs_c[:, None] < cols) & (offs_r[None, :] < rows)
-    tile = _weight_tile(w_ptr, s_ptr, offs_r, offs_c, stride_w, stride_s, mask, True, FP4_BLOCK)  # [C, R]
     tl.store(out_ptr + offs_r[None, :].to(tl.int64) * stride_o + offs_c[:, None], tile, mask=mask)
 
 
@@ -116,10 +134,9 @@ def _gate_up_kernel(
         kk = k0 + offs_k
         k_ok = kk < hidden
         a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-        b_mask = k_ok[:, None] & col_ok[None, :]
-        b_gate = _weight_tile(w_base, s_base, offs_n, kk, stride_wn, stride_wsn, b_mask, FP4,
+        b_gate = _weight_tile(w_base, s_base, offs_n, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
                               FP4_BLOCK).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_N]
-        b_up = _weight_tile(w_base, s_base, offs_n + inter, kk, stride_wn, stride_wsn, b_mask, FP4,
+        b_up = _weight_tile(w_base, s_base, offs_n + inter, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
                             FP4_BLOCK).to(DOT_DTYPE)
         if FP8:
             kb = k0 // BLOCK_K
@@ -173,7 +190,7 @@ def _down_kernel(
         kk = k0 + offs_k
         k_ok = kk < inter
         a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-        b = _weight_tile(w_base, s_base, offs_n, kk, stride_wn, stride_wsn, k_ok[:, None] & col_ok[None, :], FP4,
+        b = _weight_tile(w_base, s_base, offs_n, k0, inter, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
                          FP4_BLOCK).to(DOT_DTYPE)
         if FP8:
             kb = k0 // BLOCK_K
