@@ -4,6 +4,7 @@ plugin backends are not traced, and the switch refuses what it cannot serve."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -87,43 +88,40 @@ def test_compiled_deepseek_v3_gives_the_plain_tokens_and_routed_token_counts(tmp
     assert plain_counts.sum() > 0 and torch.equal(plain_counts, compiled_counts)
 
 
-@pytest.mark.slow
-def test_compiled_deepseek_v4_gives_the_plain_tokens_and_logprobs(tmp_path: Path) -> None:
-    """DeepSeek-V4's compiled layers write the compressors' rings and entries in place (``write_rows``) and
-    run the cell-wise Sinkhorn (``sinkhorn_cells``): the plain layers' greedy tokens and logprobs, with
-    windows closing in prefill chunks and in decode steps."""
-    from test_deepseek_v4 import build, make_llm, prompts
+def _assert_compiled_v4_family_equals_plain(make: Callable[..., LLM]) -> None:
+    """Greedy tokens and logprobs of ``make(kernels=…, max_num_batched_tokens=32)`` with compiled layers equal
+    the plain layers' (prompts whose windows close in prefill chunks and in decode steps)."""
+    from test_deepseek_v4 import prompts
 
-    build("v4-yarn", tmp_path)
     batch = prompts([5, 23, 40, 9], seed=5)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
     results = []
     for mode in ("off", "inductor"):
-        llm = make_llm(tmp_path, kernels={"compile": mode}, max_num_batched_tokens=32)
+        llm = make(kernels={"compile": mode}, max_num_batched_tokens=32)
         outs = [o.outputs[0] for o in llm.generate(batch, sp, use_tqdm=False)]
         results.append([(o.token_ids, [d[t] for t, d in zip(o.token_ids, o.logprobs, strict=True)]) for o in outs])
         llm.shutdown()
     for (ids_p, lp_p), (ids_c, lp_c) in zip(*results, strict=True):
         assert ids_p == ids_c
         assert torch.allclose(torch.tensor(lp_p), torch.tensor(lp_c), atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_deepseek_v4_gives_the_plain_tokens_and_logprobs(tmp_path: Path) -> None:
+    """DeepSeek-V4's compiled layers write the compressors' rings and entries in place (``write_rows``) and
+    run the cell-wise Sinkhorn (``sinkhorn_cells``): the plain layers' greedy tokens and logprobs, with
+    windows closing in prefill chunks and in decode steps."""
+    from test_deepseek_v4 import build, make_llm
+
+    build("v4-yarn", tmp_path)
+    _assert_compiled_v4_family_equals_plain(lambda **kw: make_llm(tmp_path, **kw))
 
 
 @pytest.mark.slow
 def test_compiled_deepseek_v41_gives_the_plain_tokens_and_logprobs(tmp_path: Path) -> None:
     """DeepSeek-V4.1's compiled layers (shifted hyper-connections, cross-layer sharing, candidate blocks,
     the index ranking between its backend calls): the plain layers' greedy tokens and logprobs."""
-    from test_deepseek_v4 import prompts
     from test_deepseek_v41 import build_v41, v41_llm
 
     build_v41(tmp_path)
-    batch = prompts([5, 23, 40, 9], seed=5)
-    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
-    results = []
-    for mode in ("off", "inductor"):
-        llm = v41_llm(tmp_path, kernels={"compile": mode}, max_num_batched_tokens=32)
-        outs = [o.outputs[0] for o in llm.generate(batch, sp, use_tqdm=False)]
-        results.append([(o.token_ids, [d[t] for t, d in zip(o.token_ids, o.logprobs, strict=True)]) for o in outs])
-        llm.shutdown()
-    for (ids_p, lp_p), (ids_c, lp_c) in zip(*results, strict=True):
-        assert ids_p == ids_c
-        assert torch.allclose(torch.tensor(lp_p), torch.tensor(lp_c), atol=1e-4, rtol=0)
+    _assert_compiled_v4_family_equals_plain(lambda **kw: v41_llm(tmp_path, **kw))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -346,39 +347,42 @@ def test_tiny_v4_model_gives_reference_tokens_and_logits(tmp_path: Path, no_refe
     assert relative_error(logits, ref_logits) < 1e-4
 
 
-def test_tiny_v4_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path) -> None:
-    """DeepSeek-V4 decode steps replayed from (emulated) CUDA graph buckets — static context with the
-    capture's host lists, padding rows on the reserved block and state slot 0 — give the eager run's
-    tokens and logits: the compressors (``Compressor._update_rows``) and ``triton_v4`` read only device
-    tensors."""
-    from test_deepseek_v4 import build, make_llm, prompts
+def _tokens_and_logits(llm: Any, batch: list[list[int]], max_tokens: int, emulate: bool) -> tuple[list, Any, int]:
+    """Greedy tokens, the requests' logits rows and the graph replays of ``llm`` (shut down after), its decode
+    steps replayed from emulated CUDA graph buckets (static context with the capture's host lists, padding
+    rows on the reserved block and state slot 0) when ``emulate``."""
     from tiny_models import record_logits
 
     from deepinfer import SamplingParams
     from deepinfer.engine.graphs import DecodeGraphs
 
+    engine = llm.engine
+    if emulate:
+        engine.runner.graphs = DecodeGraphs(engine.model, engine.runner.backends, engine.config.cache.block_size,
+                                            torch.device("cpu"), max_tokens=4, max_query_lens=(1,),
+                                            max_blocks=engine.kv.blocks_needed(engine.max_model_len), emulate=True,
+                                            stateful=True)
+        engine.runner.graphs.capture()
+    steps = record_logits(llm)
+    outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    # A replayed bucket's logits have a row per bucket token: the requests' rows come first.
+    logits = torch.cat([lg[:len(ids)] for ids, lg in steps])
+    replays = engine.runner.graphs.replays if emulate else 0
+    llm.shutdown()
+    return [o.outputs[0].token_ids for o in outs], logits, replays
+
+
+def test_tiny_v4_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path) -> None:
+    """DeepSeek-V4 decode steps replayed from (emulated) CUDA graph buckets give the eager run's tokens and
+    logits: the compressors (``Compressor._update_rows``) and ``triton_v4`` read only device tensors."""
+    from test_deepseek_v4 import build, make_llm, prompts
+
     build("v4-yarn", tmp_path)
     batch = prompts([3, 29, 12], seed=23)  # windows of the CSA (4) and HCA (8) compressors close while decoding
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    runs, replays = [], 0
-    for emulate in (False, True):
-        llm = make_llm(tmp_path, plugins={"attention": {"enabled": True}}, kernels={"attention": "triton_v4"})
-        engine = llm.engine
-        if emulate:
-            graphs = DecodeGraphs(engine.model, engine.runner.backends, engine.config.cache.block_size,
-                                  torch.device("cpu"), max_tokens=4, max_query_lens=(1,),
-                                  max_blocks=engine.kv.blocks_needed(engine.max_model_len), emulate=True,
-                                  stateful=True)
-            graphs.capture()
-            engine.runner.graphs = graphs
-        steps = record_logits(llm)
-        outs = llm.generate(batch, params, use_tqdm=False)
-        # A replayed bucket's logits have a row per bucket token: the requests' rows come first.
-        runs.append(([o.outputs[0].token_ids for o in outs], torch.cat([lg[:len(ids)] for ids, lg in steps])))
-        replays = engine.runner.graphs.replays if emulate else 0
-        llm.shutdown()
-    (ref_ids, ref_logits), (ids, logits) = runs
-    assert replays >= params.max_tokens - 1  # every decode step of the batch went through a bucket
+    kw = {"plugins": {"attention": {"enabled": True}}, "kernels": {"attention": "triton_v4"}}
+    ref_ids, ref_logits, _ = _tokens_and_logits(make_llm(tmp_path, **kw), batch, 12, emulate=False)
+    ids, logits, replays = _tokens_and_logits(make_llm(tmp_path, **kw), batch, 12, emulate=True)
+    assert replays >= 11  # every decode step of the batch went through a bucket
     assert ids == ref_ids
     assert relative_error(logits, ref_logits) < 1e-5
 
@@ -389,32 +393,16 @@ def test_tiny_v41_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path
     (``v41_indexer.select``) reads ``indexer_scores`` and no host list."""
     from test_deepseek_v4 import prompts
     from test_deepseek_v41 import build_v41, v41_llm
-    from tiny_models import record_logits
-
-    from deepinfer import SamplingParams
-    from deepinfer.engine.graphs import DecodeGraphs
 
     build_v41(tmp_path)
     batch = prompts([3, 29, 12], seed=29)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    runs, replays = [], 0
-    for kernels in ("auto", "triton_v4"):
-        llm = v41_llm(tmp_path, plugins={"attention": {"enabled": True}}, kernels={"attention": kernels})
-        engine = llm.engine
-        assert engine.runner.backends["indexer_scores"].name == kernels.replace("auto", "torch_v4")
-        if kernels == "triton_v4":
-            graphs = DecodeGraphs(engine.model, engine.runner.backends, engine.config.cache.block_size,
-                                  torch.device("cpu"), max_tokens=4, max_query_lens=(1,),
-                                  max_blocks=engine.kv.blocks_needed(engine.max_model_len), emulate=True,
-                                  stateful=True)
-            graphs.capture()
-            engine.runner.graphs = graphs
-        steps = record_logits(llm)
-        outs = llm.generate(batch, params, use_tqdm=False)
-        runs.append(([o.outputs[0].token_ids for o in outs], torch.cat([lg[:len(ids)] for ids, lg in steps])))
-        replays = engine.runner.graphs.replays if kernels == "triton_v4" else 0
-        llm.shutdown()
-    (ref_ids, ref_logits), (ids, logits) = runs
-    assert replays >= params.max_tokens - 1
+    on = {"attention": {"enabled": True}}
+    reference = v41_llm(tmp_path, plugins=on)
+    assert reference.engine.runner.backends["indexer_scores"].name == "torch_v4"
+    ref_ids, ref_logits, _ = _tokens_and_logits(reference, batch, 12, emulate=False)
+    kernels = v41_llm(tmp_path, plugins=on, kernels={"attention": "triton_v4"})
+    assert kernels.engine.runner.backends["indexer_scores"].name == "triton_v4"
+    ids, logits, replays = _tokens_and_logits(kernels, batch, 12, emulate=True)
+    assert replays >= 11
     assert ids == ref_ids
     assert relative_error(logits, ref_logits) < 1e-4

@@ -49,27 +49,31 @@ def test_triton_fp8_matches_reference(tokens: int, routing: str) -> None:
     assert relative_error(out, reference(p)) < 0.08
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "fp4"])
 @pytest.mark.parametrize("tokens", [2, 64])
-def test_triton_captures_in_a_cuda_graph_and_replays_new_routing(tokens: int, fp8: bool) -> None:
+def test_triton_captures_in_a_cuda_graph_and_replays_new_routing(tokens: int, kind: str) -> None:
+    """bf16, FP8 and FP4 (``experts_fp4``) experts replay a captured graph with new routing as eagerly."""
     from deepinfer_moe.triton_backend import TritonMoEBackend
 
     p = make_problem(tokens, **V2_LITE, routing="uniform", seed=5, device="cuda", dtype=torch.bfloat16)
-    backend = TritonMoEBackend(fp8=fp8)
-    weights = backend.prepare_experts(p.w13, p.w2)
+    backend = TritonMoEBackend(fp8=kind == "fp8")
+    if kind == "fp4":
+        weights, _ = _fp4(p)
+        run = backend.experts_fp4
+    else:
+        weights, run = backend.prepare_experts(p.w13, p.w2), backend.experts
     x, ids, w = p.x.clone(), p.topk_ids.clone(), p.topk_weights.clone()
-    backend.experts(x, ids, w, weights)  # compile outside the capture
+    run(x, ids, w, weights)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = backend.experts(x, ids, w, weights)
+        out = run(x, ids, w, weights)
     new_ids, new_w = make_routing(tokens, V2_LITE["experts"], V2_LITE["top_k"], "skewed", seed=6, device="cuda")
     ids.copy_(new_ids)
     w.copy_(new_w)
     graph.replay()
     torch.cuda.synchronize()
-    eager = backend.experts(x, ids, w, weights)
-    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    torch.testing.assert_close(out, run(x, ids, w, weights), rtol=0, atol=0)
 
 
 def _deep_gemm():
@@ -201,24 +205,3 @@ def test_triton_fp4_matches_reference_on_the_dequantized_weights(tokens: int, ro
     out = TritonMoEBackend().experts_fp4(p.x, p.topk_ids, p.topk_weights, weights, swiglu_limit=10.0)
     assert out is not None and out.dtype == dtype
     assert relative_error(out, want) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
-
-
-def test_triton_fp4_captures_in_a_cuda_graph_and_replays_new_routing() -> None:
-    from deepinfer_moe.triton_backend import TritonMoEBackend
-
-    tokens = 16
-    p = make_problem(tokens, **V2_LITE, routing="uniform", seed=9, device="cuda", dtype=torch.bfloat16)
-    weights, _ = _fp4(p)
-    backend = TritonMoEBackend()
-    x, ids, w = p.x.clone(), p.topk_ids.clone(), p.topk_weights.clone()
-    backend.experts_fp4(x, ids, w, weights)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.experts_fp4(x, ids, w, weights)
-    new_ids, new_w = make_routing(tokens, V2_LITE["experts"], V2_LITE["top_k"], "skewed", seed=10, device="cuda")
-    ids.copy_(new_ids)
-    w.copy_(new_w)
-    graph.replay()
-    torch.cuda.synchronize()
-    torch.testing.assert_close(out, backend.experts_fp4(x, ids, w, weights), rtol=0, atol=0)
