@@ -13,6 +13,8 @@ import pytest
 import torch
 from moe_cases import ROUTINGS, make_problem, make_routing, reference, relative_error
 
+from deepinfer.ops import TorchMoEBackend
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -180,14 +182,16 @@ def test_fused_router_and_experts_capture_in_a_cuda_graph() -> None:
 
 
 def _fp4(p, swiglu_limit: float | None = None):
-    """``p``'s experts stored as FP4 (``quantize_e2m1``: ue8m0 per 32) and the reference on them."""
+    """``p``'s experts stored as FP4 (``quantize_e2m1``: ue8m0 per 32) and the float64 reference on them."""
     from deepinfer.interfaces import Fp4ExpertWeights
     from deepinfer.model.layers.fp4 import dequantize_e2m1, quantize_e2m1
 
     (q13, s13), (q2, s2) = quantize_e2m1(p.w13), quantize_e2m1(p.w2)
     weights = Fp4ExpertWeights(q13, s13, q2, s2, 32)
-    dense = [dequantize_e2m1(q, s, 32, dtype=torch.float32) for q, s in ((q13, s13), (q2, s2))]
-    return weights, reference(p, *dense, swiglu_limit=swiglu_limit)
+    # float64: on CUDA a float32 reference could itself run reduced-precision (TF32) GEMMs
+    w13, w2 = (dequantize_e2m1(q, s, 32, dtype=torch.float64) for q, s in ((q13, s13), (q2, s2)))
+    want = TorchMoEBackend().experts(p.x.double(), p.topk_ids, p.topk_weights, (w13, w2), swiglu_limit=swiglu_limit)
+    return weights, want
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
