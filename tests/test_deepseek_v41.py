@@ -444,6 +444,40 @@ def test_engram_rows_and_gate_follow_the_definition():
     assert torch.allclose(out, xd + gate.unsqueeze(-1) * kv[:, 2:].double(), rtol=1e-5, atol=1e-5)
 
 
+def test_engram_ngrams_on_device_equal_the_per_request_path():
+    """Two requests (slots 1 and 3) through a prompt step, then verification-sized steps that roll back
+    drafts: ``ngrams_on_device`` (positions and slots only) gives the per-request path's n-grams, with a
+    sentinel (an id past the lookup) cutting the longer orders."""
+    from deepinfer.model.deepseek_v4.rows import _Segment
+
+    lookup = torch.arange(40) % 17
+    n, backtrack = 3, 2
+    host, device = engram.NgramHistory(n, 2, lookup), engram.NgramHistory(n, 2, lookup)
+    host.bind(4, backtrack, torch.device("cpu"))
+    device.bind(4, backtrack, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    lengths = {1: 0, 3: 0}
+    prompt = {1: 5, 3: 2}  # the first step: prompts through the per-request path on both
+    ids = torch.randint(0, 40, (7,), generator=gen)
+    segments = [_Segment(0, 5, 0, 5, 1, 0, 0), _Segment(5, 7, 0, 2, 3, 0, 1)]
+    assert torch.equal(host.ngrams(ids, segments), device.ngrams(ids, segments))
+    lengths.update(prompt)
+    for step in range(6):  # each request brings 1 + up to 2 drafts, then keeps a random prefix of them
+        rows = {slot: int(torch.randint(1, backtrack + 2, (1,), generator=gen)) for slot in lengths}
+        ids = torch.randint(0, 45 if step == 3 else 40, (sum(rows.values()),), generator=gen)
+        segments, positions, slots, lo = [], [], [], 0
+        for i, (slot, count) in enumerate(rows.items()):
+            start = lengths[slot]
+            segments.append(_Segment(lo, lo + count, start, start + count, slot, 0, i))
+            positions += range(start, start + count)
+            slots += [slot] * count
+            lo += count
+            lengths[slot] = start + int(torch.randint(1, count + 1, (1,), generator=gen))  # accepted
+        want = host.ngrams(ids, segments)
+        got = device.ngrams_on_device(ids, torch.tensor(positions), torch.tensor(slots))
+        assert torch.equal(got, want), step
+
+
 def test_engram_tables_are_distinct_primes_in_config_order():
     """Each head's table size is the next prime after the previous head's (from ``vocab − 1`` at each
     order), never one another layer/order/head already took; multipliers are odd and per layer."""

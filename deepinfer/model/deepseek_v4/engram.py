@@ -240,10 +240,7 @@ class NgramHistory:
         """``[T, max_ngram]`` ids (``[:, r]``: r tokens back; pad before position 0) of this step's tokens,
         request by request (``_Segment``s); then the step's last ids go into each request's ring."""
         assert self.ring is not None, "Engram history not bound"
-        comp = input_ids.to(torch.int64)
-        if self.lookup is not None:  # ids past the tokenizer's vocabulary are the reference's sentinel −1
-            known = comp < self.lookup.shape[0]
-            comp = torch.where(known, self.lookup[comp.clamp(max=self.lookup.shape[0] - 1)], -1)
+        comp = self._compressed(input_ids)
         size, dev = self.ring.shape[1], input_ids.device
         out = torch.empty(input_ids.shape[0], self.n, dtype=torch.int64, device=dev)
         back = self.n - 1
@@ -256,8 +253,33 @@ class NgramHistory:
             keep = min(hi - lo, size)
             pos = torch.arange(end - keep, end, device=dev)
             self.ring[slot, pos % size] = comp[hi - keep:hi]
-        # Looking back past a sentinel reads pad, at that distance and every longer one (reference
-        # ``gather_engram_tokens_zos``).
+        return self._cut_at_sentinels(out)
+
+    def ngrams_on_device(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """``ngrams`` from device tensors only (each token's position and state slot; no host list, so a CUDA
+        graph captures it), for steps of at most ``max_backtrack + 1`` tokens per request: every token's id
+        goes into its slot's ring first — such a step overwrites only positions older than any of its
+        n-grams reads (the ring holds ``max_ngram + max_backtrack`` positions) — then each token reads its
+        ``max_ngram − 1`` predecessors there. Equal to the per-request path."""
+        assert self.ring is not None, "Engram history not bound"
+        size = self.ring.shape[1]
+        flat = self.ring.view(-1)
+        flat.index_copy_(0, slots * size + positions % size, self._compressed(input_ids))
+        back = positions.unsqueeze(1) - torch.arange(self.n, device=positions.device)  # [T, max_ngram]
+        out = flat[slots.unsqueeze(1) * size + back % size]
+        return self._cut_at_sentinels(torch.where(back >= 0, out, self.pad))
+
+    def _compressed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """int64 compressed ids; ids past the tokenizer's vocabulary are the reference's sentinel −1."""
+        comp = input_ids.to(torch.int64)
+        if self.lookup is None:
+            return comp
+        known = comp < self.lookup.shape[0]
+        return torch.where(known, self.lookup[comp.clamp(max=self.lookup.shape[0] - 1)], -1)
+
+    def _cut_at_sentinels(self, out: torch.Tensor) -> torch.Tensor:
+        """Looking back past a sentinel reads pad, at that distance and every longer one (reference
+        ``gather_engram_tokens_zos``)."""
         return out.masked_fill((out < 0).cumsum(dim=-1) > 0, self.pad)
 
 

@@ -180,9 +180,6 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         raise ValueError(f"{ARCH}: DSpark/MTP layers are not supported yet (num_nextn_predict_layers is ignored)")
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        if self.ngram_history is not None and input_ids.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"{ARCH}: its Engram n-grams read the step's per-request host lists, which a CUDA "
-                               "graph replay does not refresh; set kernels.cuda_graphs=false")
         # ``device_rows`` looked up through the package, as V4's forward does (tests swap it there).
         step_rows = _DeviceRows.of(ctx) if v4_package.device_rows(ctx, self.max_backtrack + 1) else _segments(ctx)
         x = self.embed_tokens(input_ids)
@@ -196,8 +193,8 @@ class DeepseekV41ForCausalLM(DeepseekV4ForCausalLM):
         cross = CrossLayerState()
         ngrams = None
         if self.ngram_history is not None:
-            segments = _segments(ctx) if isinstance(step_rows, _DeviceRows) else step_rows
-            ngrams = self.ngram_history.ngrams(input_ids, segments)
+            ngrams = (self.ngram_history.ngrams_on_device(input_ids, ctx.positions, step_rows.slots)
+                      if isinstance(step_rows, _DeviceRows) else self.ngram_history.ngrams(input_ids, step_rows))
         with layer_stance(step_rows):
             for i, layer in enumerate(self.layers):
                 shares = i == self.d.yoco

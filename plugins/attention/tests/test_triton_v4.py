@@ -387,14 +387,16 @@ def test_tiny_v4_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path)
     assert relative_error(logits, ref_logits) < 1e-5
 
 
-def test_tiny_v41_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path) -> None:
-    """DeepSeek-V4.1 (cross-layer sharing, candidate blocks, C1/C2 compressors) through ``triton_v4``, decode
-    steps replayed from emulated CUDA graph buckets: the reference backend's tokens and logits. Its ranking
-    (``v41_indexer.select``) reads ``indexer_scores`` and no host list."""
+@pytest.mark.parametrize("engram", [False, True], ids=["plain", "engram"])
+def test_tiny_v41_model_replays_decode_steps_from_emulated_graphs(tmp_path: Path, engram: bool) -> None:
+    """DeepSeek-V4.1 (cross-layer sharing, candidate blocks, C1/C2 compressors; Engram layers) through
+    ``triton_v4``, decode steps replayed from emulated CUDA graph buckets: the reference backend's tokens and
+    logits. Its ranking (``v41_indexer.select``) reads ``indexer_scores``, its n-grams the slots' rings
+    (``NgramHistory.ngrams_on_device``), and no host list."""
     from test_deepseek_v4 import prompts
-    from test_deepseek_v41 import build_v41, v41_llm
+    from test_deepseek_v41 import ENGRAM, build_v41, v41_llm
 
-    build_v41(tmp_path)
+    build_v41(tmp_path, **(ENGRAM if engram else {}))
     batch = prompts([3, 29, 12], seed=29)
     on = {"attention": {"enabled": True}}
     reference = v41_llm(tmp_path, plugins=on)
