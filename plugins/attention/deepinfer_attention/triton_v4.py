@@ -108,19 +108,14 @@ class TritonV4Backend:
 
     def indexer_topk(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, ctx: ForwardContext, *,
                      ratio: int, topk: int, scale: float) -> torch.Tensor:
-        """Same contract as ``TorchSinkAttentionBackend.indexer_topk``."""
-        from deepinfer_attention.v4_kernels import index_scores  # imports triton: only when this backend runs
-
+        """Same contract as ``TorchSinkAttentionBackend.indexer_topk``: ``indexer_scores`` in blocks of query
+        rows whose scores stay within ``PREFILL_SCORE_ELEMENTS``, each block's best ``topk`` kept."""
         tokens = q.shape[0]
-        token_req = None if all_decode(ctx) else device_token_req(ctx, tokens)
         rows = row_block(ctx.block_tables.shape[1] * keys.shape[1])  # shapes only: graph-safe
-        if token_req is None and rows < tokens:
-            token_req = torch.arange(tokens, device=q.device)  # decode rows: token t is request t
         out = torch.empty(tokens, topk, dtype=torch.int64, device=q.device)
         for a in range(0, tokens, rows):
             b = min(tokens, a + rows)
-            scores = index_scores(q[a:b], weights[a:b], keys, ctx.block_tables, ctx.positions[a:b], ratio=ratio,
-                                  scale=scale, token_req=None if token_req is None else token_req[a:b])
+            scores = self.indexer_scores(q[a:b], weights[a:b], keys, ctx, ratio=ratio, scale=scale, start=a)
             out[a:b] = topk_entries(scores, topk)
         return out
 
