@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import date
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,7 +51,14 @@ class Shape:
     shared: int
 
 
-SHAPES = {"v2lite": Shape(64, 6, 2048, 1408, 2), "v41": Shape(64, 6, 4096, 2048, 1)}
+def _v41_shape() -> Shape:
+    """The MoE layer of ``scripts/deepseek_v41_shaped.json``."""
+    text = json.loads((Path(__file__).parent / "deepseek_v41_shaped.json").read_text())["text_config"]
+    return Shape(text["n_routed_experts"], text["num_experts_per_tok"], text["hidden_size"],
+                 text["moe_intermediate_size"], text["n_shared_experts"])
+
+
+SHAPES = {"v2lite": Shape(64, 6, 2048, 1408, 2), "v41": _v41_shape()}
 # Limits measured on the H200 (reference/kernels.md §2): DeepGEMM FP8 dense peak and bf16 GEMM; the
 # HBM figure is the H200's nominal 4.8 TB/s (not measured here).
 H200_LIMITS = {"fp8_tflops": 1239.0, "bf16_tflops": 757.0, "hbm_gbs": 4800.0}
