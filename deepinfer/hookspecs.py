@@ -69,7 +69,8 @@ def deepinfer_schedule_policies() -> Mapping[str, SchedulePolicy]:
 def deepinfer_drafters() -> Mapping[str, Any]:
     """Drafter factories by name; chosen by ``speculative.drafter``. A factory receives the
     model and the engine info and returns a ``Drafter``. The engine speculates only when an enabled
-    plugin offers drafters (and ``speculative.max_draft`` > 0)."""
+    plugin offers drafters (and ``speculative.max_draft`` > 0). A factory whose drafter keeps rows per
+    main-pool slot (``interfaces.SlotCachingDrafterFactory``) has them counted in the KV budget."""
 
 
 @hookspec

@@ -268,6 +268,21 @@ class Drafter(Protocol):
 
 
 @runtime_checkable
+class SlotCachingDrafterFactory(Protocol):
+    """A drafter factory (``deepinfer_drafters``) whose drafter keeps a cache row per slot of the main KV pool
+    (dspark's context cache, indexed like the main cache so it follows its blocks). The core asks for the row's
+    size before it sizes the pool and counts ``blocks × block_size × cache_bytes_per_slot`` inside the KV
+    budget (``cache.kv_cache_bytes`` or the device's free memory), so the pool shrinks by what the drafter
+    will allocate; the drafter then allocates exactly that many bytes per slot."""
+
+    def __call__(self, *, model: Any, info: EngineInfo) -> Drafter: ...
+
+    def cache_bytes_per_slot(self, *, model: Any, info: EngineInfo) -> int:
+        """Bytes the drafter will keep per main-pool slot (0: none for this model and configuration)."""
+        ...
+
+
+@runtime_checkable
 class GraphDrafter(Protocol):
     """A drafter whose ``propose`` the core may capture in a CUDA graph with the step's verification and
     replay on later steps' inputs (the speculative tail, ``engine/tail_graphs.py``), when

@@ -30,7 +30,15 @@ from deepinfer.engine.scheduler import ReplayStart, Scheduler
 from deepinfer.engine.speculation import Speculator
 from deepinfer.engine.tail_graphs import TailGraphs
 from deepinfer.errors import ConfigError, ModelLoadError
-from deepinfer.interfaces import CacheLayout, Drafter, EngineInfo, GraphDrafter, RunRequirements, VerificationPlan
+from deepinfer.interfaces import (
+    CacheLayout,
+    Drafter,
+    EngineInfo,
+    GraphDrafter,
+    RunRequirements,
+    SlotCachingDrafterFactory,
+    VerificationPlan,
+)
 from deepinfer.kv.blocks import KVCacheManager
 from deepinfer.kv.fp8 import kv_storage_dtype
 from deepinfer.kv.pools import RESERVED_BLOCKS, KVPool, bytes_per_block, check_kv_dtype, num_blocks_for, state_bytes
@@ -143,9 +151,13 @@ class StartUp:
             check_compile_support(self.device, cfg.kernels.batch_invariant)
             self.backends = compile_layers(self.model, self.backends)
 
-        # The mtp drafter's MTP layers cache in the main pool: same block ids, sized from one budget.
+        # The mtp drafter's MTP layers cache in the main pool: same block ids, sized from one budget; a drafter
+        # that keeps rows per pool slot (dspark's context cache) is counted in that budget too.
         mtp_specs = self._mtp_cache_specs()
-        num_blocks = self._num_kv_blocks([*specs, *mtp_specs])
+        self.drafter_factory = self._drafter_factory()
+        drafter_bytes = (self.drafter_factory.cache_bytes_per_slot(model=self.model, info=self.info)
+                         if isinstance(self.drafter_factory, SlotCachingDrafterFactory) else 0)
+        num_blocks = self._num_kv_blocks([*specs, *mtp_specs], drafter_bytes)
         self.pool = KVPool([*specs, *mtp_specs], num_blocks, cfg.cache.block_size, self.dtype, self.device,
                            num_state_slots=self.num_state_slots, max_backtrack=self.max_backtrack,
                            kv_dtype=self.kv_dtype)
@@ -336,11 +348,18 @@ class StartUp:
         runner and the graphs: a drafter that calls the model's ``capture_hidden`` (dspark) decides which
         layers' features both keep."""
         settings = self.spec_settings
+        if settings is None or self.drafter_factory is None:
+            return None
+        plan = self.host.select("deepinfer_verification_plans", settings.plan, "speculative.plan")
+        return self.drafter_factory(model=self.model, info=self.info), plan
+
+    def _drafter_factory(self) -> Any:
+        """The chosen drafter's factory (None without speculative decoding); chosen before the pool is sized,
+        which counts the rows a ``SlotCachingDrafterFactory``'s drafter keeps."""
+        settings = self.spec_settings
         if settings is None:
             return None
-        factory = self.host.select("deepinfer_drafters", settings.drafter, "speculative.drafter")
-        plan = self.host.select("deepinfer_verification_plans", settings.plan, "speculative.plan")
-        return factory(model=self.model, info=self.info), plan
+        return self.host.select("deepinfer_drafters", settings.drafter, "speculative.drafter")
 
     def _runner_and_speculator(self, graphs: DecodeGraphs | None, drafting: tuple[Drafter, VerificationPlan] | None
                                ) -> tuple[ModelRunner, Speculator | None]:
@@ -457,7 +476,9 @@ class StartUp:
         graphs.capture()
         return graphs
 
-    def _num_kv_blocks(self, specs: list) -> int:
+    def _num_kv_blocks(self, specs: list, drafter_bytes_per_slot: int = 0) -> int:
+        """Blocks of the pool for ``specs`` within the KV budget, of which the state slots' rings and the
+        drafter's rows (``drafter_bytes_per_slot`` per pool slot) take their share."""
         cache = self.config.cache
         if cache.kv_cache_bytes is not None:
             budget = cache.kv_cache_bytes
@@ -482,7 +503,9 @@ class StartUp:
                 f"(from scheduler.max_num_seqs={self.config.scheduler.max_num_seqs}), more than the KV budget "
                 f"of {budget} bytes; raise cache.kv_cache_bytes or lower scheduler.max_num_seqs")
         budget -= state
-        blocks = num_blocks_for(budget, specs, cache.block_size, self.kv_dtype)
-        logger.info("KV cache: %d blocks of %d tokens (%d bytes each)", blocks, cache.block_size,
-                    bytes_per_block(specs, cache.block_size, self.kv_dtype))
+        drafter_block = drafter_bytes_per_slot * cache.block_size
+        blocks = num_blocks_for(budget, specs, cache.block_size, self.kv_dtype, extra_per_block=drafter_block)
+        logger.info("KV cache: %d blocks of %d tokens (%d bytes each%s)", blocks, cache.block_size,
+                    bytes_per_block(specs, cache.block_size, self.kv_dtype),
+                    f", and {drafter_block} for the drafter's rows" if drafter_block else "")
         return blocks

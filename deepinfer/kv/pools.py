@@ -44,9 +44,11 @@ def bytes_per_block(specs: Sequence[CacheSpec], block_size: int, dtype: torch.dt
     return sum(spec.bytes_per_block(block_size, dtype) for spec in specs)
 
 
-def num_blocks_for(budget_bytes: int, specs: Sequence[CacheSpec], block_size: int, dtype: torch.dtype) -> int:
-    """How many blocks (including the reserved one) fit in ``budget_bytes``."""
-    per_block = bytes_per_block(specs, block_size, dtype)
+def num_blocks_for(budget_bytes: int, specs: Sequence[CacheSpec], block_size: int, dtype: torch.dtype,
+                   extra_per_block: int = 0) -> int:
+    """How many blocks (including the reserved one) fit in ``budget_bytes``, each taking the specs' bytes
+    and ``extra_per_block`` more (rows kept per slot outside the specs, e.g. a drafter's)."""
+    per_block = bytes_per_block(specs, block_size, dtype) + extra_per_block
     blocks = budget_bytes // per_block
     if blocks <= RESERVED_BLOCKS:
         raise ConfigError(

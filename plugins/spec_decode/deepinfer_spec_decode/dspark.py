@@ -513,6 +513,13 @@ def pool_slots(model: Any) -> int:
                       "drafter is built")
 
 
+def context_bytes_per_slot(model: Any, config: SpecDecodeConfig) -> int:
+    """Bytes of the context cache per main-pool slot (``DSparkDrafter.context``): every drafter layer's key
+    and value row, in the model dtype. The engine counts them in the KV budget before sizing the pool."""
+    weight = model.embed_tokens.weight
+    return config.dspark_num_layers * 2 * weight.shape[1] * weight.element_size()
+
+
 def lm_head_of(model: Any) -> torch.Tensor:
     """The model's LM head weight ``[V, H]`` (its embedding table when tied)."""
     head = getattr(model, "lm_head", None)

@@ -10,7 +10,7 @@ from deepinfer.interfaces import Drafter, EngineInfo, StepStats
 from deepinfer_spec_decode.calibration import CalibratedDrafter, IsotonicCalibrator
 from deepinfer_spec_decode.config import SpecDecodeConfig
 from deepinfer_spec_decode.drafter_cache import auto_drafter, train_dspark
-from deepinfer_spec_decode.dspark import build_dspark, check_config
+from deepinfer_spec_decode.dspark import build_dspark, check_config, context_bytes_per_slot
 from deepinfer_spec_decode.mtp import MTPDrafter
 from deepinfer_spec_decode.ngram import NgramDrafter
 from deepinfer_spec_decode.oracle import OracleDrafter, read_sequences
@@ -47,30 +47,25 @@ class Plugin:
     def deepinfer_drafter_trainers() -> dict[str, Any]:
         return {"dspark": train_dspark}
 
-    def _calibrated(self, drafter: Drafter) -> Drafter:
+    def calibrated(self, drafter: Drafter) -> Drafter:
         return drafter if self.config.calibration == "off" else CalibratedDrafter(drafter, self.calibrator)
 
     def _ngram(self, *, model: Any, info: EngineInfo) -> Drafter:
-        return self._calibrated(NgramDrafter(self.config.ngram_min, self.config.ngram_max))
+        return self.calibrated(NgramDrafter(self.config.ngram_min, self.config.ngram_max))
 
     def _oracle(self, *, model: Any, info: EngineInfo) -> Drafter:
         cfg = self.config
         sequences = read_sequences(cfg.oracle_file) if cfg.oracle_file else []
-        return self._calibrated(OracleDrafter(sequences, info.vocab_size, cfg.oracle_corruption,
+        return self.calibrated(OracleDrafter(sequences, info.vocab_size, cfg.oracle_corruption,
                                               cfg.oracle_draft_probs))
 
     def _mtp(self, *, model: Any, info: EngineInfo) -> Drafter:
         # The engine checked the model (MTP weights loaded, cache bound) when it resolved the drafter.
-        return self._calibrated(MTPDrafter(model))
-
-    def _dspark(self, *, model: Any, info: EngineInfo) -> Drafter:
-        # Asks the model to capture the target layers; the engine sees that and keeps them (runner.hidden_layers).
-        return self._calibrated(build_dspark(model, info, self.config,
-                                             auto_weights=lambda: auto_drafter(info, self.config)))
+        return self.calibrated(MTPDrafter(model))
 
     @hookimpl
     def deepinfer_drafters(self) -> dict[str, Any]:
-        return {"mtp": self._mtp, "dspark": self._dspark, "ngram": self._ngram, "oracle": self._oracle}
+        return {"mtp": self._mtp, "dspark": DSparkFactory(self), "ngram": self._ngram, "oracle": self._oracle}
 
     @hookimpl
     def deepinfer_verification_plans(self) -> dict[str, Any]:
@@ -100,3 +95,20 @@ class Plugin:
     @hookimpl
     def deepinfer_stats(self) -> dict[str, Any]:
         return self.stats.as_dict()
+
+
+class DSparkFactory:
+    """The ``dspark`` drafter's factory: its context cache keeps a row per main-pool slot, which the engine
+    counts in the KV budget (``interfaces.SlotCachingDrafterFactory``)."""
+
+    def __init__(self, plugin: Plugin) -> None:
+        self.plugin = plugin
+
+    def cache_bytes_per_slot(self, *, model: Any, info: EngineInfo) -> int:
+        return context_bytes_per_slot(model, self.plugin.config)
+
+    def __call__(self, *, model: Any, info: EngineInfo) -> Drafter:
+        # Asks the model to capture the target layers; the engine sees that and keeps them (runner.hidden_layers).
+        config = self.plugin.config
+        return self.plugin.calibrated(build_dspark(model, info, config,
+                                                    auto_weights=lambda: auto_drafter(info, config)))

@@ -267,7 +267,9 @@ def test_greedy_identity_survives_preemption_and_aborts(tmp_path):
     prompts = _prompts(10, 4)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True) for _ in range(10)]
     reference, _ = _generate(folder, prompts, params, max_model_len=128)
-    out, llm = _generate(folder, prompts, params, _spec("fixed"), kv_cache_bytes=13 * 2 * 16 * 2 * 16 * 4 * 2,
+    # 13 blocks: the main cache's 2 layers × K, V × 16 tokens × 2 heads × 16 floats and as many bytes of the
+    # drafter's context rows (1 layer × K, V × 16 tokens × 64 floats), which the budget counts.
+    out, llm = _generate(folder, prompts, params, _spec("fixed"), kv_cache_bytes=13 * 2 * (2 * 2 * 16 * 2 * 16 * 4),
                          max_model_len=128)
     assert out == reference
     assert_preempted_then_aborts_free_every_block(llm, prompts, params)
@@ -288,3 +290,27 @@ def test_config_checks_and_the_reference_temperature_knob(llama_dir, monkeypatch
 def test_auto_weights_need_a_tokenizer(llama_dir):
     with pytest.raises(ConfigError, match="needs its tokenizer"):
         _llm(llama_dir, _spec(dspark_weights="auto"))
+
+
+def _tensor_bytes(value) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    return sum(_tensor_bytes(v) for v in value) if isinstance(value, tuple | list) else 0
+
+
+def test_the_context_cache_is_counted_in_the_kv_budget(llama_dir):
+    budget = 1 << 20
+    plain = _llm(llama_dir, {"spec_decode": {"enabled": True, "drafter": "ngram", "max_draft": K}},
+                 kv_cache_bytes=budget)
+    llm = _llm(llama_dir, _spec(dspark_num_layers=2), kv_cache_bytes=budget)
+    drafter, pool = _dspark(llm), llm.engine.pool
+    main_bytes = _tensor_bytes(pool.layers)
+    per_block = main_bytes // pool.num_blocks
+    assert _tensor_bytes(plain.engine.pool.layers) == plain.engine.pool.num_blocks * per_block
+    slots = pool.num_blocks * pool.block_size
+    hidden = llm.engine.model.embed_tokens.weight.shape[1]
+    assert drafter.context.shape == (slots, 2, 2, hidden)
+    # The pool shrank by the drafter's rows: both fit the budget, and one more block would not.
+    total = main_bytes + _tensor_bytes(drafter.context)
+    assert total <= budget < total + per_block + _tensor_bytes(drafter.context) // pool.num_blocks
+    assert pool.num_blocks < plain.engine.pool.num_blocks
