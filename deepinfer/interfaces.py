@@ -397,8 +397,10 @@ class KVStore(Protocol):
     layout is never found. A block's payload is a flat ``uint8`` CPU tensor of ``block_bytes`` bytes: all
     layers' paged entries of that block (per-request state — sliding-window rings, V4 state slots — is
     never stored; the replay planners rebuild it after a load). The core calls ``save`` from its writer
-    thread and ``contains``/``load`` from the scheduling thread, so every method must be thread-safe; a
-    store never raises for a block it cannot keep or read back: it returns False and counts it."""
+    thread, ``contains``/``load`` from the scheduling thread and from its reader thread (the read-ahead of
+    queued requests' blocks), so every method must be thread-safe; a store never raises for a block it
+    cannot keep or read back: it returns False and counts it. A store whose ``load`` is a copy from memory
+    may say so with a class attribute ``in_memory = True``: the core does not read its blocks ahead."""
 
     name: str
 

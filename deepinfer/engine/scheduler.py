@@ -212,6 +212,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+        if request.params.prompt_logprobs is None:  # admission looks its prefix up (``_admit``)
+            self.kv.prefetch(request.request_id, request.all_token_ids)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -181,6 +181,15 @@ class KVCacheManager:
             hit = self._lookup(chain)
         return PrefixHit(hit, len(hit) * self.block_size)
 
+    def prefetch(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Have the tiers read ahead the blocks of a queued request's prompt that ``find_prefix`` will look for
+        past the device's hit (``KVTiers.prefetch``), so that its promotion copies from memory. Nothing
+        without tiers."""
+        if self.tiers is None or not self.pool.enable_prefix_caching:
+            return
+        chain = self._chain(request_id, token_ids, (len(token_ids) - 1) // self.block_size)
+        self.tiers.prefetch(chain[len(self._lookup(chain)):])
+
     def _lookup(self, chain: Sequence[bytes]) -> list[int]:
         """The device blocks of the leading hashes of ``chain`` that are cached."""
         hit: list[int] = []

@@ -13,6 +13,11 @@ allocation evicts them. With ``cache.kv_store`` set, ``KVTiers`` sits under it:
   ``contains`` how many of the next blocks some tier (or the writer's queue) holds, allocates free device
   blocks for them, ``load``s them (a failed load stops the promotion there: a miss, never wrong KV) and
   registers them in the prefix cache, so the request's prefill computes only the tail.
+- **Read-ahead.** When a request is queued, ``KVCacheManager.prefetch`` hands the tiers the hashes of its
+  prompt's blocks that the device cache lacks; a reader thread reads those that only a store outside
+  memory holds (a disk file: a read and a checksum) — into the memory stores above it, or, with none,
+  into a bounded staging area — so that the promotion at admission copies from memory and the scheduling
+  thread, which the running requests' steps wait on, never waits for a disk.
 
 Only paged entries travel (``KVPool.paged``); per-request state — sliding-window rings, DeepSeek-V4 state
 slots — is rebuilt after a hit by the replay planners, as after any device prefix hit. A key is the
@@ -27,6 +32,7 @@ import json
 import logging
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -101,12 +107,21 @@ class KVTiers:
         self._lock = threading.Lock()
         self._max_pending = max(4, _PENDING_BYTES // max(1, codec.nbytes))
         self._queue: queue.Queue[tuple[bytes, torch.Tensor, Any] | None] = queue.Queue()
+        # Blocks read ahead for queued requests when no memory store can keep them, oldest first.
+        self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._reading: set[bytes] = set()  # keys the reader thread is reading now
+        self._read_done = threading.Condition(self._lock)
+        self._reads: queue.Queue[list[bytes] | None] = queue.Queue()
+        self._memory = [store for store in self.stores if getattr(store, "in_memory", False)]
         self.demoted = 0
         self.dropped = 0
         self.promoted = 0
         self.load_failures = 0
+        self.prefetched = 0
         self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-writer", daemon=True)
         self._writer.start()
+        self._reader = threading.Thread(target=self._read_loop, name="deepinfer-kv-reader", daemon=True)
+        self._reader.start()
 
     # ------------------------------------------------------------------------------------------- keys
 
@@ -215,7 +230,8 @@ class KVTiers:
             key = self.key(block_hash)
             buffer = self._read(key)
             if buffer is None:
-                self.load_failures += 1
+                with self._lock:
+                    self.load_failures += 1
                 break
             self.codec.unpack(buffer, block_id, non_blocking=self._cuda)
             loaded += 1
@@ -223,11 +239,21 @@ class KVTiers:
         return loaded
 
     def _read(self, key: bytes) -> torch.Tensor | None:
-        """The packed block under ``key`` from the queue or the first store that returns it intact."""
+        """The packed block under ``key`` from the queue, the read-ahead (waiting for one in progress, so a
+        block is read from a store once) or the first store that returns it intact."""
         with self._lock:
+            while key in self._reading:
+                self._read_done.wait()
             queued = self._pending.get(key)
+            if queued is None:
+                queued = self._staged.pop(key, None)
         if queued is not None:
             return queued
+        return self._read_stores(key)
+
+    def _read_stores(self, key: bytes) -> torch.Tensor | None:
+        """The packed block under ``key`` from the first store that returns it intact, copied into the stores
+        above that one."""
         buffer = torch.empty(self.codec.nbytes, dtype=torch.uint8, pin_memory=self._cuda)
         for depth, store in enumerate(self.stores):
             try:
@@ -242,12 +268,65 @@ class KVTiers:
                 return buffer
         return None
 
+    # --------------------------------------------------------------------------------------- read-ahead
+
+    def prefetch(self, block_hashes: Sequence[bytes]) -> None:
+        """Read ahead, on the reader thread, the leading blocks of ``block_hashes`` (a queued request's, after
+        its device hit) that no memory store holds; returns at once."""
+        if block_hashes and len(self._memory) < len(self.stores):
+            self._reads.put([self.key(h) for h in block_hashes])
+
+    def _read_loop(self) -> None:
+        while True:
+            keys = self._reads.get()
+            try:
+                if keys is None:
+                    return
+                self._read_ahead(keys)
+            except Exception:  # a failed read-ahead only costs the admission its own read
+                logger.exception("KV read-ahead failed")
+            finally:
+                self._reads.task_done()
+
+    def _read_ahead(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            if any(self._contains(store, [key]) for store in self._memory):
+                continue
+            if not any(self._contains(store, [key]) for store in self.stores):
+                return  # a promotion stops at the first missing block: the rest would not be used
+            with self._lock:
+                if key in self._pending or key in self._staged:
+                    continue
+                self._reading.add(key)
+            buffer = None
+            try:
+                buffer = self._read_stores(key)  # also copies it into the memory stores above its holder
+            finally:
+                with self._lock:
+                    self._reading.discard(key)
+                    if buffer is None:
+                        self.load_failures += 1
+                    else:
+                        self.prefetched += 1
+                        if not self._memory:
+                            self._staged[key] = buffer
+                            while len(self._staged) > self._max_pending:
+                                self._staged.popitem(last=False)
+                    self._read_done.notify_all()
+            if buffer is None:
+                return
+
+    def wait_prefetch(self) -> None:
+        """Wait until every read-ahead asked so far is done (tests)."""
+        self._reads.join()
+
     # ------------------------------------------------------------------------------------------- misc
 
     def stats(self) -> dict[str, Any]:
         """The tiers' counters and each store's (``KVStore.stats``) under its name."""
         out: dict[str, Any] = {"demoted_blocks": self.demoted, "dropped_demotions": self.dropped,
-                               "promoted_blocks": self.promoted, "load_failures": self.load_failures}
+                               "promoted_blocks": self.promoted, "load_failures": self.load_failures,
+                               "prefetched_blocks": self.prefetched}
         for store in self.stores:
             out[store.name] = store.stats()
         return out
@@ -256,6 +335,8 @@ class KVTiers:
         """Save what is queued, stop the writer and close the stores (once; later calls do nothing)."""
         if not self._writer.is_alive():
             return
+        self._reads.put(None)
+        self._reader.join()
         self.flush()
         self._queue.put(None)
         self._writer.join()

@@ -17,6 +17,7 @@ class HostStore:
     least recently saved or loaded block. Thread-safe (one lock; copies happen under it)."""
 
     name = "host"
+    in_memory = True  # a load is a memory copy: not worth reading ahead (KVStore)
 
     def __init__(self, spec: KVStoreSpec, capacity_bytes: int) -> None:
         self.block_bytes = spec.block_bytes

@@ -194,7 +194,12 @@ def test_corrupt_block_files_are_misses_and_the_tokens_stay_right(llama_dir: Pat
     llm = _llm(llama_dir, "disk", blocks=12, tmp=tmp_path)
     counts = _count_computed(llm)
     prompt = _tokens(PREFIX, 1) + _tokens(13, 3)
-    got = _generate(llm, [prompt])
+    engine = llm.engine
+    engine.add(engine.make_request(prompt, GREEDY))
+    engine.kv_tiers.wait_prefetch()  # the read-ahead finds the corrupt block (and removes it) first
+    got = []
+    while engine.has_unfinished():
+        got += [o.outputs[0].token_ids for o in engine.step()]
     tiers = llm.get_stats()["kv_tiers"]
     llm.shutdown()
     assert got == run["want"][1:]
@@ -287,3 +292,38 @@ def test_a_parallel_run_with_a_store_is_refused(llama_dir: Path) -> None:
             "cache": {"kv_store": "host", "kv_cache_bytes": 1 << 20, "block_size": BLOCK},
             "plugins": {"kv_store": {"enabled": True}}, "parallel": {"data_parallel_size": 2}})
 
+
+
+@pytest.mark.parametrize("kv_store", ["disk", "host+disk"])
+def test_a_queued_requests_disk_blocks_are_read_ahead(llama_dir: Path, tmp_path: Path, kv_store: str) -> None:
+    """Blocks only on disk are read on the tiers' reader thread as soon as a request is queued (into the
+    host store when there is one, else into the tiers' staging area); its admission then promotes them from
+    memory, reading the disk no more, computes only the tail and gives the right tokens."""
+    first = _evict_then_hit(llama_dir, "disk", tmp_path)
+    llm = _llm(llama_dir, kv_store, blocks=12, tmp=tmp_path)
+    engine, tiers = llm.engine, llm.engine.kv_tiers
+    engine.add(engine.make_request(_tokens(PREFIX, 1) + _tokens(13, 3), GREEDY))
+    tiers.wait_prefetch()
+    disk_hits = tiers.stats()["disk"]["hits"]
+    assert tiers.stats()["prefetched_blocks"] == PREFIX // BLOCK == disk_hits
+    counts = _count_computed(llm)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    stats = llm.get_stats()
+    llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == first["want"][1:]
+    assert counts[0] == 13
+    tier_stats = stats["kv_tiers"]
+    assert tier_stats["disk"]["hits"] == disk_hits and tier_stats["promoted_blocks"] == PREFIX // BLOCK
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_a_request_whose_blocks_no_tier_holds_reads_nothing_ahead(llama_dir: Path, tmp_path: Path) -> None:
+    llm = _llm(llama_dir, "disk", blocks=12, tmp=tmp_path)
+    engine, tiers = llm.engine, llm.engine.kv_tiers
+    engine.add(engine.make_request(_tokens(PREFIX + 5, 7), GREEDY))
+    tiers.wait_prefetch()
+    stats = tiers.stats()
+    llm.shutdown()
+    assert stats["prefetched_blocks"] == 0 and stats["disk"]["misses"] == 0
