@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fastexp.h"
 
 void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
               int threads);
@@ -177,7 +178,7 @@ int decode_step(const struct shape *s, const struct layer *layers, const struct 
             float *gu = wide + r * 2 * inter, *act = wide + r * inter;
             for (int64_t i = 0; i < inter; ++i) {
                 const float g = gu[i], up = gu[inter + i];
-                act[i] = keep(keep(g / (1.0f + expf(-g)), bf16) * up, bf16);
+                act[i] = keep(keep(silu(g), bf16) * up, bf16);
             }
         }
         failed |= project(&t->down, wide, NULL, h, T, hidden, inter, threads, bf16);

@@ -24,27 +24,10 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fastexp.h"
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-
-/* e^x for softmax weights (x <= 0), in plain C that vectorizes (glibc's expf does not without -ffast-math,
- * and a decode step calls it for every score): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts),
- * e^r by its degree-6 Taylor polynomial (relative error below 2e-7), times 2^n built in the exponent bits.
- * Below -87 (e^x under float32's normal range; masked scores are -inf) it returns 0. */
-static inline float exp_nonpositive(float x) {
-    const float n = nearbyintf(x * 1.44269504088896341f);
-    const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return x < -87.0f ? 0.0f : p * scale.f;
-}
 
 /* q . k over dim, k float32 or bfloat16: 16-lane partial sums, then a tree (an OpenMP simd reduction over
  * one short vector ends in 16 dependent scalar additions per dot, most of a decode step's attention time). */
