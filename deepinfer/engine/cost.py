@@ -206,8 +206,10 @@ class StepCost:
         self._seconds: list[float] = []
         self._fit: list[float] | None = None  # _fitted's cache
         self.bucketed = bucketed
-        # (charged tokens, seconds − curve) of the observed steps, and the correction line fit to them
-        self._residuals: RefitWindow[tuple[int, float], tuple[float, float]] = RefitWindow(window, self._fit_correction)
+        # (profiled size, charged tokens, seconds − curve) of the observed steps, and the correction line fit to
+        # them; the size a step is grouped under is fixed when it is observed (the curve covers it by then)
+        self._residuals: RefitWindow[tuple[int, int, float], tuple[float, float]] = RefitWindow(
+            window, self._fit_correction)
         self.min_samples = min_samples
         self.sampler_per_row = WindowedMedian(term_window, min_samples)
         self.drafting = DraftingCost(term_window, min_samples)
@@ -285,12 +287,16 @@ class StepCost:
         work) from being read as a cost per token, which would make verifying drafts look dear."""
         return self._residuals.value()
 
-    def _fit_correction(self, residuals: Sequence[tuple[int, float]]) -> tuple[float, float]:
-        groups: dict[int, list[tuple[int, float]]] = {}
-        for charged, r in residuals:
-            groups.setdefault(self._bucket(charged), []).append((charged, r))
-        points = [(statistics.fmean(q for q, _ in v), statistics.median(r for _, r in v), 1.0)
-                  for v in groups.values() if len(v) >= self.min_samples]
+    def _fit_correction(self, residuals: Sequence[tuple[int, int, float]]) -> tuple[float, float]:
+        groups: dict[int, tuple[list[int], list[float]]] = {}
+        for size, charged, r in residuals:  # a plain loop: this runs every few steps on the scheduling thread
+            group = groups.get(size)
+            if group is None:
+                group = groups[size] = ([], [])
+            group[0].append(charged)
+            group[1].append(r)
+        points = [(sum(charged) / len(charged), statistics.median(rs), 1.0)
+                  for charged, rs in groups.values() if len(rs) >= self.min_samples]
         if not points:
             return 0.0, 0.0
         if len(points) == 1:
@@ -353,7 +359,8 @@ class StepCost:
             draft_seconds = None
         self._record_error(query_tokens, seconds, sampler_seconds, requests, draft_seconds)
         charged = self.charged_tokens(query_tokens)
-        self._residuals.add((charged, seconds - self.curve(charged)))
+        residual = seconds - self.curve(charged)  # profiles the curve up to ``charged`` first
+        self._residuals.add((self._bucket(charged), charged, residual))
         if sampler_seconds is not None:
             self.sampler_per_row.add(sampler_seconds / query_tokens)
         if draft_seconds is not None:

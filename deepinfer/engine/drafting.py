@@ -186,6 +186,9 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
     speculative tail's static buffers; ``next_tokens`` is written in place); None sends them now. Returns the
     inputs, their chain (with rows) and the drafts each request may keep ``[B]`` (what it may still use, at
     most ``k``; the chain may lower it)."""
+    if sent is None and not plan.samplers:
+        return _rows_only_inputs(plan, tokens, k=k, input_ids=input_ids, ctx=ctx, hidden=hidden, block_size=block_size,
+                                 exact_host_lists=exact_host_lists)
     if sent is None:
         fields = draft_fields(plan, rows=input_ids.shape[0], emitted_width=tokens.emitted.shape[1],
                               with_rows=hidden is not None)
@@ -203,11 +206,8 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
     if hidden is not None:
         next_tokens = sent["next_tokens"]  # a view of this step's own copy: written in place
         if plan.emitted_rows:
-            emitted = tokens.emitted.reshape(-1).index_select(0, sent["emitted_at"]).clamp(min=0)
-            next_tokens.index_copy_(0, sent["emitted_rows"], emitted)
-        # The drafter's layers see the rows as the model's layers saw them, without bounded-replay floors.
-        rows_ctx = dataclasses.replace(ctx, visibility_floor=None, visibility_floor_host=None,
-                                       truncation_floor_host=None, truncation_compact_host=None)
+            _write_emitted(next_tokens, tokens, sent["emitted_rows"], sent["emitted_at"])
+        rows_ctx = _rows_context(ctx)
         chain = ChainRows(positions, caps, sent["coverage"], tables, sent.get("state_slots"), block_size,
                           ctx.backends, exact_host_lists)
         rows = CommittedRows(hidden=hidden, next_tokens=next_tokens, ctx=rows_ctx,
@@ -224,3 +224,41 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
         temperature=sent["temperature"], k=k, rows=rows, sampling=plan.sampling,
         history_of=history_of)
     return inputs, chain, caps
+
+
+def _write_emitted(next_tokens: torch.Tensor, tokens: StepTokens, rows: torch.Tensor, at: torch.Tensor) -> None:
+    """The tokens the step emitted (flat indices ``at`` of its ``[S, K+1]`` tokens) into ``next_tokens`` at the
+    step's ``rows`` that produced them."""
+    next_tokens.index_copy_(0, rows, tokens.emitted.reshape(-1).index_select(0, at).clamp(min=0))
+
+
+def _rows_context(ctx: ForwardContext) -> ForwardContext:
+    """The step's context as the drafter's layers see its rows: as the model's layers saw them, without
+    bounded-replay floors."""
+    return dataclasses.replace(ctx, visibility_floor=None, visibility_floor_host=None, truncation_floor_host=None,
+                               truncation_compact_host=None)
+
+
+def _rows_only_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torch.Tensor, ctx: ForwardContext,
+                      hidden: torch.Tensor | None, block_size: int, exact_host_lists: Callable[[ForwardContext], None]
+                      ) -> tuple[DraftInputs, ChainRows | None, torch.Tensor]:
+    """``draft_inputs`` of a drafting for no request (every one paused, or none may use a draft): empty
+    per-request fields and, for a drafter that reads them, the step's rows with their next tokens; two small
+    lists cross to the device instead of a dozen (a paused request's every step pays this, issue 28)."""
+    dev = input_ids.device
+    none = torch.empty(0, dtype=torch.int64, device=dev)
+    rows = chain = None
+    if hidden is not None:
+        next_list = [*plan.next_tokens, *[0] * (input_ids.shape[0] - len(plan.next_tokens))]
+        width = tokens.emitted.shape[1]
+        next_tokens, emitted_rows, emitted_at = to_device_many(
+            [(next_list, torch.int64), (plan.emitted_rows, torch.int64),
+             ([s * width + j for s, j in plan.emitted_from], torch.int64)], dev)
+        if plan.emitted_rows:
+            _write_emitted(next_tokens, tokens, emitted_rows, emitted_at)
+        chain = ChainRows(none, none, none, none.reshape(0, 1), None, block_size, ctx.backends, exact_host_lists)
+        rows = CommittedRows(hidden=hidden, next_tokens=next_tokens, ctx=_rows_context(ctx), last_rows=none,
+                             chain=chain)
+    inputs = DraftInputs(last_tokens=none, positions=none, seeds=none, temperature=none.float(), k=k, rows=rows,
+                         sampling=False, history_of=None)
+    return inputs, chain, none

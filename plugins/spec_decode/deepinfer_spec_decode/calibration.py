@@ -126,6 +126,8 @@ class CalibratedDrafter:
 
     def propose(self, inputs: DraftInputs) -> DraftProposal:
         proposal = self.inner.propose(inputs)
+        if not proposal.tokens.shape[0]:  # nobody drafted (every request paused): nothing to calibrate
+            return proposal
         raw = proposal.confidence
         calibrated = self.calibrator.calibrate(raw.float())
         calibrated = calibrated.masked_fill(proposal.tokens < 0, 0.0)
