@@ -243,17 +243,16 @@ def _rows_only_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids:
                       hidden: torch.Tensor | None, block_size: int, exact_host_lists: Callable[[ForwardContext], None]
                       ) -> tuple[DraftInputs, ChainRows | None, torch.Tensor]:
     """``draft_inputs`` of a drafting for no request (every one paused, or none may use a draft): empty
-    per-request fields and, for a drafter that reads them, the step's rows with their next tokens; two small
-    lists cross to the device instead of a dozen (a paused request's every step pays this, issue 28)."""
+    per-request fields and, for a drafter that reads them, the step's rows with their next tokens: three of
+    ``draft_fields``' lists cross to the device instead of a dozen (a paused request's every step pays this,
+    issue 28)."""
     dev = input_ids.device
     none = torch.empty(0, dtype=torch.int64, device=dev)
     rows = chain = None
     if hidden is not None:
-        next_list = [*plan.next_tokens, *[0] * (input_ids.shape[0] - len(plan.next_tokens))]
-        width = tokens.emitted.shape[1]
+        fields = draft_fields(plan, rows=input_ids.shape[0], emitted_width=tokens.emitted.shape[1], with_rows=True)
         next_tokens, emitted_rows, emitted_at = to_device_many(
-            [(next_list, torch.int64), (plan.emitted_rows, torch.int64),
-             ([s * width + j for s, j in plan.emitted_from], torch.int64)], dev)
+            [fields[name] for name in ("next_tokens", "emitted_rows", "emitted_at")], dev)
         if plan.emitted_rows:
             _write_emitted(next_tokens, tokens, emitted_rows, emitted_at)
         chain = ChainRows(none, none, none, none.reshape(0, 1), None, block_size, ctx.backends, exact_host_lists)

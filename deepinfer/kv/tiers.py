@@ -120,8 +120,12 @@ class KVTiers:
         self.prefetched = 0
         self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-writer", daemon=True)
         self._writer.start()
-        self._reader = threading.Thread(target=self._read_loop, name="deepinfer-kv-reader", daemon=True)
-        self._reader.start()
+        # The read-ahead's thread, when some store is not in memory (one whose loads are worth moving off the
+        # scheduling thread).
+        self._reader: threading.Thread | None = None
+        if len(self._memory) < len(self.stores):
+            self._reader = threading.Thread(target=self._read_loop, name="deepinfer-kv-reader", daemon=True)
+            self._reader.start()
 
     # ------------------------------------------------------------------------------------------- keys
 
@@ -247,9 +251,25 @@ class KVTiers:
             queued = self._pending.get(key)
             if queued is None:
                 queued = self._staged.pop(key, None)
+            if queued is None:
+                self._reading.add(key)  # claimed: the reader thread does not read it too
         if queued is not None:
             return queued
-        return self._read_stores(key)
+        try:
+            return self._read_stores(key)
+        finally:
+            self._release(key)
+
+    def _release(self, key: bytes, staged: torch.Tensor | None = None) -> None:
+        """End a claimed read of ``key`` (keeping ``staged``, a read-ahead's block no memory store took) and
+        wake whoever waits for it."""
+        with self._lock:
+            self._reading.discard(key)
+            if staged is not None:
+                self._staged[key] = staged
+                while len(self._staged) > self._max_pending:
+                    self._staged.popitem(last=False)
+            self._read_done.notify_all()
 
     def _read_stores(self, key: bytes) -> torch.Tensor | None:
         """The packed block under ``key`` from the first store that returns it intact, copied into the stores
@@ -273,7 +293,7 @@ class KVTiers:
     def prefetch(self, block_hashes: Sequence[bytes]) -> None:
         """Read ahead, on the reader thread, the leading blocks of ``block_hashes`` (a queued request's, after
         its device hit) that no memory store holds; returns at once."""
-        if block_hashes and len(self._memory) < len(self.stores):
+        if block_hashes and self._reader is not None:
             self._reads.put([self.key(h) for h in block_hashes])
 
     def _read_loop(self) -> None:
@@ -290,31 +310,27 @@ class KVTiers:
 
     def _read_ahead(self, keys: Sequence[bytes]) -> None:
         for key in keys:
-            if any(self._contains(store, [key]) for store in self._memory):
-                continue
-            if not any(self._contains(store, [key]) for store in self.stores):
-                return  # a promotion stops at the first missing block: the rest would not be used
             with self._lock:
-                if key in self._pending or key in self._staged:
-                    continue
+                if key in self._pending or key in self._staged or key in self._reading:
+                    continue  # in memory already, or being read (by a promotion: it needs no help)
                 self._reading.add(key)
             buffer = None
             try:
+                # Checked once claimed, so that a promotion's read that just copied it up is seen.
+                if any(self._contains(store, [key]) for store in self._memory):
+                    continue
+                if not any(self._contains(store, [key]) for store in self.stores):
+                    return  # a promotion stops at the first missing block: the rest would not be used
                 buffer = self._read_stores(key)  # also copies it into the memory stores above its holder
-            finally:
                 with self._lock:
-                    self._reading.discard(key)
                     if buffer is None:
                         self.load_failures += 1
                     else:
                         self.prefetched += 1
-                        if not self._memory:
-                            self._staged[key] = buffer
-                            while len(self._staged) > self._max_pending:
-                                self._staged.popitem(last=False)
-                    self._read_done.notify_all()
-            if buffer is None:
-                return
+                if buffer is None:
+                    return
+            finally:
+                self._release(key, buffer if not self._memory else None)
 
     def wait_prefetch(self) -> None:
         """Wait until every read-ahead asked so far is done (tests)."""
@@ -335,8 +351,9 @@ class KVTiers:
         """Save what is queued, stop the writer and close the stores (once; later calls do nothing)."""
         if not self._writer.is_alive():
             return
-        self._reads.put(None)
-        self._reader.join()
+        if self._reader is not None:
+            self._reads.put(None)
+            self._reader.join()
         self.flush()
         self._queue.put(None)
         self._writer.join()
