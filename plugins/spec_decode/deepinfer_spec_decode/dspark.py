@@ -132,13 +132,25 @@ def default_target_layers(num_layers: int) -> list[int]:
     return sorted({min(1, num_layers), max(0, 1 + (num_layers - 2) // 2), max(0, num_layers - 1)})
 
 
-def rope(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (halves layout) of ``x [..., S, head_dim]`` at ``offsets`` (broadcast to
-    ``[..., S]``: ``[S]``, or ``[B, 1, S]`` for ``x [B, heads, S, head_dim]``)."""
-    half = x.shape[-1] // 2
-    inv = ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+Rotary = tuple[torch.Tensor, torch.Tensor]  # the cos and sin tables of some offsets (``rotary``)
+
+
+def rotary(offsets: torch.Tensor, head_dim: int, dtype: torch.dtype) -> Rotary:
+    """The rotary tables of ``offsets`` for heads of ``head_dim`` in ``dtype``: ``cos``, ``sin`` of shape
+    ``[*offsets.shape, head_dim / 2]``. Computed once per block pass or context write and shared by every
+    layer (and by a layer's queries and keys): a drafting step on the CPU pays per torch op."""
+    half = head_dim // 2
+    inv = ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=offsets.device) / half)
     angles = offsets.to(torch.float32).unsqueeze(-1) * inv
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rope(x: torch.Tensor, offsets: torch.Tensor | None = None, tables: Rotary | None = None) -> torch.Tensor:
+    """Rotary embedding (halves layout) of ``x [..., S, head_dim]`` at ``offsets`` (broadcast to
+    ``[..., S]``: ``[S]``, or ``[B, 1, S]`` for ``x [B, heads, S, head_dim]``), or with their ``tables``
+    (``rotary``) when given."""
+    cos, sin = tables if tables is not None else rotary(offsets, x.shape[-1], x.dtype)
+    half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
@@ -166,23 +178,28 @@ class DSparkBlock(nn.Module):
         """``[..., S, H]`` → ``[..., heads, S, head_dim]``."""
         return t.unflatten(-1, (self.heads, -1)).transpose(-3, -2)
 
-    def context_kv(self, context: torch.Tensor, positions: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
+    def context_kv(self, context: torch.Tensor, positions: torch.Tensor, linear: Linear = F.linear,
+                   tables: Rotary | None = None) -> torch.Tensor:
         """``context [N, H]`` projected target rows at ``positions [N]`` → their keys (RoPE'd) and values
-        ``[N, 2, H]`` (through ``ctx_kv``, or without it the block rows' ``attn_norm`` and ``qkv``)."""
+        ``[N, 2, H]`` (through ``ctx_kv``, or without it the block rows' ``attn_norm`` and ``qkv``).
+        ``tables``: ``rotary(positions, …)`` when the caller has them."""
         if self.ctx_kv is None:
             key, value = linear(self.attn_norm(context), self.qkv.weight).chunk(3, dim=-1)[1:]
         else:
             key, value = linear(context, self.ctx_kv.weight).chunk(2, dim=-1)
-        key = rope(self.heads_of(key.unsqueeze(0)), positions)[0].transpose(0, 1).flatten(-2)
+        key = rope(self.heads_of(key.unsqueeze(0)), positions, tables)[0].transpose(0, 1).flatten(-2)
         return torch.stack([key, value], dim=1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, visible: torch.Tensor,
-                positions: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
+                positions: torch.Tensor, linear: Linear = F.linear, tables: Rotary | None = None) -> torch.Tensor:
         """``x [B, k, H]`` block rows at ``positions [B, k]``, ``context [B, W, 2, H]`` the window's keys and
-        values, ``visible [B, W]`` which window rows exist → ``[B, k, H]``."""
+        values, ``visible [B, W]`` which window rows exist → ``[B, k, H]``. ``tables``: ``rotary`` of
+        ``positions.unsqueeze(1)`` when the caller has them."""
         batch, k, hidden = x.shape
         q, key, value = (self.heads_of(t) for t in linear(self.attn_norm(x), self.qkv.weight).chunk(3, dim=-1))
-        q, key = rope(q, positions.unsqueeze(1)), rope(key, positions.unsqueeze(1))
+        if tables is None:
+            tables = rotary(positions.unsqueeze(1), q.shape[-1], q.dtype)
+        q, key = rope(q, tables=tables), rope(key, tables=tables)
         key = torch.cat([self.heads_of(context[:, :, 0]), key], dim=2)
         value = torch.cat([self.heads_of(context[:, :, 1]), value], dim=2)
         mask = torch.cat([visible, visible.new_ones(batch, k)], dim=1)[:, None, None, :]
@@ -262,6 +279,7 @@ class DSparkNetwork(nn.Module):
         super().__init__()
         kw: dict[str, Any] = {"dtype": dtype, "device": device}
         self.vocab = vocab
+        self.head_dim = hidden // heads
         self.main_proj = nn.Linear(hidden * num_targets, hidden, bias=False, **kw)
         self.main_norm = RMSNorm(hidden, EPS, **kw)
         self.layers = nn.ModuleList(DSparkBlock(hidden, heads, intermediate, separate_context=separate_context,
@@ -315,7 +333,8 @@ class DSparkNetwork(nn.Module):
         values of them ``[N, layers, 2, H]`` (what the drafter's context cache keeps per row). ``linear``
         computes every projection (the engine's GEMM backend when drafting; ``F.linear`` in training)."""
         context = self.main_norm(linear(features, self.main_proj.weight))
-        return torch.stack([layer.context_kv(context, positions, linear) for layer in self.layers], dim=1)
+        tables = rotary(positions, self.head_dim, context.dtype)
+        return torch.stack([layer.context_kv(context, positions, linear, tables) for layer in self.layers], dim=1)
 
     def block(self, context: torch.Tensor, visible: torch.Tensor, embedded: torch.Tensor,
               positions: torch.Tensor, linear: Linear = F.linear) -> tuple[torch.Tensor, torch.Tensor]:
@@ -323,8 +342,9 @@ class DSparkNetwork(nn.Module):
         (``context [B, W, layers, 2, H]`` from ``context_kv``, ``visible [B, W]``) → (block rows before the
         final norm, after it), both ``[B, k, H]``."""
         x = embedded
+        tables = rotary(positions.unsqueeze(1), self.head_dim, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, context[:, :, i], visible, positions, linear)
+            x = layer(x, context[:, :, i], visible, positions, linear, tables)
         return x, self.norm(x)
 
 
@@ -342,25 +362,28 @@ def draft_block(logits: torch.Tensor, hidden: torch.Tensor, last_tokens: torch.T
     ``report_probs``) and the raw confidences ``[B, k]`` float32 in (0, 1)."""
     batch, k, _ = logits.shape
     markov, confidence_head = network.markov_head, network.confidence_head
-    tokens = torch.empty(batch, k, dtype=torch.int64, device=logits.device)
-    confidence = torch.empty(batch, k, dtype=torch.float32, device=logits.device)
     probs = (torch.zeros(batch, k, network.vocab, dtype=torch.float32, device=logits.device)
              if report_probs else None)
     previous = network.to_draft_ids(last_tokens)
-    for i in range(k):
+    embeddings, drafts = [], []
+    for i in range(k):  # in order: each position's Markov correction reads the draft before it
         embedding = markov.embed(previous)
         corrected = logits[:, i] + markov.head(embedding).float()
-        draft, dist, _ = choose_drafts(corrected, temperature, seeds, positions + 1 + i, report_probs)
-        z = confidence_head.proj(torch.cat([hidden[:, i], embedding], dim=-1)).float().squeeze(-1)
-        confidence[:, i] = torch.sigmoid((z / confidence_temperature[i]).clamp(-LOGIT_CLAMP, LOGIT_CLAMP))
-        tokens[:, i] = network.to_target_ids(draft)
-        if probs is not None:
+        if report_probs:
+            draft, dist, _ = choose_drafts(corrected, temperature, seeds, positions + 1 + i)
             if network.d2t is None:
                 probs[:, i] = dist
             else:
                 probs[:, i].index_copy_(-1, network.d2t, dist)
+        else:  # every request greedy (``DraftInputs.sampling`` false): the argmax, nothing drawn
+            draft = corrected.argmax(dim=-1)
+        embeddings.append(embedding)
+        drafts.append(draft)
         previous = draft
-    return tokens, probs, confidence
+    # The confidences of every position at once (one projection, as training computes them).
+    z = confidence_head.proj(torch.cat([hidden, torch.stack(embeddings, dim=1)], dim=-1)).float().squeeze(-1)
+    confidence = torch.sigmoid((z / confidence_temperature[:k]).clamp(-LOGIT_CLAMP, LOGIT_CLAMP))
+    return network.to_target_ids(torch.stack(drafts, dim=1)), probs, confidence
 
 
 class DSparkDrafter:
