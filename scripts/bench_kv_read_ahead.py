@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_kv_tiers import clear_device
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.model.assets import resolve_model_path
@@ -66,9 +67,8 @@ def run(model: Path, args: argparse.Namespace, folder: str) -> dict[str, Any]:
     first = _engine(model, folder, args)
     first.generate([p + _tokens(8, 100 + i) for i, p in enumerate(prefixes)],
                    SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    pool = first.engine.kv.pool
-    pool.free(pool.allocate(pool.num_free) or [])  # evicts every cached block: each is demoted to the disk
-    first.shutdown()  # waits for the writer
+    clear_device(first)  # every cached block evicted, so demoted to the disk
+    first.shutdown()
     decode = SamplingParams(temperature=0, max_tokens=args.decode_tokens, ignore_eos=True)
     hit = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [_tokens(64, 200 + i) for i in range(args.decoders)] + \

@@ -44,7 +44,7 @@ def _engine(model: Path, arm: str, disk_dir: str) -> LLM:
                plugins={"kv_store": {"enabled": True, "host_bytes": 1 << 30, "disk_dir": disk_dir}})
 
 
-def _clear_device(llm: LLM) -> None:
+def clear_device(llm: LLM) -> None:
     """Evict every cached block (demoting it when the engine has tiers), as an allocation would."""
     pool = llm.engine.kv.pool
     ids = pool.allocate(pool.num_free) or []
@@ -77,7 +77,7 @@ def main() -> None:
         prompt = prefix + _tokens(args.tail, 100 + r)
         for arm, llm in engines.items():
             if arm != "device":
-                _clear_device(llm)
+                clear_device(llm)
             hits = llm.get_stats()["prefix_cache_hit_tokens"]
             start = time.perf_counter()
             out = llm.generate([prompt], one, use_tqdm=False)

@@ -347,10 +347,9 @@ class StartUp:
         """The drafter and the verification plan (None without speculative decoding). Built before the
         runner and the graphs: a drafter that calls the model's ``capture_hidden`` (dspark) decides which
         layers' features both keep."""
-        settings = self.spec_settings
-        if settings is None or self.drafter_factory is None:
+        if self.drafter_factory is None:  # no speculative decoding
             return None
-        plan = self.host.select("deepinfer_verification_plans", settings.plan, "speculative.plan")
+        plan = self.host.select("deepinfer_verification_plans", self.spec_settings.plan, "speculative.plan")
         return self.drafter_factory(model=self.model, info=self.info), plan
 
     def _drafter_factory(self) -> Any:

@@ -109,7 +109,7 @@ class KVTiers:
         self._queue: queue.Queue[tuple[bytes, torch.Tensor, Any] | None] = queue.Queue()
         # Blocks read ahead for queued requests when no memory store can keep them, oldest first.
         self._staged: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-        self._reading: set[bytes] = set()  # keys the reader thread is reading now
+        self._reading: set[bytes] = set()  # keys being read from a store now (by a promotion or the reader)
         self._read_done = threading.Condition(self._lock)
         self._reads: queue.Queue[list[bytes] | None] = queue.Queue()
         self._memory = [store for store in self.stores if getattr(store, "in_memory", False)]
@@ -118,13 +118,15 @@ class KVTiers:
         self.promoted = 0
         self.load_failures = 0
         self.prefetched = 0
-        self._writer = threading.Thread(target=self._write_loop, name="deepinfer-kv-writer", daemon=True)
+        self._writer = threading.Thread(target=self._serve, args=(self._queue, self._write),
+                                        name="deepinfer-kv-writer", daemon=True)
         self._writer.start()
         # The read-ahead's thread, when some store is not in memory (one whose loads are worth moving off the
         # scheduling thread).
         self._reader: threading.Thread | None = None
         if len(self._memory) < len(self.stores):
-            self._reader = threading.Thread(target=self._read_loop, name="deepinfer-kv-reader", daemon=True)
+            self._reader = threading.Thread(target=self._serve, args=(self._reads, self._read_ahead),
+                                            name="deepinfer-kv-reader", daemon=True)
             self._reader.start()
 
     # ------------------------------------------------------------------------------------------- keys
@@ -175,24 +177,30 @@ class KVTiers:
         self._queue.put((key, buffer, event))
         return True
 
-    def _write_loop(self) -> None:
+    @staticmethod
+    def _serve(work: queue.Queue, handle: Callable[[Any], None]) -> None:
+        """A thread's loop: ``handle`` every item of ``work`` until a None, marking each done (``join``)."""
         while True:
-            item = self._queue.get()
+            item = work.get()
             try:
                 if item is None:
                     return
-                key, buffer, event = item
-                if event is not None:
-                    event.synchronize()
-                for store in self.stores:
-                    try:
-                        store.save(key, buffer)
-                    except Exception:  # a store must not raise (KVStore.save); keep the writer alive
-                        logger.exception("KV store %r raised in save; the block is dropped from it", store.name)
-                with self._lock:
-                    self._pending.pop(key, None)
+                handle(item)
             finally:
-                self._queue.task_done()
+                work.task_done()
+
+    def _write(self, item: tuple[bytes, torch.Tensor, Any]) -> None:
+        """Save one demoted block to every store (the writer thread)."""
+        key, buffer, event = item
+        if event is not None:
+            event.synchronize()
+        for store in self.stores:
+            try:
+                store.save(key, buffer)
+            except Exception:  # a store must not raise (KVStore.save); keep the writer alive
+                logger.exception("KV store %r raised in save; the block is dropped from it", store.name)
+        with self._lock:
+            self._pending.pop(key, None)
 
     def flush(self) -> None:
         """Wait until every queued demotion is saved (tests, shutdown, a hand-off)."""
@@ -296,19 +304,14 @@ class KVTiers:
         if block_hashes and self._reader is not None:
             self._reads.put([self.key(h) for h in block_hashes])
 
-    def _read_loop(self) -> None:
-        while True:
-            keys = self._reads.get()
-            try:
-                if keys is None:
-                    return
-                self._read_ahead(keys)
-            except Exception:  # a failed read-ahead only costs the admission its own read
-                logger.exception("KV read-ahead failed")
-            finally:
-                self._reads.task_done()
-
     def _read_ahead(self, keys: Sequence[bytes]) -> None:
+        """Read ``keys`` ahead, in order (the reader thread); a failure only costs the admission its own read."""
+        try:
+            self._read_ahead_in_order(keys)
+        except Exception:
+            logger.exception("KV read-ahead failed")
+
+    def _read_ahead_in_order(self, keys: Sequence[bytes]) -> None:
         for key in keys:
             with self._lock:
                 if key in self._pending or key in self._staged or key in self._reading:
