@@ -1,8 +1,10 @@
 """A multi-turn chat workload whose working set exceeds the device KV cache: TTFT p50/p90 and throughput with
-no KV store, ``host``, and ``host+disk`` (issue 34), on SmolLM2 on the CPU.
+no KV store, ``host``, and ``host+disk`` (issue 34): SmolLM2 on the CPU, or a dummy-weight
+Llama-3-8B-shaped model (``scripts/llama3_8b_shaped.json``, bf16) on a GPU.
 
-    python scripts/bench_kv_tiers_chat.py [--conversations 16] [--turns 3] [--system 512] [--user 256]
-        [--reply 16] [--device-blocks 11] [--threads 2] [--output out.json]
+    python scripts/bench_kv_tiers_chat.py [--model smollm2|llama8b] [--device cpu|cuda] [--conversations 16]
+        [--turns 3] [--system 512] [--user 256] [--reply 16] [--device-blocks 11] [--host-gib 2]
+        [--threads 2] [--output out.json]
 
 ``--conversations`` conversations share a ``--system``-token system prompt; each turn appends a
 ``--user``-token message (random ids) to the conversation so far (system, earlier messages and the
@@ -13,7 +15,9 @@ request, about a tenth of the default workload's working set of 106 blocks: the 
 conversation's history). One engine per arm, all three alive at once (prefix caching on in each); every
 request runs in each arm in turn, the order rotating, so the shared machine's load changes hit the arms
 alike. TTFT is ``first_token_time - arrival_time`` of each request; throughput the reply tokens over the
-seconds the arm's ``generate`` calls took. The replies of every arm are checked to be the same.
+seconds the arm's ``generate`` calls took. Whether the replies of every arm are the same is reported (with
+dummy bf16 weights on a GPU, a prefill of only the missing tail may round differently from a whole one).
+On CUDA the engines run the ``attention`` plugin with CUDA graphs; the host store is pinned memory.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.model.assets import resolve_model_path
 
+LLAMA8B_CONFIG = Path(__file__).parent / "llama3_8b_shaped.json"
 ARMS = {"none": None, "host": "host", "host+disk": "host+disk"}
 
 
@@ -43,18 +48,30 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _model_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments every arm shares: the model and where it runs."""
+    if args.device == "cpu":
+        return {"device": "cpu"}
+    return {"device": args.device, "dtype": "bfloat16", "plugins": {"attention": {"enabled": True}},
+            **({"load_format": "dummy"} if args.model == "llama8b" else {})}
+
+
 def _engine(model: Path, store: str | None, args: argparse.Namespace, disk_dir: str, per_block: int) -> LLM:
+    shared = _model_args(args)
+    plugins = {**shared.pop("plugins", {}),
+               "kv_store": {"enabled": True, "host_bytes": int(args.host_gib * (1 << 30)), "disk_dir": disk_dir}}
     return LLM(str(model), kv_cache_bytes=per_block * (args.device_blocks + 1), block_size=128,
-               max_model_len=args.device_blocks * 128, cache={"kv_store": store},
-               plugins={"kv_store": {"enabled": True, "host_bytes": 2 << 30, "disk_dir": disk_dir}})
+               max_model_len=args.device_blocks * 128, cache={"kv_store": store}, plugins=plugins, **shared)
 
 
 def run(model: Path, args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
     """Every arm's engine at once; each request runs in every arm in turn (the order rotating), so the
     shared machine's load changes hit the arms alike."""
-    probe = LLM(str(model), kv_cache_bytes=128 << 20, block_size=128, max_model_len=1024)
+    probe = LLM(str(model), kv_cache_bytes=128 << 20, block_size=128, max_model_len=1024,
+                **{**_model_args(args), "plugins": {}})
     per_block = sum(t[0].numel() * t.element_size() for t in probe.engine.pool.paged)
     probe.shutdown()
+    del probe
     engines = {arm: _engine(model, store, args, disk_dir, per_block) for arm, store in ARMS.items()}
     params = SamplingParams(temperature=0, max_tokens=args.reply, ignore_eos=True)
     system = _tokens(args.system, 0)
@@ -95,18 +112,27 @@ def run(model: Path, args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["smollm2", "llama8b"], default="smollm2",
+                        help="smollm2: SmolLM2-135M-Instruct; llama8b: the dummy Llama-3-8B shape (GPU)")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--conversations", type=int, default=16)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--system", type=int, default=512)
     parser.add_argument("--user", type=int, default=256)
     parser.add_argument("--reply", type=int, default=16)
     parser.add_argument("--device-blocks", type=int, default=11)
+    parser.add_argument("--host-gib", type=float, default=2.0, help="the host store's capacity")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = resolve_model_path("smollm2-135m-instruct")
-    with tempfile.TemporaryDirectory(prefix="deepinfer-kv-chat-") as disk_dir:
+    with (tempfile.TemporaryDirectory(prefix="deepinfer-kv-chat-") as disk_dir,
+          tempfile.TemporaryDirectory(prefix="deepinfer-kv-chat-model-") as folder):
+        if args.model == "llama8b":
+            model = Path(folder)
+            (model / "config.json").write_text(LLAMA8B_CONFIG.read_text())
+        else:
+            model = resolve_model_path("smollm2-135m-instruct")
         out: dict[str, Any] = {"workload": vars(args), **run(model, args, disk_dir)}
     arms = out["arms"]
     out["ttft_p50_ratio_none_over_host"] = arms["none"]["ttft_p50_ms"] / arms["host"]["ttft_p50_ms"]
