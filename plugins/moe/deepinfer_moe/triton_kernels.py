@@ -11,10 +11,9 @@ activation scale per row by one weight scale per output column, and accumulates 
 
 FP4 (``FP4=True``, DeepSeek-V4.1's stored experts, ``interfaces.Fp4ExpertWeights``): the weights are e2m1
 codes two a byte (the even input index in the low nibble) with one ue8m0 scale per ``SCALE_BLOCK`` inputs;
-each weight tile is dequantized in registers (``_fp4_tiles``: code → value from a table of nibbles, scale →
-``2^(b-127)`` by its bits, their product exact in float32) and cast to the activations' dtype for ``tl.dot`` —
-exact in bf16 — so no dequantized copy of the experts exists and a step reads half a byte per weight (plus
-1/32). The low and high nibbles stay apart: the even and the odd inputs are two dots (``_fp4_dot``).
+each weight tile is dequantized in registers (``_weight_tile``: code → value by its bits, scale → ``2^(b-127)``
+by its bits, their product exact in float32) and cast to the activations' dtype for ``tl.dot`` — exact in
+bf16 — so no dequantized copy of the experts exists and a step reads half a byte per weight (plus 1/32).
 
 Every launch reads only device memory and has a grid fixed by the shapes, so the step needs no host
 sync and can be captured in a CUDA graph. Under ``TRITON_INTERPRET=1`` (the CPU tests) tiles are
@@ -39,12 +38,15 @@ SCALE_BLOCK = 128
 
 @triton.jit
 def _e2m1_value(code):
-    """float32 value of e2m1 codes (int32, 0..15): twice the magnitude of the three low bits from a table of
-    nibbles (0, 1, 2, 3, 4, 6, 8, 12: 0xC8643210, here as its int32 bits), halved, negated when bit 3 is set —
-    the same numbers as ``deepinfer.ops.dequantize_e2m1``'s table (code 8 is −0.0, as there)."""
-    table = tl.full(code.shape, -932957680, tl.int32)  # 0xC8643210 - 2**32
-    magnitude = ((table >> ((code & 7) * 4)) & 15).to(tl.float32) * 0.5
-    return tl.where((code & 8) != 0, -magnitude, magnitude)
+    """float32 value of e2m1 codes (int32, 0..15): bit 3 the sign, ``ee = 0`` subnormal ``m·0.5``, else
+    ``2^(ee-1)·(1 + m/2)`` — the same numbers as ``deepinfer.ops.dequantize_e2m1``'s table, the sign set
+    as a bit (so code 8 is −0.0, as there)."""
+    ee = (code >> 1) & 3
+    half = (code & 1).to(tl.float32) * 0.5
+    power = tl.where(ee == 1, 1.0, tl.where(ee == 2, 2.0, 4.0))
+    magnitude = tl.where(ee == 0, half, power * (1.0 + half))
+    sign = (code & 8) << 28  # bit 31
+    return (magnitude.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -55,61 +57,47 @@ def _ue8m0_value(byte):
 
 
 @triton.jit
-def _fp4_tiles(w_base, s_base, cols, k0, size_k, stride_wn, stride_sn, col_ok, HALF: tl.constexpr,
-               FP4_BLOCK: tl.constexpr):
-    """The FP4 weight tile of inputs ``k0 … k0 + 2·HALF`` of columns ``cols`` as two ``[HALF, BLOCK_N]`` float32
-    tiles: the even inputs ``k0 + 2i`` (low nibbles) and the odd ones ``k0 + 2i + 1`` (high nibbles), each value
-    its code's times its group's scale (exact in float32). Inputs past ``size_k`` and columns not ``col_ok``
-    read 0. Each byte (``w_base`` ``[N, K/2]``, contiguous along K) is read once; a GEMM multiplies the two
-    tiles by the even and the odd activations, so nothing is interleaved in registers."""
+def _weight_tile(w_base, s_base, cols, k0, size_k, stride_wn, stride_sn, col_ok, BLOCK_K: tl.constexpr,
+                 FP4: tl.constexpr, FP4_BLOCK: tl.constexpr):
+    """The ``[BLOCK_K, BLOCK_N]`` weight tile ``w[cols, k0:k0 + BLOCK_K]ᵀ`` of one expert (inputs past
+    ``size_k`` and columns not ``col_ok`` read 0): loaded as stored, or with ``FP4`` dequantized to float32
+    from its packed codes (``w_base`` bytes ``[N, K/2]``) and scales (``s_base`` bytes ``[N, K/FP4_BLOCK]``).
+    FP4 reads each byte once, as a ``[BLOCK_K/2, BLOCK_N]`` tile contiguous along K, and each scale once
+    (``[BLOCK_K/FP4_BLOCK, BLOCK_N]``); the low and high nibbles are interleaved back into input order."""
     col_offsets = cols[None, :].to(tl.int64)
-    pairs = k0 // 2 + tl.arange(0, HALF)
-    ok = (pairs[:, None] * 2 < size_k) & col_ok[None, :]
-    packed = tl.load(w_base + col_offsets * stride_wn + pairs[:, None], mask=ok, other=0).to(tl.int32)
-    groups = pairs // (FP4_BLOCK // 2)  # each byte row's scale (one load per group, the rest from cache)
-    scale = _ue8m0_value(tl.load(s_base + col_offsets * stride_sn + groups[:, None], mask=ok,
-                                 other=127).to(tl.int32))
-    return _e2m1_value(packed & 15) * scale, _e2m1_value(packed >> 4) * scale
-
-
-@triton.jit
-def _fp4_dot(acc, rows_ptr, row_ok, w_base, s_base, cols, k0, size_k, stride_wn, stride_sn, col_ok,
-             HALF: tl.constexpr, FP4_BLOCK: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr):
-    """``acc + a[:, k0:k0 + 2·HALF] · w[cols, k0:k0 + 2·HALF]ᵀ`` for FP4 weights (``_fp4_tiles``): the even and
-    the odd inputs of the activation rows (``rows_ptr [BLOCK_M, 1]``) as two dots."""
-    pairs = k0 // 2 + tl.arange(0, HALF)
-    ok = row_ok[:, None] & (pairs[None, :] * 2 < size_k)
-    even = tl.load(rows_ptr + 2 * pairs[None, :], mask=ok, other=0.0).to(DOT_DTYPE)
-    odd = tl.load(rows_ptr + 2 * pairs[None, :] + 1, mask=ok, other=0.0).to(DOT_DTYPE)
-    low, high = _fp4_tiles(w_base, s_base, cols, k0, size_k, stride_wn, stride_sn, col_ok, HALF, FP4_BLOCK)
-    acc = tl.dot(even, low.to(DOT_DTYPE), acc, input_precision=PRECISION)
-    return tl.dot(odd, high.to(DOT_DTYPE), acc, input_precision=PRECISION)
-
-
-@triton.jit
-def _weight_tile(w_base, cols, k0, size_k, stride_wn, col_ok, BLOCK_K: tl.constexpr):
-    """The ``[BLOCK_K, BLOCK_N]`` weight tile ``w[cols, k0:k0 + BLOCK_K]ᵀ`` of one expert as stored (inputs past
-    ``size_k`` and columns not ``col_ok`` read 0)."""
-    kk = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + kk[:, None],
-                   mask=(kk[:, None] < size_k) & col_ok[None, :], other=0.0)
+    if FP4:
+        HALF: tl.constexpr = BLOCK_K // 2
+        GROUPS: tl.constexpr = BLOCK_K // FP4_BLOCK
+        pairs = k0 // 2 + tl.arange(0, HALF)
+        packed = tl.load(w_base + col_offsets * stride_wn + pairs[:, None],
+                         mask=(pairs[:, None] * 2 < size_k) & col_ok[None, :], other=0).to(tl.int32)
+        groups = k0 // FP4_BLOCK + tl.arange(0, GROUPS)
+        scale = _ue8m0_value(tl.load(s_base + col_offsets * stride_sn + groups[:, None],
+                                     mask=(groups[:, None] * FP4_BLOCK < size_k) & col_ok[None, :],
+                                     other=127).to(tl.int32))  # [GROUPS, BLOCK_N]
+        scale = tl.reshape(tl.broadcast_to(scale[:, None, :], (GROUPS, FP4_BLOCK // 2, scale.shape[1])),
+                           (HALF, scale.shape[1]))  # one row per byte row
+        low = _e2m1_value(packed & 15) * scale  # inputs k0 + 2i
+        high = _e2m1_value((packed >> 4) & 15) * scale  # inputs k0 + 2i + 1
+        return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), (BLOCK_K, low.shape[1]))
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(w_base + col_offsets * stride_wn + kk[:, None], mask=(kk[:, None] < size_k) & col_ok[None, :],
+                       other=0.0)
 
 
 @triton.jit
 def dequantize_fp4_kernel(w_ptr, s_ptr, out_ptr, rows, cols, stride_w, stride_s, stride_o,
                           FP4_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """``out [rows, cols]`` float32 = the FP4 matrix ``w [rows, cols/2]`` (scales ``s``) through
-    ``_fp4_tiles``: what the GEMM kernels multiply, written out so a test can compare it bit for bit."""
+    ``_weight_tile``: what the GEMM kernels multiply, written out so a test can compare it bit for bit."""
     offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k0 = tl.program_id(1) * BLOCK_C
-    row_ok = offs_r < rows
-    low, high = _fp4_tiles(w_ptr, s_ptr, offs_r, k0, cols, stride_w, stride_s, row_ok, BLOCK_C // 2,
-                           FP4_BLOCK)  # [C/2, R] each
-    even = k0 + 2 * tl.arange(0, BLOCK_C // 2)
-    mask = row_ok[None, :] & (even[:, None] < cols)
-    out = out_ptr + offs_r[None, :].to(tl.int64) * stride_o + even[:, None]
-    tl.store(out, low, mask=mask)
-    tl.store(out + 1, high, mask=mask)
+    offs_c = k0 + tl.arange(0, BLOCK_C)
+    tile = _weight_tile(w_ptr, s_ptr, offs_r, k0, cols, stride_w, stride_s, offs_r < rows, BLOCK_C, True,
+                        FP4_BLOCK)  # [C, R]
+    mask = (offs_c[:, None] < cols) & (offs_r[None, :] < rows)
+    tl.store(out_ptr + offs_r[None, :].to(tl.int64) * stride_o + offs_c[:, None], tile, mask=mask)
 
 
 @triton.jit
@@ -143,28 +131,24 @@ def _gate_up_kernel(
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        if FP4:
-            acc_gate = _fp4_dot(acc_gate, x_rows, row_ok, w_base, s_base, offs_n, k0, hidden, stride_wn, stride_wsn,
-                                col_ok, BLOCK_K // 2, FP4_BLOCK, DOT_DTYPE, PRECISION)
-            acc_up = _fp4_dot(acc_up, x_rows, row_ok, w_base, s_base, offs_n + inter, k0, hidden, stride_wn,
-                              stride_wsn, col_ok, BLOCK_K // 2, FP4_BLOCK, DOT_DTYPE, PRECISION)
+        kk = k0 + offs_k
+        k_ok = kk < hidden
+        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        b_gate = _weight_tile(w_base, s_base, offs_n, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
+                              FP4_BLOCK).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_N]
+        b_up = _weight_tile(w_base, s_base, offs_n + inter, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
+                            FP4_BLOCK).to(DOT_DTYPE)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_scale = tl.load(x_scale_ptr + token * stride_xst + kb, mask=row_ok, other=0.0)
+            ws = w_scale_ptr + expert.to(tl.int64) * stride_wse + kb
+            s_gate = tl.load(ws + (offs_n // 128) * stride_wsn, mask=col_ok, other=0.0)
+            s_up = tl.load(ws + ((offs_n + inter) // 128) * stride_wsn, mask=col_ok, other=0.0)
+            acc_gate += tl.dot(a, b_gate) * a_scale[:, None] * s_gate[None, :]
+            acc_up += tl.dot(a, b_up) * a_scale[:, None] * s_up[None, :]
         else:
-            kk = k0 + offs_k
-            k_ok = kk < hidden
-            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-            b_gate = _weight_tile(w_base, offs_n, k0, hidden, stride_wn, col_ok, BLOCK_K).to(DOT_DTYPE)  # [K, N]
-            b_up = _weight_tile(w_base, offs_n + inter, k0, hidden, stride_wn, col_ok, BLOCK_K).to(DOT_DTYPE)
-            if FP8:
-                kb = k0 // BLOCK_K
-                a_scale = tl.load(x_scale_ptr + token * stride_xst + kb, mask=row_ok, other=0.0)
-                ws = w_scale_ptr + expert.to(tl.int64) * stride_wse + kb
-                s_gate = tl.load(ws + (offs_n // 128) * stride_wsn, mask=col_ok, other=0.0)
-                s_up = tl.load(ws + ((offs_n + inter) // 128) * stride_wsn, mask=col_ok, other=0.0)
-                acc_gate += tl.dot(a, b_gate) * a_scale[:, None] * s_gate[None, :]
-                acc_up += tl.dot(a, b_up) * a_scale[:, None] * s_up[None, :]
-            else:
-                acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
     if HAS_LIMIT:  # DeepSeek-V4's clamped SwiGLU
         acc_gate = tl.minimum(acc_gate, limit)
         acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -203,22 +187,19 @@ def _down_kernel(
     h_rows = h_ptr + row[:, None] * stride_hp
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        if FP4:
-            acc = _fp4_dot(acc, h_rows, row_ok, w_base, s_base, offs_n, k0, inter, stride_wn, stride_wsn, col_ok,
-                           BLOCK_K // 2, FP4_BLOCK, DOT_DTYPE, PRECISION)
+        kk = k0 + offs_k
+        k_ok = kk < inter
+        a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        b = _weight_tile(w_base, s_base, offs_n, k0, inter, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
+                         FP4_BLOCK).to(DOT_DTYPE)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_scale = tl.load(h_scale_ptr + row * stride_hsp + kb, mask=row_ok, other=0.0)
+            s = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse + (offs_n // 128) * stride_wsn + kb,
+                        mask=col_ok, other=0.0)
+            acc += tl.dot(a, b) * a_scale[:, None] * s[None, :]
         else:
-            kk = k0 + offs_k
-            k_ok = kk < inter
-            a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-            b = _weight_tile(w_base, offs_n, k0, inter, stride_wn, col_ok, BLOCK_K).to(DOT_DTYPE)
-            if FP8:
-                kb = k0 // BLOCK_K
-                a_scale = tl.load(h_scale_ptr + row * stride_hsp + kb, mask=row_ok, other=0.0)
-                s = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse + (offs_n // 128) * stride_wsn + kb,
-                            mask=col_ok, other=0.0)
-                acc += tl.dot(a, b) * a_scale[:, None] * s[None, :]
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     routing = tl.load(weight_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * routing[:, None]
     out = out_ptr + row[:, None] * stride_op + offs_n[None, :]
