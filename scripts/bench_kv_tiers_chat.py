@@ -67,7 +67,7 @@ def _engine(model: Path, store: str | None, args: argparse.Namespace, disk_dir: 
 def run(model: Path, args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
     """Every arm's engine at once; each request runs in every arm in turn (the order rotating), so the
     shared machine's load changes hit the arms alike."""
-    probe = LLM(str(model), kv_cache_bytes=128 << 20, block_size=128, max_model_len=1024,
+    probe = LLM(str(model), kv_cache_bytes=1 << 30, block_size=128, max_model_len=1024,
                 **{**_model_args(args), "plugins": {}})
     per_block = sum(t[0].numel() * t.element_size() for t in probe.engine.pool.paged)
     probe.shutdown()
