@@ -48,8 +48,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     A decode step makes ~120 of these calls, so the wrapper does the least it can (issue 36): rows that are
     already contiguous are passed as they are, and the output is allocated in its final shape. A bfloat16 call
-    sums in float32 (its rows widened, each weight widened where it is loaded) and rounds the result to
-    bfloat16 once, as oneDNN's bf16 GEMM does."""
+    sums in float32 and rounds the result to bfloat16 once, as oneDNN's bf16 GEMM does: on a CPU with
+    AVX512-BF16 its rows are taken as bfloat16 (they are, in a bf16 model) and each pair of products is summed by
+    ``vdpbf16ps``; elsewhere its rows stay float32 and each weight is widened where it is loaded
+    (``csrc/gemv.c``)."""
     n, k = weight.shape
     bf16 = weight.dtype == torch.bfloat16
     if bf16:
