@@ -87,12 +87,22 @@ static inline floats16 widen(const uint16_t *w) { /* 16 bfloat16 → float32, ex
 DOT_BLOCK(dot_block_f32, float, floats8, 8, 8, LOAD_F32, AS_FLOAT)
 DOT_BLOCK(dot_block_bf16, uint16_t, floats16, 16, 4, widen, bf16_to_float)
 
+enum kind { F32, BF16_WIDEN, BF16_DP }; /* the weights' dtype, and for bf16 how its products are summed */
+
+#ifdef __AVX512BF16__
+#define DP_DOT(r) dot_block_dp(xb + m0 * K, (const uint16_t *)w + n * K, out + m0 * N + n, N, K, b, r)
+#else
+#define DP_DOT(r) (void)xb
+#endif
+
 #define BLOCK_CASE(r)                                                                                          \
     case r:                                                                                                    \
-        if (bf16)                                                                                              \
+        if (kind == F32)                                                                                       \
+            dot_block_f32(x + m0 * K, (const float *)w + n * K, out + m0 * N + n, N, K, b, r);                 \
+        else if (kind == BF16_WIDEN)                                                                           \
             dot_block_bf16(x + m0 * K, (const uint16_t *)w + n * K, out + m0 * N + n, N, K, b, r);             \
         else                                                                                                   \
-            dot_block_f32(x + m0 * K, (const float *)w + n * K, out + m0 * N + n, N, K, b, r);                 \
+            DP_DOT(r);                                                                                         \
         break;
 
 #ifdef __AVX512BF16__
@@ -126,33 +136,11 @@ __attribute__((always_inline)) static inline void dot_block_dp(const uint16_t *x
     }
 }
 
-#define DP_CASE(r)                                                                                             \
-    case r:                                                                                                    \
-        dot_block_dp(xb + m0 * K, w + n * K, out + m0 * N + n, N, K, b, r);                                     \
-        break;
-
-static void gemv_dp(const float *x, const uint16_t *w, const float *bias, float *out, int64_t M, int64_t N,
-                    int64_t K, int threads) {
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * K));
-    for (int64_t i = 0; i < M * K; ++i) xb[i] = float_to_bf16(x[i]);
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t n = 0; n < N; ++n) {
-        const float b = bias ? bias[n] : 0.0f;
-        for (int64_t m0 = 0; m0 < M; m0 += BLOCK) {
-            switch (M - m0 < BLOCK ? M - m0 : BLOCK) {
-                DP_CASE(1)
-                DP_CASE(2)
-                DP_CASE(3)
-                DP_CASE(4)
-            }
-        }
-    }
-    free(xb);
-}
 #endif
 
-static void gemv(const float *x, const void *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
-                 int threads, int bf16) {
+/* xb: the rows rounded to bf16 (BF16_DP only). */
+static void gemv(const float *x, const uint16_t *xb, const void *w, const float *bias, float *out, int64_t M, int64_t N,
+                 int64_t K, int threads, enum kind kind) {
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t n = 0; n < N; ++n) {
         const float b = bias ? bias[n] : 0.0f;
@@ -169,14 +157,17 @@ static void gemv(const float *x, const void *w, const float *bias, float *out, i
 
 void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
               int threads) {
-    gemv(x, w, bias, out, M, N, K, threads, 0);
+    gemv(x, NULL, w, bias, out, M, N, K, threads, F32);
 }
 
 void gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
                int threads) {
 #ifdef __AVX512BF16__
-    gemv_dp(x, w, bias, out, M, N, K, threads);
+    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * K));
+    for (int64_t i = 0; i < M * K; ++i) xb[i] = float_to_bf16(x[i]);
+    gemv(x, xb, w, bias, out, M, N, K, threads, BF16_DP);
+    free(xb);
 #else
-    gemv(x, w, bias, out, M, N, K, threads, 1);
+    gemv(x, NULL, w, bias, out, M, N, K, threads, BF16_WIDEN);
 #endif
 }
