@@ -162,12 +162,15 @@ void gemv_f32(const float *x, const float *w, const float *bias, float *out, int
 
 void gemv_bf16(const float *x, const uint16_t *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
                int threads) {
+    enum kind kind = BF16_WIDEN;
+    uint16_t *xb = NULL;
 #ifdef __AVX512BF16__
-    uint16_t *xb = malloc(sizeof(uint16_t) * (size_t)(M * K));
-    for (int64_t i = 0; i < M * K; ++i) xb[i] = float_to_bf16(x[i]);
-    gemv(x, xb, w, bias, out, M, N, K, threads, BF16_DP);
-    free(xb);
-#else
-    gemv(x, NULL, w, bias, out, M, N, K, threads, BF16_WIDEN);
+    xb = malloc(sizeof(uint16_t) * (size_t)(M * K));
+    if (xb != NULL) { /* else (no memory for the rounded rows) the widening kernel, in its own summation order */
+        for (int64_t i = 0; i < M * K; ++i) xb[i] = float_to_bf16(x[i]);
+        kind = BF16_DP;
+    }
 #endif
+    gemv(x, xb, w, bias, out, M, N, K, threads, kind);
+    free(xb);
 }
