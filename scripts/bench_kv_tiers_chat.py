@@ -4,7 +4,7 @@ Llama-3-8B-shaped model (``scripts/llama3_8b_shaped.json``, bf16) on a GPU.
 
     python scripts/bench_kv_tiers_chat.py [--model smollm2|llama8b] [--device cpu|cuda] [--conversations 16]
         [--turns 3] [--system 512] [--user 256] [--reply 16] [--device-blocks 11] [--host-gib 2]
-        [--threads 2] [--output out.json]
+        [--threads 2] [--cprofile FILE] [--output out.json]
 
 ``--conversations`` conversations share a ``--system``-token system prompt; each turn appends a
 ``--user``-token message (random ids) to the conversation so far (system, earlier messages and the
@@ -18,12 +18,17 @@ alike. TTFT is ``first_token_time - arrival_time`` of each request; throughput t
 seconds the arm's ``generate`` calls took. Whether the replies of every arm are the same is reported (with
 dummy bf16 weights on a GPU, a prefill of only the missing tail may round differently from a whole one).
 On CUDA the engines run the ``attention`` plugin with CUDA graphs; the host store is pinned memory.
+``--cprofile FILE``: a ``cProfile`` of the ``host`` arm's ``generate`` calls (the scheduling thread: promotions,
+demotions, the steps' launches), its 40 costliest functions by cumulative time written to ``FILE``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import tempfile
 import time
@@ -81,6 +86,7 @@ def run(model: Path, args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
     busy: dict[str, float] = dict.fromkeys(ARMS, 0.0)
     computed: dict[str, int] = dict.fromkeys(ARMS, 0)
     order = list(ARMS)
+    profiler = cProfile.Profile() if args.cprofile else None
     for turn in range(args.turns):
         for c in range(args.conversations):
             message = _tokens(args.user, 1000 * c + turn + 1)
@@ -89,13 +95,22 @@ def run(model: Path, args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
                 llm, prompt = engines[arm], history[arm][c]
                 prompt += message
                 hits = llm.get_stats()["prefix_cache_hit_tokens"]
+                profiled = profiler is not None and arm == "host"
+                if profiled:
+                    profiler.enable()
                 start = time.perf_counter()
                 out = llm.generate([prompt], params, use_tqdm=False)[0]
                 busy[arm] += time.perf_counter() - start
+                if profiled:
+                    profiler.disable()
                 computed[arm] += len(prompt) - (llm.get_stats()["prefix_cache_hit_tokens"] - hits)
                 ttft[arm].append(out.metrics.first_token_time - out.metrics.arrival_time)
                 replies[arm].append(out.outputs[0].token_ids)
                 prompt += out.outputs[0].token_ids
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(40)
+        Path(args.cprofile).write_text(text.getvalue())
     results: dict[str, Any] = {}
     for arm, llm in engines.items():
         stats = llm.get_stats()
@@ -123,6 +138,7 @@ def main() -> None:
     parser.add_argument("--device-blocks", type=int, default=11)
     parser.add_argument("--host-gib", type=float, default=2.0, help="the host store's capacity")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cprofile", default=None, help="write a cProfile of the host arm's generate calls here")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
