@@ -83,3 +83,41 @@ def test_the_backend_sends_calls_of_fewer_than_min_rows_to_gemv_and_keeps_weight
         x = torch.randn(rows, 24)
         torch.testing.assert_close(backend.linear(x, param), x @ plain.t(), rtol=1e-5, atol=1e-5)
     assert calls == [1, 3, 6]  # 7 and 12 rows: oneDNN on the packed copy
+
+
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("march", ["native", pytest.param("skylake-avx512", marks=pytest.mark.skipif(
+    not _cpu_has("avx512bw"), reason="the AVX-512 build runs only on a CPU with AVX-512")), "x86-64-v2"])
+def test_each_bf16_kernel_sums_the_bf16_values_and_rows_alone_or_together_alike(march: str) -> None:
+    """The bf16 kernel of every build (``native``: ``vdpbf16ps`` where the CPU has AVX512-BF16; AVX-512 without it and
+    no AVX-512: the widening kernel), called directly: within float32 rounding of the float64 product of the bf16
+    values, and 1–9 rows in one call bitwise the rows alone."""
+    import ctypes
+
+    from deepinfer_cpu.cbuild import build_library
+
+    lib = build_library(gemv_module.SOURCE, march=march)
+    kernel = lib.gemv_bf16
+    kernel.restype = None
+    kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    gen = torch.Generator().manual_seed(3)
+    n, k = 70, 1541  # K: whole chain groups, whole 32-weight vectors past them and a tail
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(9, k, generator=gen).bfloat16().float()
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        kernel(rows.data_ptr(), w.data_ptr(), None, out.data_ptr(), rows.shape[0], n, k, 2)
+        return out
+
+    alone = torch.cat([run(x[i:i + 1].contiguous()) for i in range(9)])
+    assert torch.equal(run(x), alone)
+    want = x.double() @ w.double().t()
+    torch.testing.assert_close(alone.double(), want, rtol=1e-5, atol=1e-4)
