@@ -54,26 +54,24 @@ def _quantile(values: list[float], q: float) -> float:
 
 
 def _model_args(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine arguments every arm shares: the model and where it runs."""
+    """The engine arguments every engine shares: the model's weights and dtype, and where it runs."""
     if args.device == "cpu":
         return {"device": "cpu"}
-    return {"device": args.device, "dtype": "bfloat16", "plugins": {"attention": {"enabled": True}},
-            **({"load_format": "dummy"} if args.model == "llama8b" else {})}
+    return {"device": args.device, "dtype": "bfloat16", **({"load_format": "dummy"} if args.model == "llama8b" else {})}
 
 
 def _engine(model: Path, store: str | None, args: argparse.Namespace, disk_dir: str, per_block: int) -> LLM:
-    shared = _model_args(args)
-    plugins = {**shared.pop("plugins", {}),
-               "kv_store": {"enabled": True, "host_bytes": int(args.host_gib * (1 << 30)), "disk_dir": disk_dir}}
+    plugins: dict[str, Any] = {"attention": {"enabled": True}} if args.device != "cpu" else {}
+    plugins["kv_store"] = {"enabled": True, "host_bytes": int(args.host_gib * (1 << 30)), "disk_dir": disk_dir}
     return LLM(str(model), kv_cache_bytes=per_block * (args.device_blocks + 1), block_size=128,
-               max_model_len=args.device_blocks * 128, cache={"kv_store": store}, plugins=plugins, **shared)
+               max_model_len=args.device_blocks * 128, cache={"kv_store": store}, plugins=plugins,
+               **_model_args(args))
 
 
 def run(model: Path, args: argparse.Namespace, disk_dir: str) -> dict[str, Any]:
     """Every arm's engine at once; each request runs in every arm in turn (the order rotating), so the
     shared machine's load changes hit the arms alike."""
-    probe = LLM(str(model), kv_cache_bytes=1 << 30, block_size=128, max_model_len=1024,
-                **{**_model_args(args), "plugins": {}})
+    probe = LLM(str(model), kv_cache_bytes=1 << 30, block_size=128, max_model_len=1024, **_model_args(args))
     per_block = sum(t[0].numel() * t.element_size() for t in probe.engine.pool.paged)
     probe.shutdown()
     del probe

@@ -145,11 +145,10 @@ def rotary(offsets: torch.Tensor, head_dim: int, dtype: torch.dtype) -> Rotary:
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rope(x: torch.Tensor, offsets: torch.Tensor | None = None, tables: Rotary | None = None) -> torch.Tensor:
-    """Rotary embedding (halves layout) of ``x [..., S, head_dim]`` at ``offsets`` (broadcast to
-    ``[..., S]``: ``[S]``, or ``[B, 1, S]`` for ``x [B, heads, S, head_dim]``), or with their ``tables``
-    (``rotary``) when given."""
-    cos, sin = tables if tables is not None else rotary(offsets, x.shape[-1], x.dtype)
+def rope(x: torch.Tensor, tables: Rotary) -> torch.Tensor:
+    """Rotary embedding (halves layout) of ``x [..., S, head_dim]`` with the ``tables`` (``rotary``) of its
+    offsets (broadcast to ``[..., S]``: ``[S]``, or ``[B, 1, S]`` for ``x [B, heads, S, head_dim]``)."""
+    cos, sin = tables
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -187,7 +186,10 @@ class DSparkBlock(nn.Module):
             key, value = linear(self.attn_norm(context), self.qkv.weight).chunk(3, dim=-1)[1:]
         else:
             key, value = linear(context, self.ctx_kv.weight).chunk(2, dim=-1)
-        key = rope(self.heads_of(key.unsqueeze(0)), positions, tables)[0].transpose(0, 1).flatten(-2)
+        key = self.heads_of(key.unsqueeze(0))
+        if tables is None:
+            tables = rotary(positions, key.shape[-1], key.dtype)
+        key = rope(key, tables)[0].transpose(0, 1).flatten(-2)
         return torch.stack([key, value], dim=1)
 
     def forward(self, x: torch.Tensor, context: torch.Tensor, visible: torch.Tensor,
@@ -199,7 +201,7 @@ class DSparkBlock(nn.Module):
         q, key, value = (self.heads_of(t) for t in linear(self.attn_norm(x), self.qkv.weight).chunk(3, dim=-1))
         if tables is None:
             tables = rotary(positions.unsqueeze(1), q.shape[-1], q.dtype)
-        q, key = rope(q, tables=tables), rope(key, tables=tables)
+        q, key = rope(q, tables), rope(key, tables)
         key = torch.cat([self.heads_of(context[:, :, 0]), key], dim=2)
         value = torch.cat([self.heads_of(context[:, :, 1]), value], dim=2)
         mask = torch.cat([visible, visible.new_ones(batch, k)], dim=1)[:, None, None, :]
