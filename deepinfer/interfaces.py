@@ -400,7 +400,11 @@ class KVStore(Protocol):
     thread, ``contains``/``load`` from the scheduling thread and from its reader thread (the read-ahead of
     queued requests' blocks), so every method must be thread-safe; a store never raises for a block it
     cannot keep or read back: it returns False and counts it. A store whose ``load`` is a copy from memory
-    may say so with a class attribute ``in_memory = True``: the core does not read its blocks ahead."""
+    may say so with a class attribute ``in_memory = True``: the core does not read its blocks ahead. Such a
+    store may also lend its memory: ``view(key) -> torch.Tensor | None`` returns the block in place
+    (``uint8 [block_bytes]``; pinned for a CUDA engine) and holds it — never evicted or rewritten — until
+    ``release(key)``; a promotion then copies to the device straight from it, and releases it once the
+    device copies are done."""
 
     name: str
 

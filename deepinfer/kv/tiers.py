@@ -39,11 +39,13 @@ from typing import Any
 import torch
 
 from deepinfer.interfaces import KVStore, KVStoreSpec
+from deepinfer.model.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
 _ALIGN = 64  # every part of a packed block starts at a multiple of this (any dtype view stays aligned)
 _PENDING_BYTES = 256 << 20  # most bytes of demoted blocks queued for the writer at once
+_STAGING_BYTES = 256 << 20  # most bytes of promoted blocks staged on the device at once
 
 
 def namespace_of(identity: Mapping[str, Any]) -> str:
@@ -67,6 +69,7 @@ class BlockCodec:
             self.offsets.append(offset)
             offset += t[0].numel() * t.element_size()
         self.nbytes = offset
+        self.stride = -(-offset // _ALIGN) * _ALIGN  # a row of a staging matrix of packed blocks
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """The parts of ``buffer`` seen as each tensor's block (dtype and shape)."""
@@ -85,6 +88,14 @@ class BlockCodec:
         """Copy a packed block (``uint8 [nbytes]``) into block ``block_id`` of every tensor."""
         for view, t in zip(self._views(buffer), self.tensors, strict=True):
             t[block_id].copy_(view, non_blocking=non_blocking)
+
+    def scatter(self, staging: torch.Tensor, block_ids: torch.Tensor) -> None:
+        """Copy packed blocks, the rows of ``staging`` (``uint8 [n, stride]`` on the tensors' device), into
+        blocks ``block_ids`` (``int64 [n]``, same device) of every tensor: one indexed copy per tensor."""
+        n = staging.shape[0]
+        for t, offset in zip(self.tensors, self.offsets, strict=True):
+            part = staging[:, offset:offset + t[0].numel() * t.element_size()]
+            t.index_copy_(0, block_ids, part.view(t.dtype).view(n, *t.shape[1:]))
 
 
 class KVTiers:
@@ -113,6 +124,9 @@ class KVTiers:
         self._read_done = threading.Condition(self._lock)
         self._reads: queue.Queue[list[bytes] | None] = queue.Queue()
         self._memory = [store for store in self.stores if getattr(store, "in_memory", False)]
+        # Blocks a promotion copies straight out of a store's memory (``view``), held by that store until the
+        # copies are done: (the copies' CUDA event or None, the (store, key) pairs to release), oldest first.
+        self._lent: list[tuple[Any, list[tuple[Any, bytes]]]] = []
         self.demoted = 0
         self.dropped = 0
         self.promoted = 0
@@ -201,6 +215,7 @@ class KVTiers:
                 logger.exception("KV store %r raised in save; the block is dropped from it", store.name)
         with self._lock:
             self._pending.pop(key, None)
+        self._release_lent()
 
     def flush(self) -> None:
         """Wait until every queued demotion is saved (tests, shutdown, a hand-off)."""
@@ -237,22 +252,62 @@ class KVTiers:
         """Load the blocks ``block_hashes`` into device blocks ``block_ids``, in order, stopping at the
         first one no tier can give back intact; returns how many were loaded. A block found below the
         first store is copied into the stores above it (promotion through the chain)."""
-        loaded = 0
-        for block_hash, block_id in zip(block_hashes, block_ids, strict=True):
+        self._release_lent()
+        buffers: list[torch.Tensor] = []
+        lent: list[tuple[Any, bytes]] = []
+        for block_hash in block_hashes[:len(block_ids)]:
             key = self.key(block_hash)
-            buffer = self._read(key)
+            buffer = self._read(key, lent)
             if buffer is None:
                 with self._lock:
                     self.load_failures += 1
                 break
-            self.codec.unpack(buffer, block_id, non_blocking=self._cuda)
-            loaded += 1
-        self.promoted += loaded
-        return loaded
+            buffers.append(buffer)
+        done = self._copy_in(buffers, block_ids[:len(buffers)]) if buffers else None
+        if lent:
+            with self._lock:
+                self._lent.append((done, lent))
+            if done is None:
+                self._release_lent()
+        self.promoted += len(buffers)
+        return len(buffers)
 
-    def _read(self, key: bytes) -> torch.Tensor | None:
+    def _release_lent(self) -> None:
+        """Give back the lent blocks whose copies are done (on CUDA: whose event has passed)."""
+        with self._lock:
+            ready = 0
+            while ready < len(self._lent) and (self._lent[ready][0] is None or self._lent[ready][0].query()):
+                ready += 1
+            released, self._lent = self._lent[:ready], self._lent[ready:]
+        for _, pairs in released:
+            for store, key in pairs:
+                store.release(key)
+
+    def _copy_in(self, buffers: Sequence[torch.Tensor], block_ids: Sequence[int]) -> Any:
+        """Copy packed blocks into device blocks ``block_ids``; returns the copies' CUDA event (None on the
+        CPU, where they are done on return). On CUDA each block is one host-to-device copy into a staging
+        matrix (at most ``_STAGING_BYTES`` at once) that ``BlockCodec.scatter`` spreads with one indexed copy
+        per cache tensor, all on the current stream without a host wait."""
+        if not self._cuda:
+            for buffer, block_id in zip(buffers, block_ids, strict=True):
+                self.codec.unpack(buffer, block_id)
+            return None
+        per_chunk = max(1, _STAGING_BYTES // self.codec.stride)
+        for start in range(0, len(buffers), per_chunk):
+            chunk = buffers[start:start + per_chunk]
+            staging = torch.empty((len(chunk), self.codec.stride), dtype=torch.uint8, device=self.device)
+            for row, buffer in zip(staging, chunk, strict=True):
+                row[:self.codec.nbytes].copy_(buffer, non_blocking=True)
+            ids = to_device(list(block_ids[start:start + len(chunk)]), torch.int64, self.device)
+            self.codec.scatter(staging, ids)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        return done
+
+    def _read(self, key: bytes, lent: list[tuple[Any, bytes]]) -> torch.Tensor | None:
         """The packed block under ``key`` from the queue, the read-ahead (waiting for one in progress, so a
-        block is read from a store once) or the first store that returns it intact."""
+        block is read from a store once) or the first store that returns it intact — in place from a store
+        that lends views (``KVStore.view``), the (store, key) then appended to ``lent``."""
         with self._lock:
             while key in self._reading:
                 self._read_done.wait()
@@ -264,7 +319,7 @@ class KVTiers:
         if queued is not None:
             return queued
         try:
-            return self._read_stores(key)
+            return self._read_stores(key, lent)
         finally:
             self._release(key)
 
@@ -279,21 +334,29 @@ class KVTiers:
                     self._staged.popitem(last=False)
             self._read_done.notify_all()
 
-    def _read_stores(self, key: bytes) -> torch.Tensor | None:
+    def _read_stores(self, key: bytes, lent: list[tuple[Any, bytes]] | None = None) -> torch.Tensor | None:
         """The packed block under ``key`` from the first store that returns it intact, copied into the stores
-        above that one."""
-        buffer = torch.empty(self.codec.nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+        above that one. With ``lent`` (a promotion), a store that lends views returns its memory in place,
+        held until released, and the (store, key) is appended to ``lent``."""
+        buffer: torch.Tensor | None = None
         for depth, store in enumerate(self.stores):
             try:
-                found = store.load(key, buffer)
-                if found:
+                if lent is not None and hasattr(store, "view"):
+                    found = store.view(key)
+                    if found is not None:
+                        lent.append((store, key))
+                else:
+                    if buffer is None:
+                        buffer = torch.empty(self.codec.nbytes, dtype=torch.uint8, pin_memory=self._cuda)
+                    found = buffer if store.load(key, buffer) else None
+                if found is not None:
                     for upper in self.stores[:depth]:
-                        upper.save(key, buffer)
+                        upper.save(key, found)
             except Exception:  # a store must not raise (KVStore.load): a miss, never a failed step
                 logger.exception("KV store %r raised in load; treated as a miss", store.name)
                 continue
-            if found:
-                return buffer
+            if found is not None:
+                return found
         return None
 
     # --------------------------------------------------------------------------------------- read-ahead

@@ -14,7 +14,7 @@ from deepinfer.interfaces import KVStoreSpec
 
 class HostStore:
     """Up to ``capacity_bytes // block_bytes`` blocks in host memory; a save into a full store evicts the
-    least recently saved or loaded block. Thread-safe (one lock; copies happen under it)."""
+    least recently saved or loaded block that no view holds. Thread-safe (one lock; copies happen under it)."""
 
     name = "host"
     in_memory = True  # a load is a memory copy: not worth reading ahead (KVStore)
@@ -30,6 +30,7 @@ class HostStore:
                                 pin_memory=spec.device == "cuda")
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self.free_slots = list(range(self.num_slots - 1, -1, -1))
+        self.held: dict[bytes, int] = {}  # key -> views not yet released (such a slot is never rewritten)
         self.lock = threading.Lock()
         self.hits = self.misses = self.saves = self.evictions = self.errors = 0
 
@@ -56,7 +57,11 @@ class HostStore:
             if self.free_slots:
                 slot = self.free_slots.pop()
             else:
-                _, slot = self.index.popitem(last=False)
+                victim = next((k for k in self.index if k not in self.held), None)
+                if victim is None:  # every block is lent to a copy in flight
+                    self.errors += 1
+                    return False
+                slot = self.index.pop(victim)
                 self.evictions += 1
             self.slab[slot].copy_(block)
             self.index[key] = slot
@@ -75,6 +80,26 @@ class HostStore:
             self.hits += 1
             return True
 
+    def view(self, key: bytes) -> torch.Tensor | None:
+        """The block under ``key`` in place (a row of the slab, pinned on CUDA), held — never evicted or
+        rewritten — until ``release(key)``; it becomes the most recently used. None when missing."""
+        with self.lock:
+            slot = self.index.get(key)
+            if slot is None:
+                self.misses += 1
+                return None
+            self.index.move_to_end(key)
+            self.held[key] = self.held.get(key, 0) + 1
+            self.hits += 1
+            return self.slab[slot]
+
+    def release(self, key: bytes) -> None:
+        """End one ``view`` of ``key``."""
+        with self.lock:
+            left = self.held.pop(key, 1) - 1  # after close: nothing held
+            if left:
+                self.held[key] = left
+
     def stats(self) -> dict[str, float]:
         with self.lock:
             return {"blocks": len(self.index), "bytes": len(self.index) * self.block_bytes,
@@ -84,4 +109,5 @@ class HostStore:
     def close(self) -> None:
         with self.lock:
             self.index.clear()
+            self.held.clear()
             self.free_slots = list(range(self.num_slots - 1, -1, -1))

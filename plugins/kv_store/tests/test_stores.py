@@ -54,6 +54,24 @@ def test_host_store_keeps_the_most_recently_used_blocks_within_its_bytes() -> No
     assert store.stats()["errors"] == 1
 
 
+def test_a_viewed_host_block_is_never_evicted_until_released() -> None:
+    store = HostStore(SPEC, capacity_bytes=2 * BLOCK)
+    store.save(_key(0), _block(0))
+    store.save(_key(1), _block(1))
+    view = store.view(_key(0))
+    assert view is not None and torch.equal(view, _block(0)) and store.view(_key(7)) is None
+    store.view(_key(1))
+    store.release(_key(1))  # 1 is held no more; 0 still is
+    assert store.save(_key(2), _block(2))  # evicts 1, though 0 is the least recently used
+    assert torch.equal(view, _block(0)) and store.contains([_key(0), _key(2)]) == 2 and store.contains([_key(1)]) == 0
+    store.view(_key(2))
+    assert not store.save(_key(3), _block(3))  # every block held: refused, counted, nothing rewritten
+    assert store.stats()["errors"] == 1 and torch.equal(view, _block(0))
+    store.release(_key(0))
+    assert store.save(_key(3), _block(3))  # 0 is evictable again
+    assert store.contains([_key(0)]) == 0 and store.contains([_key(2), _key(3)]) == 2
+
+
 def test_host_store_smaller_than_a_block_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"plugins\.kv_store\.host_bytes=100 holds no block of 256 bytes"):
         HostStore(SPEC, capacity_bytes=100)

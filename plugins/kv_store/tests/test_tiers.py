@@ -17,6 +17,7 @@ from tiny_models import save_tiny
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.errors import ConfigError
+from deepinfer.kv.tiers import BlockCodec
 
 BLOCK = 16
 PREFIX = 64  # 4 full blocks shared by the prompts that hit
@@ -103,12 +104,14 @@ def _evict_then_hit(folder: Path, kv_store: str, tmp: Path | None = None,
     counts = _count_computed(llm)
     second = _generate(llm, [b])
     stats = llm.get_stats()
+    held = [dict(getattr(store, "held", {})) for store in llm.engine.kv_tiers.stores]
     llm.shutdown()
     fresh = LLM(folder, kv_cache_bytes=1 << 22, block_size=BLOCK, max_model_len=128,
                 cache={"prefix_caching": False}, **overrides)
     want = _generate(fresh, [a, b])
     fresh.shutdown()
-    return {"got": first + second, "want": want, "prefill": counts[0], "len_b": len(b), "stats": stats}
+    return {"got": first + second, "want": want, "prefill": counts[0], "len_b": len(b), "stats": stats,
+            "held": held}
 
 
 @pytest.mark.parametrize("kv_store", ["host", "disk", "host+disk"])
@@ -121,6 +124,47 @@ def test_a_prefix_evicted_from_the_device_comes_back_from_each_tier(llama_dir: P
     assert tiers["promoted_blocks"] == PREFIX // BLOCK and tiers["promoted_tokens"] == PREFIX
     assert tiers["demoted_blocks"] > 0 and tiers["load_failures"] == 0
     assert run["stats"]["kv_blocks_free"] == run["stats"]["kv_blocks_total"]
+    assert all(not held for held in run["held"])  # the host store's lent blocks are given back
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_store", ["host", "host+disk"])
+def test_a_prefix_comes_back_from_the_host_on_cuda(llama_dir: Path, tmp_path: Path, kv_store: str) -> None:
+    """On CUDA: pinned slab, side-stream demotion, promotion straight from the slab through a device staging
+    matrix scattered by one indexed copy per cache tensor."""
+    run = _evict_then_hit(llama_dir, kv_store, tmp_path, device="cuda", dtype="float32")
+    assert run["got"] == run["want"]
+    assert run["prefill"] == run["len_b"] - PREFIX
+    assert run["stats"]["kv_tiers"]["promoted_blocks"] == PREFIX // BLOCK
+    assert run["stats"]["kv_blocks_free"] == run["stats"]["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_scattered_staging_matrix_equals_block_by_block_unpacking(device: str) -> None:
+    """``BlockCodec.scatter`` of packed blocks (mixed dtypes, odd sizes, padded rows) writes what ``unpack``
+    writes, block by block, and touches no other block."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [((9, 3, 5), torch.bfloat16), ((9, 7), torch.uint8), ((9, 2, 3), torch.float32)]
+    source = [torch.randn(s, generator=gen).to(d) if d != torch.uint8 else torch.randint(0, 256, s, generator=gen,
+              dtype=d) for s, d in shapes]
+    codec = BlockCodec(source)
+    assert codec.stride % 64 == 0 and codec.stride >= codec.nbytes
+    packed = []
+    for b in (4, 1, 7):
+        buffer = torch.empty(codec.nbytes, dtype=torch.uint8)
+        codec.pack(b, buffer)
+        packed.append(buffer)
+    one_by_one = [torch.zeros_like(t) for t in source]
+    by_block = BlockCodec(one_by_one)
+    for buffer, b in zip(packed, (2, 8, 5), strict=True):
+        by_block.unpack(buffer, b)
+    scattered = [torch.zeros_like(t, device=device) for t in source]
+    staging = torch.zeros((3, codec.stride), dtype=torch.uint8, device=device)
+    for row, buffer in zip(staging, packed, strict=True):
+        row[:codec.nbytes].copy_(buffer)
+    BlockCodec(scattered).scatter(staging, torch.tensor([2, 8, 5], device=device))
+    for want, got in zip(one_by_one, scattered, strict=True):
+        assert torch.equal(want, got.cpu())
 
 
 def test_tiers_under_the_overlapped_executor(llama_dir: Path) -> None:
@@ -218,25 +262,25 @@ def test_a_store_that_raises_mid_promotion_is_a_miss_and_leaks_nothing(llama_dir
         _generate(llm, [_tokens(70, 10 + i)])
     llm.engine.kv_tiers.flush()
     store = llm.engine.kv_tiers.stores[0]
-    load, calls = store.load, []
+    view, calls = store.view, []  # a promotion reads the host store in place
 
-    def broken(key: bytes, out: torch.Tensor) -> bool:
+    def broken(key: bytes) -> torch.Tensor | None:
         calls.append(key)
         if len(calls) == 3:
             raise OSError("device unplugged")
-        return load(key, out)
+        return view(key)
 
-    store.load = broken
+    store.view = broken
     counts = _count_computed(llm)
     got = _generate(llm, [b])
-    stats = llm.get_stats()
+    stats, held = llm.get_stats(), dict(store.held)
     llm.shutdown()
     fresh = LLM(llama_dir, kv_cache_bytes=1 << 22, block_size=BLOCK, max_model_len=128)
     assert got == _generate(fresh, [b])
     fresh.shutdown()
     assert counts[0] == len(b) - 2 * BLOCK
     assert stats["kv_tiers"]["promoted_blocks"] == 2 and stats["kv_tiers"]["load_failures"] == 1
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and not held  # the two views given back
 
 
 @pytest.mark.parametrize("executor", ["sync", "overlap"])
