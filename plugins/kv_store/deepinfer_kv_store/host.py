@@ -14,7 +14,9 @@ from deepinfer.interfaces import KVStoreSpec
 
 class HostStore:
     """Up to ``capacity_bytes // block_bytes`` blocks in host memory; a save into a full store evicts the
-    least recently saved or loaded block that no view holds. Thread-safe (one lock; copies happen under it)."""
+    least recently saved or loaded block that no view holds. Thread-safe: one lock guards the index, and the
+    copies run outside it (a block being saved is in no index yet; one being loaded is held), so a lookup or
+    a ``view`` never waits for a block's copy."""
 
     name = "host"
     in_memory = True  # a load is a memory copy: not worth reading ahead (KVStore)
@@ -63,22 +65,25 @@ class HostStore:
                     return False
                 slot = self.index.pop(victim)
                 self.evictions += 1
-            self.slab[slot].copy_(block)
-            self.index[key] = slot
-            self.saves += 1
+        self.slab[slot].copy_(block)  # the slot is in no index meanwhile: nobody reads it
+        with self.lock:
+            if key in self.index:  # saved by another thread meanwhile: keep that copy
+                self.free_slots.append(slot)
+            else:
+                self.index[key] = slot
+                self.saves += 1
             return True
 
     def load(self, key: bytes, out: torch.Tensor) -> bool:
         """Copy the block under ``key`` into ``out``; it becomes the most recently used."""
-        with self.lock:
-            slot = self.index.get(key)
-            if slot is None:
-                self.misses += 1
-                return False
-            self.index.move_to_end(key)
-            out.copy_(self.slab[slot])
-            self.hits += 1
-            return True
+        block = self.view(key)
+        if block is None:
+            return False
+        try:
+            out.copy_(block)
+        finally:
+            self.release(key)
+        return True
 
     def view(self, key: bytes) -> torch.Tensor | None:
         """The block under ``key`` in place (a row of the slab, pinned on CUDA), held — never evicted or
