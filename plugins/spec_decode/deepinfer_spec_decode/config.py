@@ -44,6 +44,9 @@ class SpecDecodeConfig(BaseModel):
     ``dspark_intermediate_size``, the top ``dspark_num_experts_per_tok`` per row); ``dspark_target_attn_input``
     (the reference's; only ``True``): the features are the residual entering each target layer's
     attention, on a model with hyper-connections (DeepSeek-V4) the mean of its streams there.
+    ``dspark_dtype``: the drafter's weights, context cache and activations (``auto``: the target's dtype;
+    ``bfloat16`` halves the bytes a drafting step reads, e.g. beside a float32 target on CPU; drafts are
+    verified by the target either way, so the output is unchanged).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -71,6 +74,7 @@ class SpecDecodeConfig(BaseModel):
     dspark_confidence_temperature: float | list[float] = 1.0
     dspark_weights: str = "auto"
     dspark_auto_recipe: dict[str, Any] | None = None
+    dspark_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
     @field_validator("dspark_confidence_temperature", mode="before")
     @classmethod

@@ -397,14 +397,14 @@ class DSparkDrafter:
         self.network = network
         self.noise_token_id = noise_token_id
         self.window = window
-        self.head = network.head_of(lm_head_of(model))
+        self.dtype = network.main_proj.weight.dtype  # the drafter's (``drafter_dtype``); the target's may differ
+        self.head = network.head_of(lm_head_of(model).to(self.dtype))
         device = model.embed_tokens.weight.device
         self.confidence_temperature = torch.tensor(confidence_temperature, dtype=torch.float32, device=device)
         # The context cache: every layer's keys and values of each committed row, in the main pool's slot of
         # the row's position (so it follows the main cache's blocks: freed, shared and reused with them).
         hidden = model.embed_tokens.weight.shape[1]
-        self.context = torch.zeros(pool_slots(model), len(network.layers), 2, hidden,
-                                   dtype=model.embed_tokens.weight.dtype, device=device)
+        self.context = torch.zeros(pool_slots(model), len(network.layers), 2, hidden, dtype=self.dtype, device=device)
         # CUDA graphs of the context write and of the block drafting (draft_graphs.py), built on the first
         # step whose GEMM backend is graph-safe; MoE blocks read their experts on the host, so they stay eager.
         self.cuda_graphs = cuda_graphs and device.type == "cuda" and not any(layer.moe for layer in network.layers)
@@ -433,7 +433,7 @@ class DSparkDrafter:
         """Every committed row's context keys and values into the cache (``features [N, H·L]`` at ``slots`` and
         ``positions [N]``)."""
         assert self.linear is not None
-        self.context[slots] = self.network.context_kv(features, positions, self.linear)
+        self.context[slots] = self.network.context_kv(features.to(self.dtype), positions, self.linear)
         return ()
 
     def draft(self, slots: torch.Tensor, visible: torch.Tensor, last_tokens: torch.Tensor, positions: torch.Tensor,
@@ -445,8 +445,8 @@ class DSparkDrafter:
         block_ids = torch.full((batch, k), self.noise_token_id, dtype=torch.int64, device=dev)
         block_ids[:, 0] = last_tokens
         block_positions = positions.unsqueeze(1) + torch.arange(k, device=dev)
-        before_norm, normed = self.network.block(self.context[slots], visible, self.model.embed_tokens(block_ids),
-                                                 block_positions, self.linear)
+        embedded = self.model.embed_tokens(block_ids).to(self.dtype)
+        before_norm, normed = self.network.block(self.context[slots], visible, embedded, block_positions, self.linear)
         logits = self.linear(normed.reshape(batch * k, -1), self.head)
         return draft_block(logits.float().reshape(batch, k, -1), before_norm, last_tokens, self.network,
                            self.confidence_temperature, temperature, seeds, positions, report_probs)
@@ -538,11 +538,18 @@ def pool_slots(model: Any) -> int:
                       "drafter is built")
 
 
+def drafter_dtype(model: Any, config: SpecDecodeConfig) -> torch.dtype:
+    """The drafter's dtype: ``dspark_dtype``, or the target's (its embedding's) for ``auto``."""
+    if config.dspark_dtype == "auto":
+        return model.embed_tokens.weight.dtype
+    return getattr(torch, config.dspark_dtype)
+
+
 def context_bytes_per_slot(model: Any, config: SpecDecodeConfig) -> int:
     """Bytes of the context cache per main-pool slot (``DSparkDrafter.context``): every drafter layer's key
-    and value row, in the model dtype. The engine counts them in the KV budget before sizing the pool."""
-    weight = model.embed_tokens.weight
-    return config.dspark_num_layers * 2 * weight.shape[1] * weight.element_size()
+    and value row, in the drafter's dtype. The engine counts them in the KV budget before sizing the pool."""
+    size = torch.empty(0, dtype=drafter_dtype(model, config)).element_size()
+    return config.dspark_num_layers * 2 * model.embed_tokens.weight.shape[1] * size
 
 
 def lm_head_of(model: Any) -> torch.Tensor:
@@ -571,7 +578,8 @@ def check_config(config: SpecDecodeConfig, info: EngineInfo) -> None:
 
 def build_network(model: Any, config: SpecDecodeConfig, num_targets: int, draft_vocab_size: int | None = None,
                   separate_context: bool = True) -> DSparkNetwork:
-    """An unfilled network sized for ``model`` (its hidden size, vocabulary, dtype and device), proposing
+    """An unfilled network sized for ``model`` (its hidden size, vocabulary and device; the dtype of
+    ``drafter_dtype``), proposing
     from a draft vocabulary of ``draft_vocab_size`` tokens (None: the whole vocabulary), with each layer's
     own context projection ``ctx_kv`` unless ``separate_context`` is false."""
     weight = model.embed_tokens.weight
@@ -584,7 +592,8 @@ def build_network(model: Any, config: SpecDecodeConfig, num_targets: int, draft_
     # draw from the CUDA generator, whose state an engine's CUDA-graph captures register.
     network = DSparkNetwork(hidden, num_targets, model.vocab_size, num_layers=config.dspark_num_layers, heads=heads,
                             intermediate=config.dspark_intermediate_size or 2 * hidden,
-                            markov_rank=config.dspark_markov_rank, dtype=weight.dtype, device=torch.device("cpu"),
+                            markov_rank=config.dspark_markov_rank, dtype=drafter_dtype(model, config),
+                            device=torch.device("cpu"),
                             draft_vocab_size=draft_vocab_size, separate_context=separate_context,
                             experts=config.dspark_n_routed_experts,
                             experts_per_token=config.dspark_num_experts_per_tok or 0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from abort_drills import assert_preempted_then_aborts_free_every_block
 from deepinfer_spec_decode.config import SpecDecodeConfig
-from deepinfer_spec_decode.dspark import DSparkDrafter, DSparkNetwork, draft_block, save_weights
+from deepinfer_spec_decode.dspark import DSparkDrafter, DSparkNetwork, context_bytes_per_slot, draft_block, save_weights
 from safetensors.torch import load_file, save_file
 from test_deepseek_v3 import CONFIGS as DEEPSEEK_CONFIGS
 from test_deepseek_v3 import _build as build_deepseek
@@ -285,6 +285,25 @@ def test_config_checks_and_the_reference_temperature_knob(llama_dir, monkeypatch
     monkeypatch.setenv("DEEPINFER_DFLASH_CONFIDENCE_HEAD_TEMPERATURE", ",".join(["0.5"] * K))
     llm = _llm(llama_dir, _spec())
     assert _dspark(llm).confidence_temperature.tolist() == [0.5] * K
+
+
+def test_a_bfloat16_drafter_beside_a_float32_target(llama_dir):
+    """``dspark_dtype: bfloat16``: the drafter's weights, head and context cache in bf16 (counted so in the KV
+    budget) under a float32 target, whose verification keeps the greedy tokens of no speculation."""
+    prompts = _prompts(4, 3)
+    params = [SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)] * 4
+    reference, _ = _generate(llama_dir, prompts, params)
+    out, llm = _generate(llama_dir, prompts, params, _spec("varlen", dspark_dtype="bfloat16"))
+    assert out == reference
+    drafter = _dspark(llm)
+    assert llm.engine.model.embed_tokens.weight.dtype == torch.float32
+    assert {p.dtype for p in drafter.network.parameters()} == {torch.bfloat16}
+    assert drafter.context.dtype == drafter.head.dtype == torch.bfloat16
+    assert context_bytes_per_slot(llm.engine.model, SpecDecodeConfig(drafter="dspark", dspark_dtype="bfloat16")) \
+        == drafter.context[0].numel() * 2
+    assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
+    with pytest.raises(ValueError, match="dspark_dtype"):
+        SpecDecodeConfig(dspark_dtype="int8")
 
 
 def test_auto_weights_need_a_tokenizer(llama_dir):
