@@ -87,24 +87,6 @@ def _weight_tile(w_base, s_base, cols, k0, size_k, stride_wn, stride_sn, col_ok,
 
 
 @triton.jit
-def _mx_tile(w_base, s_base, cols, k0, size_k, stride_wn, stride_sn, col_ok, BLOCK_K: tl.constexpr,
-             FP4_BLOCK: tl.constexpr):
-    """The FP4 weight tile ``w[cols, k0:k0 + BLOCK_K]ᵀ`` as ``tl.dot_scaled`` takes it: the packed bytes
-    ``[BLOCK_K/2, BLOCK_N]`` (two codes a byte along K, the even input in the low nibble) and their ue8m0
-    scales ``[BLOCK_N, BLOCK_K/FP4_BLOCK]`` (inputs past ``size_k`` and columns not ``col_ok``: code 0, scale 1)."""
-    col_offsets = cols[None, :].to(tl.int64)
-    HALF: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // FP4_BLOCK
-    pairs = k0 // 2 + tl.arange(0, HALF)
-    packed = tl.load(w_base + col_offsets * stride_wn + pairs[:, None],
-                     mask=(pairs[:, None] * 2 < size_k) & col_ok[None, :], other=0)
-    groups = k0 // FP4_BLOCK + tl.arange(0, GROUPS)
-    scale = tl.load(s_base + cols[:, None].to(tl.int64) * stride_sn + groups[None, :],
-                    mask=(groups[None, :] * FP4_BLOCK < size_k) & col_ok[:, None], other=127)
-    return packed, scale
-
-
-@triton.jit
 def dequantize_fp4_kernel(w_ptr, s_ptr, out_ptr, rows, cols, stride_w, stride_s, stride_o,
                           FP4_BLOCK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """``out [rows, cols]`` float32 = the FP4 matrix ``w [rows, cols/2]`` (scales ``s``) through
@@ -125,8 +107,7 @@ def _gate_up_kernel(
     stride_xt, stride_we, stride_wn, stride_ot, stride_xst, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, HAS_LIMIT: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr, FP4: tl.constexpr, FP4_BLOCK: tl.constexpr, SCALED_DOT: tl.constexpr,
-    LHS_FORMAT: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr, FP4: tl.constexpr, FP4_BLOCK: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` rows of one expert × ``BLOCK_N`` columns of the intermediate width."""
     pid_m = tl.program_id(0)
@@ -152,31 +133,22 @@ def _gate_up_kernel(
     for k0 in range(0, hidden, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < hidden
-        if SCALED_DOT:  # FP4 weights through the compiler's microscaled dot (16-bit activations)
-            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w_gate, s_gate = _mx_tile(w_base, s_base, offs_n, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K,
-                                      FP4_BLOCK)
-            w_up, s_up = _mx_tile(w_base, s_base, offs_n + inter, k0, hidden, stride_wn, stride_wsn, col_ok,
-                                  BLOCK_K, FP4_BLOCK)
-            acc_gate = tl.dot_scaled(a, None, LHS_FORMAT, w_gate, s_gate, "e2m1", acc_gate)
-            acc_up = tl.dot_scaled(a, None, LHS_FORMAT, w_up, s_up, "e2m1", acc_up)
+        a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        b_gate = _weight_tile(w_base, s_base, offs_n, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
+                              FP4_BLOCK).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_N]
+        b_up = _weight_tile(w_base, s_base, offs_n + inter, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
+                            FP4_BLOCK).to(DOT_DTYPE)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_scale = tl.load(x_scale_ptr + token * stride_xst + kb, mask=row_ok, other=0.0)
+            ws = w_scale_ptr + expert.to(tl.int64) * stride_wse + kb
+            s_gate = tl.load(ws + (offs_n // 128) * stride_wsn, mask=col_ok, other=0.0)
+            s_up = tl.load(ws + ((offs_n + inter) // 128) * stride_wsn, mask=col_ok, other=0.0)
+            acc_gate += tl.dot(a, b_gate) * a_scale[:, None] * s_gate[None, :]
+            acc_up += tl.dot(a, b_up) * a_scale[:, None] * s_up[None, :]
         else:
-            a = tl.load(x_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-            b_gate = _weight_tile(w_base, s_base, offs_n, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
-                                  FP4_BLOCK).to(DOT_DTYPE)  # [BLOCK_K, BLOCK_N]
-            b_up = _weight_tile(w_base, s_base, offs_n + inter, k0, hidden, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
-                                FP4_BLOCK).to(DOT_DTYPE)
-            if FP8:
-                kb = k0 // BLOCK_K
-                a_scale = tl.load(x_scale_ptr + token * stride_xst + kb, mask=row_ok, other=0.0)
-                ws = w_scale_ptr + expert.to(tl.int64) * stride_wse + kb
-                s_gate = tl.load(ws + (offs_n // 128) * stride_wsn, mask=col_ok, other=0.0)
-                s_up = tl.load(ws + ((offs_n + inter) // 128) * stride_wsn, mask=col_ok, other=0.0)
-                acc_gate += tl.dot(a, b_gate) * a_scale[:, None] * s_gate[None, :]
-                acc_up += tl.dot(a, b_up) * a_scale[:, None] * s_up[None, :]
-            else:
-                acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
+            acc_gate = tl.dot(a, b_gate, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(a, b_up, acc_up, input_precision=PRECISION)
     if HAS_LIMIT:  # DeepSeek-V4's clamped SwiGLU
         acc_gate = tl.minimum(acc_gate, limit)
         acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -192,7 +164,7 @@ def _down_kernel(
     stride_hp, stride_we, stride_wn, stride_op, stride_hsp, stride_wse, stride_wsn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-    FP4: tl.constexpr, FP4_BLOCK: tl.constexpr, SCALED_DOT: tl.constexpr, LHS_FORMAT: tl.constexpr,
+    FP4: tl.constexpr, FP4_BLOCK: tl.constexpr,
 ):
     """One program: ``BLOCK_M`` rows of one expert × ``BLOCK_N`` hidden columns, times routing weight."""
     pid_m = tl.program_id(0)
@@ -217,22 +189,17 @@ def _down_kernel(
     for k0 in range(0, inter, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < inter
-        if SCALED_DOT:
-            a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w, ws = _mx_tile(w_base, s_base, offs_n, k0, inter, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4_BLOCK)
-            acc = tl.dot_scaled(a, None, LHS_FORMAT, w, ws, "e2m1", acc)
+        a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
+        b = _weight_tile(w_base, s_base, offs_n, k0, inter, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
+                         FP4_BLOCK).to(DOT_DTYPE)
+        if FP8:
+            kb = k0 // BLOCK_K
+            a_scale = tl.load(h_scale_ptr + row * stride_hsp + kb, mask=row_ok, other=0.0)
+            s = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse + (offs_n // 128) * stride_wsn + kb,
+                        mask=col_ok, other=0.0)
+            acc += tl.dot(a, b) * a_scale[:, None] * s[None, :]
         else:
-            a = tl.load(h_rows + kk[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(DOT_DTYPE)
-            b = _weight_tile(w_base, s_base, offs_n, k0, inter, stride_wn, stride_wsn, col_ok, BLOCK_K, FP4,
-                             FP4_BLOCK).to(DOT_DTYPE)
-            if FP8:
-                kb = k0 // BLOCK_K
-                a_scale = tl.load(h_scale_ptr + row * stride_hsp + kb, mask=row_ok, other=0.0)
-                s = tl.load(w_scale_ptr + expert.to(tl.int64) * stride_wse + (offs_n // 128) * stride_wsn + kb,
-                            mask=col_ok, other=0.0)
-                acc += tl.dot(a, b) * a_scale[:, None] * s[None, :]
-            else:
-                acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     routing = tl.load(weight_ptr + row, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * routing[:, None]
     out = out_ptr + row[:, None] * stride_op + offs_n[None, :]
@@ -243,17 +210,6 @@ def _precision(dtype: torch.dtype) -> str | None:
     """float32 inputs multiply in full IEEE precision (not TF32), so fp32 runs match the reference;
     other dtypes keep ``tl.dot``'s default."""
     return "ieee" if dtype == torch.float32 else None
-
-
-_MX_FORMATS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-SCALED_DOT = True  # FP4 weights with 16-bit activations through tl.dot_scaled (else dequantized in registers)
-
-
-def _scaled_dot(dtype: torch.dtype, fp4_block: int | None) -> dict[str, object]:
-    """The kernels' ``SCALED_DOT``/``LHS_FORMAT``: ``tl.dot_scaled`` takes FP4 weights with one e8m0 scale per
-    32 inputs and bf16/fp16 activations; float32 activations (and other blocks) dequantize in registers."""
-    on = SCALED_DOT and fp4_block == 32 and dtype in _MX_FORMATS
-    return {"SCALED_DOT": on, "LHS_FORMAT": _MX_FORMATS.get(dtype, "bf16")}
 
 
 def _dot_dtype(dtype: torch.dtype) -> tl.dtype:
@@ -285,8 +241,7 @@ def gate_up(x: torch.Tensor, x_scale: torch.Tensor | None, w13: torch.Tensor, w1
         scale_x.stride(0), scale_w.stride(0), scale_w.stride(1),
         BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, DOT_DTYPE=_dot_dtype(x.dtype),
         PRECISION=_precision(x.dtype), HAS_LIMIT=swiglu_limit is not None, PAIR_BLOCKS=layout.one_pair_per_block,
-        FP4=fp4, FP4_BLOCK=fp4_block or 1, **_scaled_dot(x.dtype, fp4_block), num_warps=num_warps,
-        num_stages=num_stages,
+        FP4=fp4, FP4_BLOCK=fp4_block or 1, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -314,7 +269,7 @@ def down(h: torch.Tensor, h_scale: torch.Tensor | None, w2: torch.Tensor, w2_sca
         scale_h.stride(0), scale_w.stride(0), scale_w.stride(1),
         BLOCK_M=layout.block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP8=fp8, DOT_DTYPE=_dot_dtype(h.dtype),
         PRECISION=_precision(h.dtype), PAIR_BLOCKS=layout.one_pair_per_block, FP4=fp4, FP4_BLOCK=fp4_block or 1,
-        **_scaled_dot(h.dtype, fp4_block), num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

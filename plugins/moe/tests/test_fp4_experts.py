@@ -51,7 +51,7 @@ def _fp4_experts(experts: int, hidden: int, inter: int, seed: int) -> Fp4ExpertW
 
 @pytest.mark.parametrize("tokens", [3, 37])  # the one-pair-per-block decode layout; the sorted layout
 @pytest.mark.parametrize("limit", [None, 7.0])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # registers; tl.dot_scaled
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fp4_experts_equal_the_reference_on_the_dequantized_weights(tokens: int, limit: float | None,
                                                                     dtype: torch.dtype) -> None:
     experts, hidden, inter, top_k = 6, 64, 96, 2
