@@ -167,6 +167,57 @@ def test_a_scattered_staging_matrix_equals_block_by_block_unpacking(device: str)
         assert torch.equal(want, got.cpu())
 
 
+class _Copies:
+    """A stand-in for a CUDA event: the device copies it marks are done once ``done`` is set."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+
+def test_lent_host_blocks_are_held_until_their_copies_are_done() -> None:
+    """A promotion reads the host store in place; the blocks stay held (no save may evict them) while its
+    copies are in flight, and are given back at the next promotion or write after the copies' event passes."""
+    from deepinfer_kv_store.host import HostStore
+
+    from deepinfer.interfaces import KVStoreSpec
+    from deepinfer.kv.tiers import KVTiers
+
+    cache = [torch.arange(6 * 8, dtype=torch.float32).reshape(6, 8)]
+    codec = BlockCodec(cache)
+    spec = KVStoreSpec(block_bytes=codec.nbytes, device="cpu", namespace="00" * 16)
+    store = HostStore(spec, capacity_bytes=2 * codec.nbytes)
+    tiers = KVTiers([store], codec, spec, torch.device("cpu"))
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    for block_id, h in zip((1, 2), hashes, strict=False):
+        tiers.save_block(block_id, h, wait=True)
+    tiers.flush()
+    copies = _Copies()
+
+    def copy_in(buffers: list[torch.Tensor], block_ids: list[int]) -> _Copies:  # copied, but marked in flight
+        KVTiers._copy_in(tiers, buffers, block_ids)
+        return copies
+
+    tiers._copy_in = copy_in
+    assert tiers.load(hashes[:2], [4, 5]) == 2
+    assert torch.equal(cache[0][4], cache[0][1]) and torch.equal(cache[0][5], cache[0][2])
+    assert sorted(store.held) == sorted(tiers.key(h) for h in hashes[:2])
+    tiers.save_block(3, hashes[2], wait=True)
+    tiers.flush()
+    assert store.stats()["errors"] == 1 and store.contains([tiers.key(hashes[2])]) == 0  # both slots held: refused
+    assert len(store.held) == 2  # the writer's release found the copies still in flight
+    copies.done = True
+    tiers.save_block(3, hashes[2], wait=True)
+    tiers.flush()  # refused again (the write comes before the writer's release), then both given back
+    assert not store.held and store.stats()["errors"] == 2
+    tiers.save_block(3, hashes[2], wait=True)
+    tiers.flush()
+    assert store.contains([tiers.key(hashes[2])]) == 1
+    tiers.close()
+
+
 def test_tiers_under_the_overlapped_executor(llama_dir: Path) -> None:
     """The overlapped executor (plugins/scheduling: the forward on a worker thread) demotes and promotes
     the same blocks with the same tokens."""

@@ -579,9 +579,8 @@ def check_config(config: SpecDecodeConfig, info: EngineInfo) -> None:
 def build_network(model: Any, config: SpecDecodeConfig, num_targets: int, draft_vocab_size: int | None = None,
                   separate_context: bool = True) -> DSparkNetwork:
     """An unfilled network sized for ``model`` (its hidden size, vocabulary and device; the dtype of
-    ``drafter_dtype``), proposing
-    from a draft vocabulary of ``draft_vocab_size`` tokens (None: the whole vocabulary), with each layer's
-    own context projection ``ctx_kv`` unless ``separate_context`` is false."""
+    ``drafter_dtype``), proposing from a draft vocabulary of ``draft_vocab_size`` tokens (None: the whole
+    vocabulary), with each layer's own context projection ``ctx_kv`` unless ``separate_context`` is false."""
     weight = model.embed_tokens.weight
     hidden = weight.shape[1]
     heads = config.dspark_num_heads
