@@ -5,10 +5,10 @@ allocation evicts them. With ``cache.kv_store`` set, ``KVTiers`` sits under it:
 
 - **Demotion.** When ``BlockPool`` evicts a cached block, ``demote`` packs the block's paged entries of
   every layer into one flat byte buffer (``BlockCodec``) *before* the block can be rewritten — on the CPU
-  a memcpy, on CUDA a copy into pinned memory on a side stream that the compute stream then waits for on
-  the device — and queues it. A writer thread saves it to every store of the chain (write-through, so a
-  block a host store evicts later is still on disk). The step never waits for a store: when the queue is
-  full the demotion is dropped and counted.
+  one concatenation, on CUDA one on the device and a single copy into pinned memory, on a side stream that
+  the compute stream then waits for on the device — and queues it. A writer thread saves it to every store
+  of the chain (write-through, so a block a host store evicts later is still on disk). The step never waits
+  for a store: when the queue is full the demotion is dropped and counted.
 - **Promotion.** At admission, after the device lookup stops, ``KVCacheManager.find_prefix`` asks
   ``contains`` how many of the next blocks some tier (or the writer's queue) holds, allocates free device
   blocks for them, ``load``s them (a failed load stops the promotion there: a miss, never wrong KV) and
@@ -63,13 +63,16 @@ class BlockCodec:
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
         self.offsets: list[int] = []
+        self._gaps: list[int] = []  # the zero bytes before each part (up to its aligned offset)
         offset = 0
         for t in self.tensors:
-            offset = -(-offset // _ALIGN) * _ALIGN
-            self.offsets.append(offset)
-            offset += t[0].numel() * t.element_size()
+            aligned = -(-offset // _ALIGN) * _ALIGN
+            self._gaps.append(aligned - offset)
+            self.offsets.append(aligned)
+            offset = aligned + t[0].numel() * t.element_size()
         self.nbytes = offset
         self.stride = -(-offset // _ALIGN) * _ALIGN  # a row of a staging matrix of packed blocks
+        self._zeros = torch.zeros(_ALIGN, dtype=torch.uint8, device=self.tensors[0].device)
 
     def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """The parts of ``buffer`` seen as each tensor's block (dtype and shape)."""
@@ -80,9 +83,18 @@ class BlockCodec:
         return views
 
     def pack(self, block_id: int, out: torch.Tensor, non_blocking: bool = False) -> None:
-        """Copy block ``block_id`` of every tensor into ``out`` (``uint8 [nbytes]``)."""
-        for view, t in zip(self._views(out), self.tensors, strict=True):
-            view.copy_(t[block_id], non_blocking=non_blocking)
+        """Copy block ``block_id`` of every tensor into ``out`` (``uint8 [nbytes]``): one concatenation of the
+        parts' bytes and the alignment gaps on the tensors' device — straight into ``out`` when it is there,
+        else into a staging buffer that one copy (``non_blocking``) moves to ``out``."""
+        pieces: list[torch.Tensor] = []
+        for t, gap in zip(self.tensors, self._gaps, strict=True):
+            if gap:  # zeros before a part that starts at the next aligned offset
+                pieces.append(self._zeros[:gap])
+            pieces.append(t[block_id].reshape(-1).view(torch.uint8))
+        if out.device == self._zeros.device:
+            torch.cat(pieces, out=out)
+        else:
+            out.copy_(torch.cat(pieces), non_blocking=non_blocking)
 
     def unpack(self, buffer: torch.Tensor, block_id: int, non_blocking: bool = False) -> None:
         """Copy a packed block (``uint8 [nbytes]``) into block ``block_id`` of every tensor."""
