@@ -548,8 +548,7 @@ def drafter_dtype(model: Any, config: SpecDecodeConfig) -> torch.dtype:
 def context_bytes_per_slot(model: Any, config: SpecDecodeConfig) -> int:
     """Bytes of the context cache per main-pool slot (``DSparkDrafter.context``): every drafter layer's key
     and value row, in the drafter's dtype. The engine counts them in the KV budget before sizing the pool."""
-    size = torch.empty(0, dtype=drafter_dtype(model, config)).element_size()
-    return config.dspark_num_layers * 2 * model.embed_tokens.weight.shape[1] * size
+    return config.dspark_num_layers * 2 * model.embed_tokens.weight.shape[1] * drafter_dtype(model, config).itemsize
 
 
 def lm_head_of(model: Any) -> torch.Tensor:
