@@ -1,10 +1,12 @@
 """Training and held-out prompts for drafter self-distillation, built only from text already on the machine.
 
-Sources: CPython's standard-library modules (their docstrings and source lines) and the README /
-METADATA texts of installed packages (``importlib.metadata``). Passages cut from them fill templated
-instructions of several kinds — chat questions, code, summaries, lists — for chat models, or serve
-as continuation prompts for base models (Gemma-3-270M). The replies come from the target itself
-(``drafter_training``), so no dataset is downloaded.
+Sources: CPython's standard-library modules (their docstrings and source lines), the README /
+METADATA texts of installed packages (``importlib.metadata``) and a hand-written list of everyday
+subjects. Passages cut from them fill templated instructions of several kinds — chat questions, code,
+summaries, lists, practical advice, short creative writing — for chat models, or serve as continuation
+prompts for base models (Gemma-3-270M). The everyday kinds keep the training replies from being all
+about software. The replies come from the target itself (``drafter_training``), so no dataset is
+downloaded.
 
 The held-out prompts use templates and passages the training prompts never use (the passage pool is
 split before any prompt is made), so held-out acceptance measures generalization to unseen text.
@@ -19,7 +21,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-KINDS = ("question", "code", "summary", "list")
+KINDS = ("question", "code", "summary", "list", "advice", "creative")
 
 # Templates per kind; the last ``HELD_OUT_TEMPLATES`` of each kind are held out (used only for held-out
 # prompts). Many phrasings per kind keep the drafter from learning one template's reply openings.
@@ -81,7 +83,66 @@ TEMPLATES: dict[str, tuple[str, ...]] = {
         "Make a bulleted list of tips for working with {topic}.",
         "List three use cases for {topic}.",
     ),
+    "advice": (
+        "How do I get better at {subject}?",
+        "Give me some practical advice about {subject}.",
+        "I am new to {subject}. Where should I start?",
+        "What should I know before {subject}?",
+        "What are the most common mistakes in {subject}?",
+        "How can I save time when {subject}?",
+        "My friend asked me about {subject}. What should I tell them?",
+        "Explain how to plan for {subject} step by step.",
+        "What is a good routine for {subject}?",
+        "How do experts approach {subject}?",
+        "What would you recommend for someone struggling with {subject}?",
+        "Give three tips for {subject}.",
+    ),
+    "creative": (
+        "Write a short story about {subject}.",
+        "Write a short poem about {subject}.",
+        "Write a friendly email to a colleague about {subject}.",
+        "Describe a memorable moment of {subject}.",
+        "Write a dialogue between two friends about {subject}.",
+        "Write a diary entry about {subject}.",
+        "Write a short speech about {subject}.",
+        "Write a product description related to {subject}.",
+        "Write a funny paragraph about {subject}.",
+        "Write a letter to your future self about {subject}.",
+        "Write a blog post introduction about {subject}.",
+        "Write a short scene set during {subject}.",
+    ),
 }
+
+# Everyday subjects for the ``advice`` and ``creative`` kinds (gerund phrases and nouns that fit both
+# kinds' templates). Hand-written: the machine's own texts are almost all about software.
+SUBJECTS = (
+    "cooking dinner for a family", "baking bread", "learning to swim", "training for a marathon",
+    "planting a vegetable garden", "caring for houseplants", "moving to a new city", "starting a new job",
+    "preparing for a job interview", "writing a resume", "saving money each month", "paying off debt",
+    "planning a wedding", "organizing a birthday party", "traveling on a budget", "camping in the mountains",
+    "hiking with children", "learning a foreign language", "learning to play the guitar", "practicing the piano",
+    "painting with watercolors", "taking better photographs", "keeping a journal", "reading more books",
+    "sleeping better", "waking up early", "eating healthier", "drinking more water", "running a small business",
+    "selling handmade crafts", "negotiating a salary", "managing a team", "working from home",
+    "studying for exams", "teaching a child to read", "raising a puppy", "adopting a cat",
+    "riding a bicycle in the city", "driving in snow", "buying a used car", "renting a first apartment",
+    "decorating a small room",
+    "cleaning the kitchen", "doing laundry", "fixing a leaking tap", "building a bookshelf", "recycling at home",
+    "reducing food waste", "composting", "volunteering in the community", "making new friends as an adult",
+    "dealing with stress", "giving a presentation", "public speaking", "writing a thank-you note",
+    "hosting guests for the weekend", "visiting grandparents", "a rainy afternoon", "a snowy morning",
+    "the first day of school", "a long train journey", "a trip to the seaside", "a night under the stars",
+    "a visit to a museum", "a farmers market", "a summer festival", "a thunderstorm", "an old lighthouse",
+    "a small bakery", "a forgotten library book", "a lost umbrella", "a city at night", "autumn leaves",
+    "the ocean", "the moon", "a mountain village", "a busy airport", "a quiet cafe", "a football match",
+    "playing chess", "solving puzzles", "knitting a scarf", "brewing coffee", "making tea", "grilling vegetables",
+    "packing for a trip", "choosing a gift", "writing a novel", "starting a podcast", "learning to draw",
+    "staying motivated", "setting goals for the new year", "keeping a budget", "shopping for groceries",
+    "walking the dog", "birdwatching", "fishing on a lake", "skiing for the first time", "learning to dance",
+    "singing in a choir", "taking care of an elderly parent", "preparing for a storm", "changing a flat tire",
+    "learning to code", "using a spreadsheet", "sending a difficult email", "apologizing to a friend",
+    "celebrating a holiday", "cooking for a picnic", "a power outage", "a job well done", "a new neighbor",
+)
 
 
 @dataclass(frozen=True)
@@ -145,16 +206,17 @@ def _topics(docs: list[str], modules: list[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class Passages:
-    """The pools prompts draw from: code snippets, prose passages and topics."""
+    """The pools prompts draw from: code snippets, prose passages, topics and everyday subjects."""
 
     code: list[str]
     text: list[str]
     topics: list[str]
+    subjects: list[str]
 
     def split(self, held_out_fraction: float, rng: random.Random) -> tuple[Passages, Passages]:
         """Disjoint (training, held-out) pools."""
         parts: list[tuple[list[str], list[str]]] = []
-        for pool in (self.code, self.text, self.topics):
+        for pool in (self.code, self.text, self.topics, self.subjects):
             shuffled = pool[:]
             rng.shuffle(shuffled)
             cut = max(1, int(len(shuffled) * held_out_fraction))
@@ -171,7 +233,7 @@ def local_passages(max_code_lines: int = 16) -> Passages:
         code.extend(c)
         docs.extend(d)
     text = sorted(set(docs)) + _package_texts()
-    return Passages(sorted(set(code)), text, _topics(docs, [p.stem for p in files]))
+    return Passages(sorted(set(code)), text, _topics(docs, [p.stem for p in files]), sorted(set(SUBJECTS)))
 
 
 def _fill(kind: str, template: str, pool: Passages, rng: random.Random) -> str:
@@ -179,6 +241,8 @@ def _fill(kind: str, template: str, pool: Passages, rng: random.Random) -> str:
         return template.format(code=rng.choice(pool.code))
     if kind == "summary":
         return template.format(text=rng.choice(pool.text))
+    if kind in ("advice", "creative"):
+        return template.format(subject=rng.choice(pool.subjects))
     return template.format(topic=rng.choice(pool.topics))
 
 

@@ -1,6 +1,6 @@
 """``deepinfer train-drafter``: self-distillation of the ``dspark`` drafter on the target's own replies.
 
-1. **Prompts** from text already on the machine (``drafter_data``): chat instructions of four kinds for
+1. **Prompts** from text already on the machine (``drafter_data``): chat instructions of six kinds for
    chat models, continuation prompts for base models; a held-out set from disjoint passages/templates.
 2. **Replies the target generates itself**, batched through the engine (``LLM.generate``): a share
    greedy, the rest sampled (temperature ``sample_temperature``) for diversity; held-out replies greedy.
@@ -58,7 +58,7 @@ from deepinfer_spec_decode.dspark import DSparkNetwork, build_network, lm_head_o
 
 logger = logging.getLogger(__name__)
 
-RECIPE_VERSION = 3  # bump when the training procedure changes what a recipe produces
+RECIPE_VERSION = 4  # bump when the training procedure changes what a recipe produces
 
 
 @dataclass(frozen=True)

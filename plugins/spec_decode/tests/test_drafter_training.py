@@ -5,13 +5,15 @@ a reduced draft vocabulary maps drafts and distributions back to target ids; the
 from __future__ import annotations
 
 import json
+import random
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from deepinfer_spec_decode import drafter_cache
-from deepinfer_spec_decode.drafter_data import Prompt
+from deepinfer_spec_decode.drafter_data import HELD_OUT_TEMPLATES, KINDS, TEMPLATES, Passages, Prompt, chat_prompts
 from deepinfer_spec_decode.drafter_training import (
     DrafterTrainer,
     Labels,
@@ -161,3 +163,29 @@ def test_the_cli_finds_the_trainer_and_refuses_unknown_drafters(capsys):
     assert main(["train-drafter", "--drafter", "nope"]) == 2
     assert "trainers: dspark" in capsys.readouterr().err
     assert main(["train-drafter", "--recipe", "steps"]) == 2
+
+
+def test_held_out_prompts_share_no_template_or_passage_with_training_prompts():
+    """Every kind is built, and held-out prompts use templates and passages the training prompts never see."""
+    pool = Passages(code=[f"def f{i:02d}(x):\n    return x" for i in range(20)],
+                    text=[f"Passage {i:02d} about something." for i in range(20)],
+                    topics=[f"topic {i:02d}" for i in range(20)], subjects=[f"subject {i:02d}" for i in range(20)])
+    train_pool, held_pool = pool.split(0.25, random.Random(0))
+    train = chat_prompts(120, train_pool, random.Random(1), held_out=False)
+    held = chat_prompts(120, held_pool, random.Random(2), held_out=True)
+    assert {p.kind for p in train} == {p.kind for p in held} == set(KINDS)
+
+    def filled(prompt):
+        """The template index and the passage that make ``prompt``."""
+        for index, template in enumerate(TEMPLATES[prompt.kind]):
+            pattern = re.escape(template).replace(r"\{", "{").replace(r"\}", "}")
+            match = re.fullmatch(re.sub(r"{\w+}", "(.+)", pattern), prompt.text, flags=re.DOTALL)
+            if match:
+                return index, match.group(1)
+        raise AssertionError(f"no template of {prompt.kind!r} makes {prompt.text!r}")
+
+    for prompts, pools, held_out in ((train, train_pool, False), (held, held_pool, True)):
+        for prompt in prompts:
+            index, passage = filled(prompt)
+            assert (index >= len(TEMPLATES[prompt.kind]) - HELD_OUT_TEMPLATES) == held_out
+            assert passage in pools.code + pools.text + pools.topics + pools.subjects
