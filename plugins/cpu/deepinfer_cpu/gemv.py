@@ -7,6 +7,9 @@ thread read from memory once for up to 4 input rows (then from L1 for the next 4
 step's projections at 33–60 GB/s as the VM's memory allows (``csrc/gemv.c``, ``docs/benchmarks.md``). Each
 row's sums run in one order whatever the number of rows, so a row's result is bitwise the same alone or beside
 others. ``OneDNNGemmBackend`` sends its float32 and bfloat16 calls of fewer than ``min_rows`` rows here.
+On a CPU with AMX-BF16 a bfloat16 weight whose sides are multiples of 32 goes through the tile unit, one pass
+over the weight for up to 16 rows: a verification step's rows then cost about what one decode row does
+(``bf16_kernel`` says which kernel serves a shape).
 """
 
 from __future__ import annotations
@@ -28,7 +31,19 @@ def load_kernel() -> ctypes.CDLL:
     for name in ("gemv_f32", "gemv_bf16"):
         getattr(lib, name).restype = None
         getattr(lib, name).argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.gemv_bf16_kernel.restype = ctypes.c_int
+    lib.gemv_bf16_kernel.argtypes = [ctypes.c_int64] * 2
     return lib
+
+
+BF16_KERNELS = ("widen", "avx512_bf16", "amx")  # indexed by gemv_bf16_kernel's answer
+
+
+def bf16_kernel(n: int, k: int) -> str:
+    """Which kernel a bfloat16 call against an ``[n, k]`` weight runs on this machine: ``amx`` (AMX-BF16 tiles,
+    when ``n`` and ``k`` are multiples of 32), ``avx512_bf16`` (``vdpbf16ps``) or ``widen`` (each weight widened
+    to float32)."""
+    return BF16_KERNELS[load_kernel().gemv_bf16_kernel(n, k)]
 
 
 @functools.cache

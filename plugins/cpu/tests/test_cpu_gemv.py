@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from deepinfer_cpu import gemv as gemv_module
-from deepinfer_cpu.gemv import fits, gemv
+from deepinfer_cpu.gemv import bf16_kernel, fits, gemv
 from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
 
 
@@ -23,7 +23,7 @@ def test_gemv_equals_a_float64_product(n: int, k: int, with_bias: bool) -> None:
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize(("n", "k"), [(5, 7), (192, 576), (1537, 576)])
+@pytest.mark.parametrize(("n", "k"), [(5, 7), (192, 576), (1537, 576), (2048, 64)])
 def test_bfloat16_gemv_sums_the_bf16_values_in_float32(n: int, k: int) -> None:
     """bf16 row and weight: the float64 product of their bf16 values, rounded to bf16 once."""
     gen = torch.Generator().manual_seed(n * k)
@@ -41,7 +41,7 @@ def test_bfloat16_gemv_sums_the_bf16_values_in_float32(n: int, k: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n", "k"), [(5, 7), (96, 576), (33, 1541)])
+@pytest.mark.parametrize(("n", "k"), [(5, 7), (96, 576), (33, 1541), (64, 1536)])
 def test_each_row_is_bitwise_the_same_alone_or_beside_others(dtype: torch.dtype, n: int, k: int) -> None:
     """1–19 rows in one call (past the kernel's 8 rows per weight pass): every row equals its one-row call bit
     for bit, so a verification step's rows equal decode steps'; the rows match a float64 product."""
@@ -57,6 +57,16 @@ def test_each_row_is_bitwise_the_same_alone_or_beside_others(dtype: torch.dtype,
     want = x.double() @ w.double().t() + bias.double()
     bound = want.abs() * (2.0 ** -8 if dtype == torch.bfloat16 else 1e-5) + 1e-4
     assert ((alone.double() - want).abs() <= bound).all()
+
+
+def test_amx_serves_bf16_weights_of_whole_tiles_where_the_cpu_has_it() -> None:
+    """With AMX-BF16 (``-march=native`` on such a CPU) weights whose sides are multiples of 32 go through the
+    tiles and the others through ``vdpbf16ps``; the shapes above then run both."""
+    if _cpu_has("amx_bf16"):
+        assert bf16_kernel(96, 576) == bf16_kernel(49152, 576) == "amx"
+        assert bf16_kernel(33, 1541) == bf16_kernel(96, 577) == bf16_kernel(80, 576) == "avx512_bf16"
+    else:
+        assert bf16_kernel(96, 576) == ("avx512_bf16" if _cpu_has("avx512_bf16") else "widen")
 
 
 def test_what_gemv_does_not_serve() -> None:
