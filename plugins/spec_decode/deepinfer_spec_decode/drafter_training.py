@@ -289,7 +289,11 @@ class DrafterTrainer:
         net = self.network
         with torch.no_grad():
             embedded = self.embed(b["block"])
-        context = net.context_kv(b["context_features"], b["context_positions"])[b["context_index"]]
+        # index_select rather than indexing: its gradient is one index_add_, where indexing's is a sorting
+        # index_put_ (~12% of a CPU training step)
+        rows = net.context_kv(b["context_features"], b["context_positions"])
+        index = b["context_index"]
+        context = rows.index_select(0, index.flatten()).view(*index.shape, *rows.shape[1:])
         before_norm, normed = net.block(context, b["visible"], embedded, b["block_positions"])
         markov = net.markov_head.embed(net.to_draft_ids(b["previous"]))
         logits = F.linear(normed, self.head).float() + net.markov_head.head(markov).float()

@@ -202,8 +202,9 @@ class DSparkBlock(nn.Module):
         if tables is None:
             tables = rotary(positions.unsqueeze(1), q.shape[-1], q.dtype)
         q, key = rope(q, tables), rope(key, tables)
-        key = torch.cat([self.heads_of(context[:, :, 0]), key], dim=2)
-        value = torch.cat([self.heads_of(context[:, :, 1]), value], dim=2)
+        context_key, context_value = context.unbind(2)  # views; in training one stack as their gradient
+        key = torch.cat([self.heads_of(context_key), key], dim=2)
+        value = torch.cat([self.heads_of(context_value), value], dim=2)
         mask = torch.cat([visible, visible.new_ones(batch, k)], dim=1)[:, None, None, :]
         attn = F.scaled_dot_product_attention(q, key, value, attn_mask=mask)
         x = x + linear(attn.transpose(1, 2).reshape(batch, k, hidden), self.o.weight)
@@ -345,8 +346,8 @@ class DSparkNetwork(nn.Module):
         final norm, after it), both ``[B, k, H]``."""
         x = embedded
         tables = rotary(positions.unsqueeze(1), self.head_dim, x.dtype)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, context[:, :, i], visible, positions, linear, tables)
+        for layer, layer_context in zip(self.layers, context.unbind(2), strict=True):
+            x = layer(x, layer_context, visible, positions, linear, tables)
         return x, self.norm(x)
 
 
