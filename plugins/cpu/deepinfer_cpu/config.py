@@ -13,11 +13,13 @@ class CPUConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    min_rows: int = Field(7, ge=1, description=(
-        "calls with at least this many rows run oneDNN on the packed weight; fewer rows (decode steps of up to "
-        "6 requests, a batch-1 verification step of up to 5 drafts) run the C GEMV (gemv.py) on the plain weight, "
-        "which streams it once for every row and sums each row as if alone; on this project's 2-core AVX-512 VM "
-        "it beat oneDNN up to 4 rows, was level at 6 and lost at 8 (docs/benchmarks.md)"))
+    min_rows: int | None = Field(None, ge=1, description=(
+        "calls with at least this many rows run oneDNN on the packed weight; fewer rows (decode steps of a few "
+        "requests, a batch-1 verification step) run the C GEMV (gemv.py) on the plain weight, which streams it "
+        "once for every row and sums each row as if alone, and the fused decode step takes the steps of fewer "
+        "rows. None: 7 for float32 (on the 2-core AVX-512 VMs the GEMV beat oneDNN up to 4 rows, was level at 6 "
+        "and lost at 8), 17 for bfloat16 on a CPU with AMX-BF16 (its tiles serve up to 16 rows in one pass over "
+        "the weight: batch 8 in bf16 1.40x with 17 against 7), else 7 (docs/benchmarks.md)"))
     pack_rows: int = Field(16, ge=1, description=(
         "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))
     fused_decode: bool = Field(True, description=(

@@ -175,11 +175,11 @@ class Stamp:
 
 class FusedDecoder:
     """``GemmBackend.decode_stack`` for a CPU GEMM backend whose kernels ``projection`` describes: serves the
-    steps of at most ``max_rows`` rows (module docstring) when the run's attention is ``cpu_paged`` (the
-    kernel attends as it does) and every weight has a projection; None otherwise. ``steps`` counts the steps it
-    served."""
+    steps of at most ``max_rows(dtype)`` rows (module docstring; the model's dtype) when the run's attention is
+    ``cpu_paged`` (the kernel attends as it does) and every weight has a projection; None otherwise. ``steps``
+    counts the steps it served."""
 
-    def __init__(self, projection: ProjectionOf, max_rows: int) -> None:
+    def __init__(self, projection: ProjectionOf, max_rows: Callable[[torch.dtype], int]) -> None:
         self.projection = projection
         self.max_rows = max_rows
         self.steps = 0
@@ -189,7 +189,7 @@ class FusedDecoder:
     def __call__(self, stack: DenseDecoderStack, x: torch.Tensor, ctx: ForwardContext
                  ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
         rows = x.shape[0]
-        if (not 0 < rows <= self.max_rows or not 0 < ctx.max_query_len <= MAX_QUERY_ROWS
+        if (not 0 < rows <= self.max_rows(x.dtype) or not 0 < ctx.max_query_len <= MAX_QUERY_ROWS
                 or getattr(ctx.backends["paged_attention"], "name", None) != "cpu_paged"):
             return None
         plan = self._plans.get(stack)

@@ -47,6 +47,12 @@ def bf16_kernel(n: int, k: int) -> str:
 
 
 @functools.cache
+def amx_available() -> bool:
+    """Whether bfloat16 calls of whole 32-row tiles run on AMX tiles on this machine (``bf16_kernel``)."""
+    return _buildable() and bf16_kernel(32, 32) == "amx"
+
+
+@functools.cache
 def _buildable() -> bool:
     return compiler() is not None
 

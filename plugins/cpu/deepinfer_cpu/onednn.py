@@ -27,8 +27,11 @@ import torch.nn.functional as F
 
 from deepinfer.interfaces import BackendCapabilities
 from deepinfer_cpu.decode_step import FusedDecoder, plain_projection
-from deepinfer_cpu.gemv import fits, gemv
+from deepinfer_cpu.gemv import amx_available, fits, gemv
 from deepinfer_cpu.huge_pages import HugePageArena
+
+DEFAULT_MIN_ROWS = 7  # plugins.cpu.min_rows when None (config.py), float32 or no AMX
+AMX_MIN_ROWS = 17  # bfloat16 with AMX tiles: the GEMV takes up to 16 rows in one pass
 
 
 def onednn_available() -> bool:
@@ -56,7 +59,7 @@ class OneDNNGemmBackend:
     priority = 10
     ops = frozenset({"linear"})
 
-    def __init__(self, *, min_rows: int = 7, pack_rows: int = 16, fused_decode: bool = True,
+    def __init__(self, *, min_rows: int | None = None, pack_rows: int = 16, fused_decode: bool = True,
                  huge_pages: bool = True) -> None:
         self.min_rows = min_rows
         self.pack_rows = pack_rows
@@ -65,7 +68,14 @@ class OneDNNGemmBackend:
         self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Packed] = {}
         self.arena = HugePageArena() if huge_pages else None  # where prepared weights live (huge_pages.py)
         if fused_decode:  # GemmBackend's optional decode_stack: a Llama-family stack in C, for the GEMV's steps
-            self.decode_stack = FusedDecoder(plain_projection, max_rows=min_rows - 1)
+            self.decode_stack = FusedDecoder(plain_projection, max_rows=lambda dtype: self.min_rows_for(dtype) - 1)
+
+    def min_rows_for(self, dtype: torch.dtype) -> int:
+        """The fewest rows a call of ``dtype`` runs oneDNN for (``plugins.cpu.min_rows``; None: 17 for bfloat16
+        where the GEMV has AMX tiles, which take up to 16 rows in one pass over the weight, else 7)."""
+        if self.min_rows is not None:
+            return self.min_rows
+        return AMX_MIN_ROWS if dtype == torch.bfloat16 and amx_available() else DEFAULT_MIN_ROWS
 
     def available(self) -> bool:
         return onednn_available()
@@ -79,7 +89,8 @@ class OneDNNGemmBackend:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows < self.min_rows or x.dtype != weight.dtype or not isinstance(weight, torch.nn.Parameter):
+        if (rows < self.min_rows_for(weight.dtype) or x.dtype != weight.dtype
+                or not isinstance(weight, torch.nn.Parameter)):
             return gemv(x, weight, bias) if rows and fits(x, weight) else F.linear(x, weight, bias)
         packed = self._lookup(weight)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
