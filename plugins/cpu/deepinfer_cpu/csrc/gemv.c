@@ -148,7 +148,6 @@ __attribute__((always_inline)) static inline void dot_block_dp(const uint16_t *x
 
 #endif
 
-
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>
