@@ -29,6 +29,7 @@ from deepinfer.model.layers.batch_invariant import (
 )
 from deepinfer.model.layers.norm import BATCH_INVARIANT_CUDA_ROWS, RMSNorm
 from deepinfer.model.layers.reference import TorchGemmBackend
+from deepinfer.model.layers.routing import row_sigmoid
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -218,3 +219,16 @@ def test_the_backends_declare_the_capability_on_cpu_only():
         assert cpu.missing(backend.capabilities) == []
         assert cuda.missing(backend.capabilities) == ["device cuda"]
     assert cpu.missing(TorchGemmBackend().capabilities) == ["batch_invariant"]
+
+
+def test_the_router_sigmoid_gives_a_row_the_same_bits_in_any_batch():
+    """``routing.row_sigmoid`` (the V3 router's scores): a row's values alone equal its values among 1–70
+    rows, for router widths that are and are not whole vectors (torch's plain sigmoid over a contiguous
+    ``[T, E]`` gave other last bits for some ``T`` on an Intel Xeon)."""
+    gen = torch.Generator().manual_seed(0)
+    for experts in (8, 64, 72, 160):
+        logits = torch.randn(70, experts, generator=gen) * 4
+        alone = torch.cat([row_sigmoid(logits[i:i + 1]) for i in range(70)])
+        torch.testing.assert_close(alone, logits.sigmoid(), rtol=0, atol=2e-7)
+        for rows in (2, 3, 5, 16, 37, 70):
+            assert torch.equal(row_sigmoid(logits[:rows]), alone[:rows])

@@ -24,8 +24,12 @@ Why the reference backends are not (peers.md §5; measured on this machine's MKL
 What needs no replacement (checked by tests/test_batch_invariant.py): RMSNorm, softmax/log-softmax and
 the sampler's per-row ops reduce within a row (torch splits CPU reductions across rows, never inside a
 row, when there is more than one output row; a single row is reduced serially below 32,768 elements),
-and embeddings, rotary tables and the element-wise ops are per element. The MoE router's gate matmul
-goes through the ``linear`` op like every other GEMM.
+and embeddings, rotary tables and the element-wise ops are per element — except that torch's CPU
+element-wise kernels run a vector loop over a contiguous tensor's whole vectors and a scalar loop over the
+rest, which may round differently: an activation over a contiguous ``[T, E]`` tensor must keep each row's
+elements in the same loop whatever ``T`` is (the router's sigmoid pads its rows, ``routing.row_sigmoid``; the
+MLPs' SiLU runs on the gate half of the gate/up output, a strided view iterated row by row). The MoE router's
+gate matmul goes through the ``linear`` op like every other GEMM.
 
 These backends declare ``batch_invariant`` and run on CPU only; their priority is below the
 reference backends', so ``auto`` picks them only when ``kernels.batch_invariant`` is on. On CUDA the

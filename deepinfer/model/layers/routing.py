@@ -10,10 +10,12 @@ the batch; under it the router's own choice is never computed (only its scores, 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from deepinfer.interfaces import RoutingSpec
 from deepinfer.sampling.rng import splitmix64
 
+ROW_ALIGN = 64  # elements: whole vectors of float32 and bf16 at any CPU vector width torch uses
 DRAW_MASK = (1 << 62) - 1  # balanced draws keep 62 bits: non-negative, so −1 marks "taken" in a kernel
 
 
@@ -24,12 +26,24 @@ def balanced_draws(positions: torch.Tensor, layer: int, num_experts: int) -> tor
     return splitmix64(key.unsqueeze(1) + experts) & DRAW_MASK
 
 
+def row_sigmoid(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.sigmoid()`` with each row's values the same bits whatever the number of rows. torch's CPU
+    kernel runs one vector loop over the flattened tensor and a scalar loop over its last elements, whose
+    results may differ in the last bit from the vector loop's, so in a contiguous ``[T, E]`` an element's
+    value depended on ``T`` (measured on an Intel Xeon: the batch-invariant V3 test failed). On CPU the rows
+    are padded to a multiple of ``ROW_ALIGN`` elements, so no element takes the scalar loop."""
+    width = logits.shape[-1]
+    if logits.device.type != "cpu" or width % ROW_ALIGN == 0:
+        return logits.sigmoid()
+    return F.pad(logits, (0, -width % ROW_ALIGN)).sigmoid()[..., :width]
+
+
 def route(logits: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
           spec: RoutingSpec) -> tuple[torch.Tensor, torch.Tensor]:
     """``(topk_ids [T, k] int64, topk_weights [T, k] float32)`` from ``logits [T, E]`` float32; ``bias
     [E]`` (``noaux_tc`` only, may be None) and ``positions [T]`` (``balanced`` only)."""
     t, e, g = logits.shape[0], logits.shape[1], spec.n_group
-    scores = logits.sigmoid() if spec.scoring == "sigmoid" else logits.softmax(dim=-1)
+    scores = row_sigmoid(logits) if spec.scoring == "sigmoid" else logits.softmax(dim=-1)
     choice = scores
     if spec.method == "balanced":
         ids = balanced_draws(positions, spec.layer, e).topk(spec.top_k, dim=-1).indices
