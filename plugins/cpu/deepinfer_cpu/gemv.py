@@ -48,7 +48,7 @@ def bf16_kernel(n: int, k: int) -> str:
 
 @functools.cache
 def amx_available() -> bool:
-    """Whether bfloat16 calls of whole 32-row tiles run on AMX tiles on this machine (``bf16_kernel``)."""
+    """Whether bfloat16 weights whose sides are multiples of 32 run on AMX tiles on this machine (``bf16_kernel``)."""
     return _buildable() and bf16_kernel(32, 32) == "amx"
 
 
