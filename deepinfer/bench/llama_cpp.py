@@ -63,7 +63,8 @@ def run_llama_cpp(python: str, gguf: Path, work: Work, *, threads: int, n_ctx: i
         done = subprocess.run([python, "-c", PEER_SCRIPT.read_text(), str(source), str(destination)],
                               capture_output=True, text=True, cwd=tmp)
         if done.returncode != 0:
-            raise RuntimeError(f"the llama.cpp baseline failed: {done.stderr.strip()[-1000:]}")
+            how = f"killed by signal {-done.returncode}" if done.returncode < 0 else f"exit {done.returncode}"
+            raise RuntimeError(f"the llama.cpp baseline failed ({how}): {_failure(done.stderr)}")
         result = json.loads(destination.read_text())
     t0 = result["start"]
     records = [RequestRecord(prompt_len=len(prompt), start=r["start"], chunk_times=r["times"],
@@ -73,3 +74,17 @@ def run_llama_cpp(python: str, gguf: Path, work: Work, *, threads: int, n_ctx: i
     run = peer_run(f"llama.cpp {result['version']}", records, outputs, result["end"] - t0, offline=offline,
                    batch_size=slots, gguf=result["gguf"], baseline_dtype=dtype)
     return run, outputs
+
+
+_LLAMA_LOG = ("llama_", "llm_", "load", "print_info", "sched_", "graph")  # llama.cpp's log line prefixes
+
+
+def _failure(stderr: str) -> str:
+    """What the peer's stderr says went wrong: its Python traceback when there is one (llama.cpp's own log
+    lines interleave with it, so the tail alone is often only a model-loading line), else the last 1,000
+    characters."""
+    start = stderr.rfind("Traceback (most recent call last)")
+    if start >= 0:
+        lines = [line for line in stderr[start:].splitlines() if not line.startswith(_LLAMA_LOG)]
+        return "\n".join(lines)[-2000:]
+    return stderr.strip()[-1000:]
