@@ -123,9 +123,10 @@ def llama_memory_seq_rm(memory, seq, p0, p1):
 '''
 
 
-def _fake_python(tmp_path: Path) -> str:
+def _fake_python(tmp_path: Path, module: str = FAKE) -> str:
+    """A python that imports ``module`` (default: the stand-in above) as ``llama_cpp``."""
     (tmp_path / "fake").mkdir()
-    (tmp_path / "fake" / "llama_cpp.py").write_text(FAKE)
+    (tmp_path / "fake" / "llama_cpp.py").write_text(module)
     wrapper = tmp_path / "peer-python"
     wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
@@ -196,8 +197,6 @@ def test_a_missing_or_unusable_peer_is_a_clear_error(tmp_path: Path, monkeypatch
 def test_a_failing_peer_names_its_error_and_not_only_its_log(tmp_path: Path, death: str) -> None:
     """The peer's Python error is reported even when llama.cpp's log lines follow it, and a crash names its
     signal (a llama.cpp build crashed with SIGSEGV on a Q4_1 model and the message showed a log line only)."""
-    fake = tmp_path / "fake"
-    fake.mkdir()
     if death == "raise":  # llama.cpp's log lines after the traceback, as its C logger flushes at exit
         body = ('import atexit, sys\n'
                 'atexit.register(lambda: sys.stderr.write("llama_graph_n_input_tensors: inp_pos\\n" * 50))\n'
@@ -205,14 +204,11 @@ def test_a_failing_peer_names_its_error_and_not_only_its_log(tmp_path: Path, dea
     else:
         body = ('import os, signal, sys\nsys.stderr.write("sched_reserve: graph\\n")\n'
                 'os.kill(os.getpid(), signal.SIGSEGV)\n')
-    (fake / "llama_cpp.py").write_text(body)
-    wrapper = tmp_path / "peer-python"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={fake} exec {sys.executable} "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
+    python = _fake_python(tmp_path, body)
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     with pytest.raises(RuntimeError) as failed:
-        run_llama_cpp(str(wrapper), gguf, [([5, 9], 2)], threads=1, n_ctx=64, dtype="q4_1", slots=1, offline=True)
+        run_llama_cpp(python, gguf, [([5, 9], 2)], threads=1, n_ctx=64, dtype="q4_1", slots=1, offline=True)
     message = str(failed.value)
     if death == "raise":
         assert "ValueError: the model has no tokenizer" in message and "inp_pos" not in message
