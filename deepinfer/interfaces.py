@@ -719,6 +719,60 @@ class DenseDecoderStack:
     captured_layers: tuple[int, ...] = ()
 
 
+@dataclass(frozen=True, eq=False)
+class BlockDrafterLayer:
+    """One layer of a ``BlockDrafterStack``: ``attn_norm``, ``mlp_norm [hidden]`` (RMSNorm weights), ``qkv
+    [3·hidden, hidden]`` (q, k, v rows stacked), ``ctx_kv [2·hidden, hidden]`` (the context rows' k, v), ``o
+    [hidden, hidden]``, ``gate_up [2·intermediate, hidden]`` (gate rows, then up rows), ``down [hidden,
+    intermediate]``."""
+
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor
+    ctx_kv: torch.Tensor
+    o: torch.Tensor
+    mlp_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+@dataclass(frozen=True, eq=False)
+class BlockDrafterStack:
+    """A block drafter's dense network (the ``spec_decode`` plugin's ``dspark``, whose docstring derives it) for
+    ``GemmBackend.draft_context`` and ``draft_block``; every weight in the drafter's dtype, RMSNorm as
+    ``deepinfer.ops.RMSNorm`` (statistics in float32), rope in the halves layout ``[x1·cos − x2·sin, x2·cos +
+    x1·sin]`` over the angles ``position · inv_freq`` (float32 ``[head_dim / 2]``), cos and sin cast to the dtype.
+
+    The context write: target features ``f [N, hidden·L]`` → ``c = main_norm(main_proj · f)``; per layer the
+    row's key and value ``ctx_kv · c`` (the key's heads roped at the row's position) stored in the cache ``[slots,
+    layers, 2, hidden]`` at the row's slot. The block: ``k`` embedded rows per request at positions ``p … p + k −
+    1``; per layer ``x += o · attention`` (``q, k, v = qkv · attn_norm(x)``, q's and k's heads roped, each block
+    row attending without a causal mask over the request's visible window rows of the cache and all ``k`` block
+    rows, scaled by ``head_dim^-½``), then ``x += down · (silu(gate) · up)(gate_up · mlp_norm(x))``; logits
+    ``head · norm(x)`` over the draft vocabulary (float32). Then, in order of the block's rows, greedily: row
+    ``i``'s logits plus ``markov_head · markov_embed[previous]`` (``previous``: the request's golden token as a
+    draft id for ``i = 0``, draft ``i − 1`` after), its argmax the draft; its confidence ``sigmoid(clamp(z /
+    confidence_temperature[i], ±60))``, ``z = confidence_weight · [x_i, markov_embed[previous]] +
+    confidence_bias`` (``x_i`` the row before the final norm). ``d2t [Vd]`` maps draft ids to target ids and
+    ``t2d [V]`` back (``Vd``, the Markov embedding's extra row, outside the draft vocabulary); both None when
+    the draft vocabulary is the target's. ``heads`` divides ``hidden``; ``eps`` is every RMSNorm's."""
+
+    main_proj: torch.Tensor
+    main_norm: torch.Tensor
+    layers: tuple[BlockDrafterLayer, ...]
+    norm: torch.Tensor
+    head: torch.Tensor
+    markov_embed: torch.Tensor
+    markov_head: torch.Tensor
+    confidence_weight: torch.Tensor
+    confidence_bias: torch.Tensor
+    confidence_temperature: torch.Tensor
+    inv_freq: torch.Tensor
+    d2t: torch.Tensor | None
+    t2d: torch.Tensor | None
+    heads: int
+    eps: float
+
+
 class GemmBackend(Backend, Protocol):
     """Implements op ``linear``: ``x [T, in] @ weight[out, in]ᵀ (+ bias)``.
 
@@ -732,6 +786,16 @@ class GemmBackend(Backend, Protocol):
     values to the caches as the attention backend would; or None, before touching anything, when it does not
     serve this step (shape, dtype, the run's attention backend), and the model then runs its layers. Its
     results equal the layers' within the rounding of another summation order.
+
+    Optional ``draft_context(stack, features, positions, slots, cache) -> bool`` and ``draft_block(stack, cache,
+    slots, visible, embedded, last_tokens, positions) -> (tokens, confidence) | None``: a ``BlockDrafterStack``'s
+    two passes (a drafting step on the CPU pays per op, issue 28). ``draft_context`` writes the context rows of
+    ``features [N, hidden·L]`` at ``positions`` and ``slots [N]`` into ``cache``; ``draft_block`` drafts greedily
+    for ``B`` requests: ``embedded [B, k, hidden]`` the blocks' rows, ``slots``, ``visible [B, W]`` each window's
+    cache slots and which exist, ``last_tokens``, ``positions [B]`` the golden tokens and their positions; it
+    returns the drafts as target ids ``[B, k]`` (int64) and their confidences ``[B, k]`` (float32). Each serves
+    what it can and otherwise (shape, dtype) returns False / None before touching anything; its results equal
+    the stack's torch computation within the rounding of other summation orders.
     """
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor: ...

@@ -29,7 +29,7 @@ Layers and weights: ``RMSNorm`` (the core's norm, statistics in float32); ``init
     FP4 (e2m1 with ue8m0 or e4m3 scales) dequantization a kernel reading ``Fp4ExpertWeights`` must equal.
 Randomness and draft choice: ``uniform(seeds, positions, purpose)`` and ``Purpose``, the counter-based
     draws of ``sampling/rng.py``; ``inverse_cdf(probs, u)``, the sampler's choice of a token from one
-    uniform per row.
+    uniform per row; ``row_argmax(x)``, the sampler's greedy choice (``argmax`` over the last dimension).
 Statistics: ``pool_adjacent_violators(values, weights)``, the isotonic fit the core's step-cost curve
     uses, for calibrations that must be monotone the same way.
 Strategies: ``ExactReplayPlanner``, the built-in ``exact`` replay planner, for a planner that restores
@@ -55,7 +55,7 @@ from deepinfer.model.layers.reference_deepseek_v4 import TorchSinkAttentionBacke
 from deepinfer.model.loader import init_dummy
 from deepinfer.model.transfer import to_device
 from deepinfer.sampling.rng import Purpose, uniform
-from deepinfer.sampling.sampler import inverse_cdf
+from deepinfer.sampling.sampler import inverse_cdf, row_argmax
 
 __all__ = [
     "ALL_KV_DTYPES",
@@ -72,6 +72,7 @@ __all__ = [
     "init_dummy",
     "inverse_cdf",
     "pool_adjacent_violators",
+    "row_argmax",
     "row_block",
     "to_device",
     "uniform",

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.sampling.rng import Purpose, uniform
-from deepinfer.sampling.sampler import SamplingBatch, filtered_probs, inverse_cdf, logprobs_of, sample
+from deepinfer.sampling.sampler import SamplingBatch, filtered_probs, inverse_cdf, logprobs_of, row_argmax, sample
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def _accepted(logits: torch.Tensor, batch: VerifyBatch, cols: torch.Tensor) -> t
     row) is computed for sampling requests only."""
     num_requests, k = batch.drafts.shape
     rows = (batch.row_start.unsqueeze(1) + cols).clamp_(max=logits.shape[0] - 1)
-    argmax = logits.index_select(0, rows.reshape(-1)).argmax(dim=-1).reshape(num_requests, k + 1)
+    argmax = row_argmax(logits).index_select(0, rows.reshape(-1)).reshape(num_requests, k + 1)
     cols = cols[:k]
     rows = rows[:, :k]
     drafts = batch.drafts.clamp(min=0)

@@ -27,6 +27,10 @@ class CPUConfig(BaseModel):
         "own kernels, cpu_paged's attention, norms, rope and SiLU between them in C) instead of ~1,400 small "
         "torch ops a step: steps of fewer than min_rows rows under onednn, of fewer than quant_dense_rows "
         "rows under model.quantization; needs the cpu_paged attention backend"))
+    fused_draft: bool = Field(True, description=(
+        "a block drafter's (spec_decode's dspark) context write and greedy block pass each run in one C call "
+        "(csrc/draft_step.c) instead of ~260 small torch ops a drafting step, for calls of fewer than min_rows "
+        "rows under onednn (a batch-1 step: 4.4 -> 2.6 ms on the 2-core Xeon, docs/benchmarks.md)"))
     huge_pages: bool = Field(True, description=(
         "the GEMM backends copy the weights they prepare into anonymous memory advised MADV_HUGEPAGE (2 MB "
         "pages): a batch-1 step streams every weight, and 4 KB pages cost a TLB miss every 4 KB (huge_pages.py)"))

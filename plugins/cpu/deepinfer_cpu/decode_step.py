@@ -28,7 +28,7 @@ import ctypes
 import functools
 import operator
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -101,7 +101,7 @@ class DecodeStep:
         self.shape = _Shape(len(layers), stack.hidden, stack.heads, stack.kv_heads, stack.head_dim,
                             stack.intermediate, block_size, stack.eps, stack.scale, int(dtype == torch.bfloat16))
         self.cos, self.sin = stack.rope_cos.float().contiguous(), stack.rope_sin_signed.float().contiguous()
-        self.stamp = Stamp(stack)
+        self.stamp = Stamp.of(stack)
 
     @classmethod
     def build(cls, stack: DenseDecoderStack, block_size: int, projection: ProjectionOf) -> DecodeStep | None:
@@ -152,19 +152,24 @@ class DecodeStep:
 
 
 class Stamp:
-    """The addresses of a stack's weights and caches and the weights' version counters when it was taken;
-    ``holds()`` says whether they are unchanged (a step checks it: ~30 µs for SmolLM2's 270 tensors, where
-    ``map`` over the unbound getters beats a generator by 3×)."""
+    """The addresses of a plan's weights and other tensors (caches) and the weights' version counters when it
+    was taken; ``holds()`` says whether they are unchanged (a step checks it: ~30 µs for SmolLM2's 270 tensors,
+    where ``map`` over the unbound getters beats a generator by 3×)."""
 
     _address = torch.Tensor.data_ptr
     _version = operator.attrgetter("_version")
 
-    def __init__(self, stack: DenseDecoderStack) -> None:
-        self.weights = [t for layer in stack.layers for t in (
-            layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up, layer.down,
-            layer.q_norm, layer.k_norm) if t is not None]
-        self.tensors = self.weights + [c for layer in stack.layers for c in layer.kv_cache]
+    def __init__(self, weights: Sequence[torch.Tensor], others: Sequence[torch.Tensor] = ()) -> None:
+        self.weights = list(weights)
+        self.tensors = self.weights + list(others)
         self.values = self._read()
+
+    @classmethod
+    def of(cls, stack: DenseDecoderStack) -> Stamp:
+        """The stamp of a decoder stack's weights and caches."""
+        return cls([t for layer in stack.layers for t in (
+            layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up, layer.down,
+            layer.q_norm, layer.k_norm) if t is not None], [c for layer in stack.layers for c in layer.kv_cache])
 
     def _read(self) -> tuple[list[int], list[int]]:
         return list(map(Stamp._address, self.tensors)), list(map(Stamp._version, self.weights))
@@ -197,7 +202,7 @@ class FusedDecoder:
             return None
         if not isinstance(plan, DecodeStep) or not plan.current(ctx.block_size):
             plan = DecodeStep.build(stack, ctx.block_size, self.projection)
-            self._plans[stack] = Stamp(stack) if plan is None else plan
+            self._plans[stack] = Stamp.of(stack) if plan is None else plan
             if plan is None:
                 return None
         self.steps += 1

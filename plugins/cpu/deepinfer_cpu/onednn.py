@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from deepinfer.interfaces import BackendCapabilities
 from deepinfer_cpu.decode_step import FusedDecoder, plain_projection
+from deepinfer_cpu.draft_step import FusedDrafter
 from deepinfer_cpu.gemv import amx_available, fits, gemv
 from deepinfer_cpu.huge_pages import HugePageArena
 
@@ -60,7 +61,7 @@ class OneDNNGemmBackend:
     ops = frozenset({"linear"})
 
     def __init__(self, *, min_rows: int | None = None, pack_rows: int = 16, fused_decode: bool = True,
-                 huge_pages: bool = True) -> None:
+                 fused_draft: bool = True, huge_pages: bool = True) -> None:
         self.min_rows = min_rows
         self.pack_rows = pack_rows
         dtypes = {torch.float32, torch.bfloat16} if _bf16_supported() else {torch.float32}
@@ -68,7 +69,10 @@ class OneDNNGemmBackend:
         self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Packed] = {}
         self.arena = HugePageArena() if huge_pages else None  # where prepared weights live (huge_pages.py)
         if fused_decode:  # GemmBackend's optional decode_stack: a Llama-family stack in C, for the GEMV's steps
-            self.decode_stack = FusedDecoder(plain_projection, max_rows=lambda dtype: self.min_rows_for(dtype) - 1)
+            self.decode_stack = FusedDecoder(plain_projection, max_rows=self.gemv_rows)
+        if fused_draft:  # and its optional draft_context / draft_block: a block drafter's passes in C, as many rows
+            drafter = FusedDrafter(plain_projection, max_rows=self.gemv_rows)
+            self.draft_context, self.draft_block = drafter.draft_context, drafter.draft_block
 
     def min_rows_for(self, dtype: torch.dtype) -> int:
         """The fewest rows a call of ``dtype`` runs oneDNN for (``plugins.cpu.min_rows``; None: 17 for bfloat16
@@ -76,6 +80,10 @@ class OneDNNGemmBackend:
         if self.min_rows is not None:
             return self.min_rows
         return AMX_MIN_ROWS if dtype == torch.bfloat16 and amx_available() else DEFAULT_MIN_ROWS
+
+    def gemv_rows(self, dtype: torch.dtype) -> int:
+        """The most rows a call of ``dtype`` runs the GEMV for (``min_rows_for`` − 1)."""
+        return self.min_rows_for(dtype) - 1
 
     def available(self) -> bool:
         return onednn_available()

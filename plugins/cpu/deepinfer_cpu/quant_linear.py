@@ -230,8 +230,8 @@ class QuantizedGemmBackend:
         self.dense_rows = dense_rows
         self.capabilities = BackendCapabilities(devices=frozenset({"cpu"}), dtypes=frozenset({torch.float32}))
         # min_rows=1: every call handed to it has dense_rows rows or more
-        self.dense = (OneDNNGemmBackend(min_rows=1, fused_decode=False, huge_pages=False) if onednn_available()
-                      else None)
+        self.dense = (OneDNNGemmBackend(min_rows=1, fused_decode=False, fused_draft=False, huge_pages=False)
+                      if onednn_available() else None)
         self.arena = HugePageArena() if huge_pages else None  # where the quantized weights live (huge_pages.py)
         self._entries: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Entry] = {}
         if fused_decode:  # GemmBackend's optional decode_stack: the steps its kernels take (fewer than dense_rows)

@@ -112,8 +112,16 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from deepinfer.errors import ConfigError
-from deepinfer.interfaces import CommittedRows, DraftInputs, DraftProposal, EngineInfo
-from deepinfer.ops import RMSNorm, init_dummy
+from deepinfer.interfaces import (
+    BlockDrafterLayer,
+    BlockDrafterStack,
+    CommittedRows,
+    DraftInputs,
+    DraftProposal,
+    EngineInfo,
+    GemmBackend,
+)
+from deepinfer.ops import RMSNorm, init_dummy, row_argmax
 from deepinfer_spec_decode.config import SpecDecodeConfig
 from deepinfer_spec_decode.draft_graphs import Outputs, PaddedGraphs
 from deepinfer_spec_decode.mtp import choose_drafts
@@ -135,13 +143,17 @@ def default_target_layers(num_layers: int) -> list[int]:
 Rotary = tuple[torch.Tensor, torch.Tensor]  # the cos and sin tables of some offsets (``rotary``)
 
 
+def inverse_frequencies(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """The rope's angle per offset of each rotated pair of a head of ``head_dim`` (float32 ``[head_dim / 2]``)."""
+    half = head_dim // 2
+    return ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+
+
 def rotary(offsets: torch.Tensor, head_dim: int, dtype: torch.dtype) -> Rotary:
     """The rotary tables of ``offsets`` for heads of ``head_dim`` in ``dtype``: ``cos``, ``sin`` of shape
     ``[*offsets.shape, head_dim / 2]``. Computed once per block pass or context write and shared by every
     layer (and by a layer's queries and keys): a drafting step on the CPU pays per torch op."""
-    half = head_dim // 2
-    inv = ROPE_THETA ** (-torch.arange(half, dtype=torch.float32, device=offsets.device) / half)
-    angles = offsets.to(torch.float32).unsqueeze(-1) * inv
+    angles = offsets.to(torch.float32).unsqueeze(-1) * inverse_frequencies(head_dim, offsets.device)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -379,7 +391,7 @@ def draft_block(logits: torch.Tensor, hidden: torch.Tensor, last_tokens: torch.T
             else:
                 probs[:, i].index_copy_(-1, network.d2t, dist)
         else:  # every request greedy (``DraftInputs.sampling`` false): the argmax, nothing drawn
-            draft = corrected.argmax(dim=-1)
+            draft = row_argmax(corrected)
         embeddings.append(embedding)
         drafts.append(draft)
         previous = draft
@@ -412,6 +424,10 @@ class DSparkDrafter:
         # The core may capture ``propose`` in its speculative-tail graphs (``interfaces.GraphDrafter``).
         self.graph_capturable = self.cuda_graphs
         self.linear: Linear | None = None
+        # A GEMM backend that runs the drafter's passes itself (GemmBackend.draft_context / draft_block), and the
+        # network as it reads it; None when it does not or the network has MoE blocks or no ctx_kv.
+        self.fused: GemmBackend | None = None
+        self.stack: BlockDrafterStack | None = None
         # Context rows not written yet (``propose``): (features, slots, positions) per step, and their rows.
         self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.pending_rows = 0
@@ -434,7 +450,10 @@ class DSparkDrafter:
         """Every committed row's context keys and values into the cache (``features [N, H·L]`` at ``slots`` and
         ``positions [N]``)."""
         assert self.linear is not None
-        self.context[slots] = self.network.context_kv(features.to(self.dtype), positions, self.linear)
+        features = features.to(self.dtype)
+        if self.stack is not None and self.fused.draft_context(self.stack, features, positions, slots, self.context):
+            return ()
+        self.context[slots] = self.network.context_kv(features, positions, self.linear)
         return ()
 
     def draft(self, slots: torch.Tensor, visible: torch.Tensor, last_tokens: torch.Tensor, positions: torch.Tensor,
@@ -447,6 +466,10 @@ class DSparkDrafter:
         block_ids[:, 0] = last_tokens
         block_positions = positions.unsqueeze(1) + torch.arange(k, device=dev)
         embedded = self.model.embed_tokens(block_ids).to(self.dtype)
+        if self.stack is not None and not report_probs:
+            fused = self.fused.draft_block(self.stack, self.context, slots, visible, embedded, last_tokens, positions)
+            if fused is not None:
+                return fused[0], None, fused[1]
         before_norm, normed = self.network.block(self.context[slots], visible, embedded, block_positions, self.linear)
         logits = self.linear(normed.reshape(batch * k, -1), self.head)
         return draft_block(logits.float().reshape(batch, k, -1), before_norm, last_tokens, self.network,
@@ -470,6 +493,24 @@ class DSparkDrafter:
         if graphs is None or graphs(features.shape[0], written) is None:
             self.write_context(features, slots, positions)
 
+    def _stack(self) -> BlockDrafterStack | None:
+        """The network as a GEMM backend's fused passes read it (``interfaces.BlockDrafterStack``), or None when
+        it has MoE blocks or layers without ``ctx_kv`` (the layout before the context window)."""
+        net = self.network
+        if any(layer.moe is not None or layer.ctx_kv is None for layer in net.layers):
+            return None
+        layers = tuple(BlockDrafterLayer(layer.attn_norm.weight, layer.qkv.weight, layer.ctx_kv.weight, layer.o.weight,
+                                         layer.mlp_norm.weight, layer.gate_up.weight, layer.down.weight)
+                       for layer in net.layers)
+        proj, markov = net.confidence_head.proj, net.markov_head
+        return BlockDrafterStack(
+            main_proj=net.main_proj.weight, main_norm=net.main_norm.weight, layers=layers, norm=net.norm.weight,
+            head=self.head, markov_embed=markov.embed.weight, markov_head=markov.head.weight,
+            confidence_weight=proj.weight, confidence_bias=proj.bias,
+            confidence_temperature=self.confidence_temperature,
+            inv_freq=inverse_frequencies(net.head_dim, self.context.device), d2t=net.d2t, t2d=net.t2d,
+            heads=net.layers[0].heads, eps=EPS)
+
     @staticmethod
     def _own_graphs(graphs: PaddedGraphs | None) -> PaddedGraphs | None:
         """The drafter's own graphs, unless the core is capturing it in a graph of its own (the speculative tail)."""
@@ -485,6 +526,9 @@ class DSparkDrafter:
         """The engine's GEMMs (on CPU: packed once, not per call), and the graphs when they may capture them."""
         backend = rows.ctx.backends["linear"]
         self.linear = backend.linear
+        if callable(getattr(backend, "draft_block", None)):
+            with torch.inference_mode(False):  # its tensors (inv_freq) keep version counters, as the weights'
+                self.fused, self.stack = backend, self._stack()
         if self.cuda_graphs and backend.capabilities.graph_safe:
             device = self.context.device
             self.write_graphs = PaddedGraphs(self.write_context, WRITE_GRAPH_ROWS, device)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from deepinfer.interfaces import DraftInputs, DraftProposal
-from deepinfer.ops import Purpose, inverse_cdf, uniform
+from deepinfer.ops import Purpose, inverse_cdf, row_argmax, uniform
 
 
 def choose_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
@@ -46,12 +46,12 @@ def choose_drafts(logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.
     no request samples, ``DraftInputs.sampling``): every row is greedy, so no draw and no ``probs`` (None):
     a handful of kernels per draft position instead of the draw's hash, cumulative sum and one-hot."""
     if not sampling:
-        tokens = logits.argmax(dim=-1)
+        tokens = row_argmax(logits)
         return tokens, None, torch.softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     greedy = temperature <= 0
     scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     probs = torch.softmax(logits / scale.unsqueeze(-1), dim=-1)
-    argmax = logits.argmax(dim=-1)
+    argmax = row_argmax(logits)
     drawn = inverse_cdf(probs, uniform(seeds, positions, Purpose.DRAFT))
     tokens = torch.where(greedy, argmax, drawn)
     confidence = probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,4 +1,4 @@
-/* bfloat16 <-> float32 for the plugin's kernels (included by gemv.c, paged_attention.c, decode_step.c). */
+/* bfloat16 <-> float32 for the plugin's kernels (included by gemv.c, paged_attention.c, stack_ops.h). */
 #ifndef DEEPINFER_CPU_BF16_H
 #define DEEPINFER_CPU_BF16_H
 #include <stdint.h>
