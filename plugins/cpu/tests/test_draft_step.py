@@ -2,8 +2,8 @@
 greedy block pass in one C call each. They equal the drafter's torch modules (the same context rows within
 rounding, the same drafts, confidences within 1e-3) in float32 and bfloat16, with and without a draft vocabulary,
 over windows partly visible; in the engine they serve every batch-1 drafting step and propose what the torch
-modules propose (in bfloat16 but for a rare near tie), greedy tokens staying those of plain decoding; and they decline what they do not serve (sampling
-drafts, too many rows, the switch off)."""
+modules propose (in bfloat16 but for a rare near tie), greedy tokens staying those of plain decoding; and they
+decline what they do not serve (sampling drafts, too many rows, the switch off)."""
 
 from __future__ import annotations
 

@@ -67,6 +67,29 @@ def test_kernel_equals_a_float64_masked_softmax(window: int, with_floors: bool, 
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("window", "floor"), [(0, 0), (9, 20)])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_one_requests_rows_split_over_the_threads_equal_the_reference(window: int, floor: int, threads: int) -> None:
+    """One request of 16 query rows (a short prompt chunk) and one KV head: fewer (request, KV head) pairs than
+    two per thread, so the kernel splits the rows into chunks of its own (uneven ones with 3 threads: 16 rows
+    in 6 chunks)."""
+    gen = torch.Generator().manual_seed(threads + window)
+    bs, heads, dim, length, rows = 4, 3, 32, 37, 16
+    k_cache = torch.randn(12, bs, 1, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(12, bs, 1, dim, generator=gen).bfloat16()
+    tables = torch.randperm(12, generator=gen)[:10].view(1, 10)
+    q = torch.randn(rows, heads, dim, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = paged_attention(q, k_cache, v_cache, tables, torch.tensor([length]), torch.tensor([0, rows]), scale=0.2,
+                              window=window, floors=torch.tensor([floor]) if floor else None)
+    finally:
+        torch.set_num_threads(before)
+    want = _reference(q, k_cache, v_cache, tables, [length], [rows], 0.2, window, [floor])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [0, 6])
 def test_a_rows_output_does_not_depend_on_the_rows_beside_it(window: int) -> None:
     """A request's 5 query rows in one call (a verification step) equal, bit for bit, each row alone as a

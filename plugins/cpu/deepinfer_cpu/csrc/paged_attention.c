@@ -7,7 +7,11 @@
  * (len = seq_lens[r], their keys already written to the cache). Each (request, KV head) task reads that
  * head's keys and values straight from the paged cache through the request's block table, once, for every
  * query row of the request and every query head of the KV head's GQA group: scores, softmax, weighted sum
- * of values. Nothing is gathered into a temporary first.
+ * of values. Nothing is gathered into a temporary first. With AVX-512 and heads of up to 128 (a multiple of
+ * 16) each key and value is widened into registers once for all those rows and heads (on the 2-core Xeon a
+ * 6-row verification step's attention over 300 keys ran 1.7x faster than widening it for every row and head).
+ * When a call has fewer (request, KV head) pairs than two per thread, a request's rows are split into chunks,
+ * one task each, so the threads share the work (a 6-row step of SmolLM2's 3 KV heads on 2 threads).
  *
  * Layouts (all contiguous): q and out [tokens, heads, dim]; k_cache and v_cache [blocks, block_size,
  * kv_heads, dim]; tables [requests, table_width] (block ids); seq_lens [requests]; starts [requests + 1];
@@ -70,6 +74,19 @@ static inline void add_scaled(float *out, float w, const void *v, int64_t dim, i
     }
 }
 
+#ifdef __AVX512F__
+#define MAX_VECTORS 8 /* the register path's widest head: 128 floats */
+
+/* A key's or value's vector as float32 registers (16 lanes each), from float32 or bfloat16 (exactly). */
+static inline void load_row(__m512 *dst, const void *src, int64_t vectors, int bf16) {
+    for (int64_t v = 0; v < vectors; ++v)
+        dst[v] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + 16 * v))),
+                            16))
+                      : _mm512_loadu_ps((const float *)src + 16 * v);
+}
+#endif
+
 static int visible(int64_t j, int64_t p, int64_t window, int64_t floor_) {
     if (j > p) return 0;
     if (window > 0 && (j <= p - window || (j < floor_ && j != p))) return 0;
@@ -94,6 +111,10 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
     const int64_t row = kv_heads * dim; /* one cache position: every KV head's vector */
     const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
     const char *keys = k_cache, *values = v_cache;
+#ifdef __AVX512F__
+    const int64_t vectors = dim / 16;
+    const int in_registers = dim % 16 == 0 && vectors <= MAX_VECTORS;
+#endif
     int failed = 0;
     if (new_k != NULL) {
         for (int64_t t = 0; t < new_tokens; ++t) {
@@ -102,10 +123,17 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
             memcpy((char *)v_cache + to, (const char *)new_v + from, element * (size_t)row);
         }
     }
+    /* A request's rows split into chunks when there are fewer (request, KV head) pairs than two per thread: a
+     * 6-row verification step's 3 SmolLM2 KV heads left one of 2 threads idle a third of the time. */
+    const int64_t pairs = requests * kv_heads;
+    const int64_t chunks = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int64_t task = 0; task < requests * kv_heads; ++task) {
-        const int64_t r = task / kv_heads, h = task % kv_heads;
-        const int64_t m = starts[r + 1] - starts[r], len = seq_lens[r], first_pos = len - m;
+    for (int64_t task = 0; task < requests * kv_heads * chunks; ++task) {
+        const int64_t r = task / (kv_heads * chunks), h = task / chunks % kv_heads, c = task % chunks;
+        const int64_t all = starts[r + 1] - starts[r], first_pos = seq_lens[r] - all;
+        const int64_t i0 = c * all / chunks, m = (c + 1) * all / chunks - i0; /* this task's rows: i0 .. i0 + m - 1 */
+        if (m == 0) continue;
+        const int64_t len = first_pos + i0 + m, row0 = starts[r] + i0; /* keys past the last row's are masked */
         const int64_t lo = (window > 0 && first_pos - window + 1 > 0) ? first_pos - window + 1 : 0;
         const int64_t floor_ = (window > 0 && floors != NULL) ? floors[r] : 0;
         const int64_t n = len - lo, lanes = m * group; /* score rows: (query row, query head of the group) */
@@ -121,9 +149,30 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
             int64_t begin, end;
             const char *kj = keys + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element;
             for (int64_t j = begin; j < end; ++j, kj += row * element) {
+#ifdef __AVX512F__
+                if (in_registers) { /* the key widened once for every lane: the sums as dot()'s */
+                    __m512 key[MAX_VECTORS];
+                    load_row(key, kj, vectors, bf16);
+                    for (int64_t i = 0; i < m; ++i) {
+                        const int seen = visible(j, first_pos + i0 + i, window, floor_);
+                        const float *qi = q + ((row0 + i) * heads + h * group) * dim;
+                        for (int64_t g = 0; g < group; ++g) {
+                            float score = -INFINITY;
+                            if (seen) {
+                                __m512 acc = _mm512_setzero_ps();
+                                for (int64_t v = 0; v < vectors; ++v)
+                                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + g * dim + 16 * v), key[v], acc);
+                                score = _mm512_reduce_add_ps(acc) * scale;
+                            }
+                            scores[(i * group + g) * n + (j - lo)] = score;
+                        }
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t i = 0; i < m; ++i) {
-                    const int seen = visible(j, first_pos + i, window, floor_);
-                    const float *qi = q + ((starts[r] + i) * heads + h * group) * dim;
+                    const int seen = visible(j, first_pos + i0 + i, window, floor_);
+                    const float *qi = q + ((row0 + i) * heads + h * group) * dim;
                     for (int64_t g = 0; g < group; ++g)
                         scores[(i * group + g) * n + (j - lo)] =
                             seen ? dot(qi + g * dim, kj, dim, bf16) * scale : -INFINITY;
@@ -151,14 +200,33 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
             sums[lane] = part[0];
         }
         /* Weighted sum of the values, block by block. */
-        for (int64_t i = 0; i < m; ++i) memset(out + ((starts[r] + i) * heads + h * group) * dim, 0,
+        for (int64_t i = 0; i < m; ++i) memset(out + ((row0 + i) * heads + h * group) * dim, 0,
                                                sizeof(float) * (size_t)(group * dim));
         for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
             int64_t begin, end;
             const char *vj = values + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element;
             for (int64_t j = begin; j < end; ++j, vj += row * element) {
+#ifdef __AVX512F__
+                if (in_registers) { /* the value widened once for every lane */
+                    __m512 value[MAX_VECTORS];
+                    load_row(value, vj, vectors, bf16);
+                    for (int64_t i = 0; i < m; ++i) {
+                        float *oi = out + ((row0 + i) * heads + h * group) * dim;
+                        for (int64_t g = 0; g < group; ++g) {
+                            const float w = scores[(i * group + g) * n + (j - lo)];
+                            if (w == 0.0f) continue; /* masked (or vanishing) */
+                            const __m512 weight = _mm512_set1_ps(w);
+                            for (int64_t v = 0; v < vectors; ++v) {
+                                float *o = oi + g * dim + 16 * v;
+                                _mm512_storeu_ps(o, _mm512_fmadd_ps(weight, value[v], _mm512_loadu_ps(o)));
+                            }
+                        }
+                    }
+                    continue;
+                }
+#endif
                 for (int64_t i = 0; i < m; ++i) {
-                    float *oi = out + ((starts[r] + i) * heads + h * group) * dim;
+                    float *oi = out + ((row0 + i) * heads + h * group) * dim;
                     for (int64_t g = 0; g < group; ++g) {
                         const float w = scores[(i * group + g) * n + (j - lo)];
                         if (w == 0.0f) continue; /* masked (or vanishing) */
@@ -170,7 +238,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
         for (int64_t i = 0; i < m; ++i) {
             for (int64_t g = 0; g < group; ++g) {
                 const float inv = 1.0f / sums[i * group + g];
-                float *og = out + ((starts[r] + i) * heads + h * group + g) * dim;
+                float *og = out + ((row0 + i) * heads + h * group + g) * dim;
                 for (int64_t d = 0; d < dim; ++d) og[d] *= inv;
             }
         }
