@@ -796,6 +796,12 @@ class GemmBackend(Backend, Protocol):
     returns the drafts as target ids ``[B, k]`` (int64) and their confidences ``[B, k]`` (float32). Each serves
     what it can and otherwise (shape, dtype) returns False / None before touching anything; its results equal
     the stack's torch computation within the rounding of other summation orders.
+
+    Optional ``row_breaks(dtype) -> Sequence[int]``: the row counts ``n`` after which the backend's kernel
+    changes (a call of ``n`` rows and one of ``n + 1`` run different kernels, at different costs per row:
+    ``onednn``'s GEMV and fused steps up to ``min_rows − 1`` rows, oneDNN from ``min_rows``). The ``varlen``
+    plan's step-cost curve is profiled on both sides of each, where powers of two alone would draw a line
+    over the jump.
     """
 
     def prepare_weight(self, weight: torch.Tensor) -> torch.Tensor: ...

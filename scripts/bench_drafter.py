@@ -9,7 +9,8 @@ prompts (passages and templates the training never saw) are the workload, and th
 it is the drafter (``--weights F`` another one; ``--spec FIELD=VALUE`` further drafter settings). For
 each batch size (requests at once; batch 1 runs them one after another) the configurations
 ``off``, ``fixed`` (``max_draft`` 5) and ``varlen`` (``--configs``: a subset) run interleaved, greedy,
-until EOS or ``--max-tokens``; outputs must be token-identical across configurations. Reported: output tokens/s
+until EOS or ``--max-tokens``; at batch 1 on the CPU outputs must be token-identical across configurations (elsewhere
+the replies that differ are counted: the GEMMs are not batch-invariant, see the loop). Reported: output tokens/s
 (median of ``--repeats``), the engine's acceptance statistics (mean acceptance length, acceptance by
 position, calibrated ECE), and at batch 1 the median wall time of one engine step (a plain decode step
 against a verify + draft step). Every configuration runs the ``cpu`` plugin's GEMMs (``--core-gemm``:
@@ -150,9 +151,11 @@ def main() -> None:
                 if reference is None:
                     reference, tokens = outs, sum(len(o) for o in outs)
                 differ = sum(o != r for o, r in zip(outs, reference, strict=True))
-                if args.device == "cpu":
+                if args.device == "cpu" and batch == 1:
                     assert not differ, f"{name} at batch {batch}: outputs differ from the first configuration"
-                # fp32 on the GPU: a prefix-cache hit or another batch shape can flip a near tie
+                # Counted, not asserted: on the GPU a prefix-cache hit or another batch shape can flip a near tie; on
+                # the CPU from batch 2 a step that mixes a prompt chunk with other requests' rows runs them through
+                # oneDNN (min_rows or more rows), not the GEMV, and the configurations mix different steps
                 off_reference[name] = off_reference.get(name, 0) + differ
                 seconds[name].append(dt)
                 steps[name].extend(step_times)

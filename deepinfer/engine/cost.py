@@ -219,6 +219,11 @@ class StepCost:
         self.on_profiled: Callable[[list[tuple[int, float]]], None] | None = None
 
     @property
+    def sizes(self) -> list[int]:
+        """Every query size the curve is profiled at: those profiled so far, then those still to profile."""
+        return [*self._sizes, *self._todo]
+
+    @property
     def points(self) -> list[tuple[int, float]]:
         """The sizes profiled so far and their seconds."""
         return list(zip(self._sizes, self._seconds, strict=True))

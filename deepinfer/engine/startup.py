@@ -21,7 +21,7 @@ import torch
 
 from deepinfer.config import EngineConfig, ResolvedConfig, build_config
 from deepinfer.engine.compiled import check_compile_support, compile_layers
-from deepinfer.engine.cost import CurveCache, StepCost, time_call
+from deepinfer.engine.cost import CurveCache, StepCost, profile_sizes, time_call
 from deepinfer.engine.drafting import TokenCache
 from deepinfer.engine.graphs import DecodeGraphs
 from deepinfer.engine.intake import RequestIntake, load_tokenizer
@@ -418,8 +418,12 @@ class StartUp:
                 return time_call(lambda: graphs.replay((query_tokens, query_len)), self.device)
 
             cost = StepCost(replay, largest, sizes=graphs.buckets, bucketed=True)  # a step replays its bucket's graph
-        else:
-            cost = StepCost(measure, largest)
+        else:  # powers of two, and both sides of every row count where the GEMM backend changes its kernel
+            breaks = getattr(self.backends["linear"], "row_breaks", None)
+            sizes = set(profile_sizes(largest))
+            if breaks is not None:
+                sizes |= {n for b in breaks(self.dtype) for n in (b, b + 1) if 0 < n <= largest}
+            cost = StepCost(measure, largest, sizes=sorted(sizes))
         sched = self.config.scheduler
         folder = sched.step_cost_cache_dir
         if folder:

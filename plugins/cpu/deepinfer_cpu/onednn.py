@@ -85,6 +85,10 @@ class OneDNNGemmBackend:
         """The most rows a call of ``dtype`` runs the GEMV for (``min_rows_for`` − 1)."""
         return self.min_rows_for(dtype) - 1
 
+    def row_breaks(self, dtype: torch.dtype) -> list[int]:
+        """``GemmBackend.row_breaks``: the GEMV (and the fused steps) up to ``gemv_rows``, oneDNN after."""
+        return [self.gemv_rows(dtype)]
+
     def available(self) -> bool:
         return onednn_available()
 

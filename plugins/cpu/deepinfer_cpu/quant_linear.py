@@ -240,6 +240,10 @@ class QuantizedGemmBackend:
     def available(self) -> bool:
         return compiler() is not None
 
+    def row_breaks(self, dtype: torch.dtype) -> list[int]:
+        """``GemmBackend.row_breaks``: the quantized kernels (and the fused steps) up to ``dense_rows − 1``."""
+        return [self.dense_rows - 1]
+
     def quantize(self, weight: torch.Tensor) -> Int8Weight | Q41Weight:
         """``weight [N, K]`` in this backend's format (8-bit blocks for the LM head under ``q4_1``)."""
         if weight.dim() != 2:

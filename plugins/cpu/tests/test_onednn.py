@@ -107,3 +107,16 @@ def test_bfloat16_end_to_end_logits_within_bf16_tolerance(tiny_llama) -> None:
         assert err.max().item() <= 8 * step
         assert err.mean().item() <= 2 * their_err.mean().item() + step / 4
     llm.shutdown()
+
+
+def test_the_varlen_cost_curve_is_profiled_on_both_sides_of_the_gemv_rows(tmp_path: Path) -> None:
+    """``row_breaks``: a step of ``min_rows − 1`` rows runs the GEMV (and the fused step), one of ``min_rows``
+    oneDNN; the step-cost curve of ``varlen`` is profiled at both, besides the powers of two."""
+    _, folder = save_tiny("llama", tmp_path)
+    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 22, max_num_seqs=4,
+              plugins={"cpu": {"enabled": True, "min_rows": 6},
+                       "spec_decode": {"enabled": True, "drafter": "ngram", "plan": "varlen", "max_draft": 3}})
+    assert llm.engine.runner.backends["linear"].row_breaks(torch.float32) == [5]
+    sizes = llm.engine.speculator.cost.sizes
+    assert {1, 2, 4, 5, 6, 8, 16} <= set(sizes) and sizes == sorted(sizes) and max(sizes) == 16  # 4 requests x 4
+    llm.shutdown()
