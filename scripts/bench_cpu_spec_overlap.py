@@ -55,7 +55,7 @@ def _engine(model: str, batch: int, executor: str, spec: dict | None) -> LLM:
         plugins["spec_decode"] = {"enabled": True, "max_draft": 5, **spec}
     return LLM(model, max_num_seqs=max(batch, 1), max_model_len=1024,
                cache={"kv_cache_bytes": 256 << 20, "prefix_caching": False},
-               plugins=plugins)
+               plugins=plugins, scheduler={"executor": executor})
 
 
 def _generate(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:

@@ -122,8 +122,10 @@ def main() -> None:
     else:
         plugins = {} if args.core_gemm else {"cpu": {"enabled": True}}
     if args.overlap:
-        plugins["scheduling"] = {"enabled": True}  # scheduler.executor auto: overlap
+        plugins["scheduling"] = {"enabled": True}
     engine = set_flags_to_tree(args.set)
+    if args.overlap:  # named: on a CPU device scheduler.executor auto is the synchronous one
+        engine.setdefault("scheduler", {})["executor"] = "overlap"
     engine.update(engine.pop("model", {}))  # model.* as flat overrides: LLM's first argument is the model
     for name, section in engine.pop("plugins", {}).items():
         plugins[name] = {**plugins.get(name, {}), **section}

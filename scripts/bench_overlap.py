@@ -57,7 +57,8 @@ def main() -> None:
     results = []
     for batch in args.batch:
         llms = {name: LLM(folder, max_num_seqs=batch, max_model_len=512, kv_cache_bytes=1 << 30,
-                          plugins={"scheduling": {"enabled": name == "overlap"}}) for name in ("sync", "overlap")}
+                          plugins={"scheduling": {"enabled": name == "overlap"}}, scheduler={"executor": name})
+                for name in ("sync", "overlap")}
         runs: dict[str, list[dict]] = {name: [] for name in llms}
         for llm in llms.values():
             measure(llm, workload(batch, 0), 4)  # warm-up

@@ -194,7 +194,8 @@ def _engine(model: str, batch: int, executor: str, spec: dict | None, device: st
     if spec is not None:
         plugins["spec_decode"] = {"enabled": True, "max_draft": 5, **spec}
     return LLM(model, max_num_seqs=max(batch, 1), max_model_len=1024, device=device,
-               cache={"kv_cache_bytes": 128 << 20, "prefix_caching": False}, plugins=plugins)
+               cache={"kv_cache_bytes": 128 << 20, "prefix_caching": False}, plugins=plugins,
+               scheduler={"executor": executor})
 
 
 def _prompts(llm: LLM, batch: int) -> list[list[int]]:

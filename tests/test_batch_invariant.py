@@ -116,7 +116,7 @@ def test_seeded_sampling_is_deterministic_across_neighbours_and_executors(smollm
     for executor in ("sync", "overlap"):
         llm = LLM(smollm2_dir, kv_cache_bytes=1 << 27, max_model_len=512, block_size=16,
                   max_num_batched_tokens=96, kernels={"batch_invariant": True},
-                  plugins={"scheduling": {"enabled": executor == "overlap"}})
+                  plugins={"scheduling": {"enabled": executor == "overlap"}}, scheduler={"executor": executor})
         try:
             assert type(llm.engine.executor).__name__ == ("SyncExecutor" if executor == "sync" else "OverlapExecutor")
             runs = [generate_among(llm, target, params,

@@ -97,7 +97,8 @@ def _assert_clean(llm: LLM) -> None:
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_interrupt_at_every_phase_leaves_a_clean_engine(tiny_dir, config):
     prompts = _prompts(3)
-    llm = LLM(tiny_dir, block_size=16, kv_cache_bytes=1 << 21, max_num_seqs=4, plugins=CONFIGS[config])
+    llm = LLM(tiny_dir, block_size=16, kv_cache_bytes=1 << 21, max_num_seqs=4, plugins=CONFIGS[config],
+              scheduler={"executor": config.split("+")[0]})
     engine = llm.engine
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     targets = {"core": engine.core, "scheduler": engine.scheduler, "speculator": engine.speculator}
@@ -154,7 +155,8 @@ def test_sigint_during_generate(tiny_dir, config):
 
 
 def _sigint_drill(tiny_dir, config) -> None:
-    llm = LLM(tiny_dir, block_size=16, kv_cache_bytes=1 << 21, max_num_seqs=4, plugins=CONFIGS[config])
+    llm = LLM(tiny_dir, block_size=16, kv_cache_bytes=1 << 21, max_num_seqs=4, plugins=CONFIGS[config],
+              scheduler={"executor": config.split("+")[0]})
     prompts = _prompts(7) + _prompts(8)
     many = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3]], PARAMS, use_tqdm=False)]

@@ -34,7 +34,8 @@ def _groups(seed: int, groups: int = 3, per_group: int = 4, shared: int = 70) ->
 
 def _llm(folder, sharing: bool = True, plugins=None, **kw) -> LLM:
     return LLM(folder, kv_cache_bytes=1 << 23, block_size=16, plugins=plugins or {},
-               cache={"in_step_prefix_sharing": sharing}, **kw)
+               scheduler={"executor": "overlap" if plugins else "sync"}, cache={"in_step_prefix_sharing": sharing},
+               **kw)
 
 
 def _together(llm: LLM, prompts):

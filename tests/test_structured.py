@@ -101,7 +101,8 @@ def smol(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def smol_overlap(smollm2_dir):
-    llm = LLM(smollm2_dir, kv_cache_bytes=1 << 27, max_model_len=1024, plugins={"scheduling": {"enabled": True}})
+    llm = LLM(smollm2_dir, kv_cache_bytes=1 << 27, max_model_len=1024, plugins={"scheduling": {"enabled": True}},
+              scheduler={"executor": "overlap"})
     yield llm
     llm.shutdown()
 

@@ -194,7 +194,7 @@ def test_bounded_restore_composes_with_spec_decode_and_the_overlapped_executor(y
     spec = {**bounded, **spec_plugins("oracle", "fixed", oracle_file=oracle, oracle_corruption=0.3)}
     overlap = {"scheduling": {"enabled": True}}
     for plugins in (spec, {**bounded, **overlap}, {**spec, **overlap}):
-        llm = make_llm(yoco, plugins=plugins)
+        llm = make_llm(yoco, plugins=plugins, scheduler={"executor": "overlap" if "scheduling" in plugins else "sync"})
         restores = record_restores(llm)
         assert logprob_gap(plain, run(llm, waves)) < 1e-5
         assert any(r.floor > 0 for r in restores)  # the second wave restored from its cached blocks

@@ -53,8 +53,9 @@ def gemma_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _llm(folder: Path, kv_store: str | None, *, blocks: int, tmp: Path | None = None,
-         more_plugins: dict[str, Any] | None = None, **overrides: Any) -> LLM:
-    """An engine whose device cache holds ``blocks`` blocks of 16 tokens (sized from the model's bytes)."""
+         more_plugins: dict[str, Any] | None = None, executor: str = "sync", **overrides: Any) -> LLM:
+    """An engine whose device cache holds ``blocks`` blocks of 16 tokens (sized from the model's bytes), on the
+    ``executor`` named (``overlap`` needs the scheduling plugin in ``more_plugins``)."""
     probe = LLM(folder, kv_cache_bytes=1 << 22, block_size=BLOCK, max_model_len=128, **overrides)
     pool = probe.engine.pool
     per_block = sum(t[0].numel() * t.element_size() for t in pool.paged)
@@ -64,7 +65,7 @@ def _llm(folder: Path, kv_store: str | None, *, blocks: int, tmp: Path | None = 
     plugins = {"kv_store": {"enabled": True, "host_bytes": 1 << 24,
                             "disk_dir": str(tmp) if tmp is not None else None}, **(more_plugins or {})}
     return LLM(folder, kv_cache_bytes=state + per_block * (blocks + 1), block_size=BLOCK, max_model_len=128,
-               cache={"kv_store": kv_store}, plugins=plugins, **overrides)
+               cache={"kv_store": kv_store}, plugins=plugins, scheduler={"executor": executor}, **overrides)
 
 
 def _count_computed(llm: LLM) -> list[int]:
@@ -87,13 +88,14 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 
 def _evict_then_hit(folder: Path, kv_store: str, tmp: Path | None = None,
-                    more_plugins: dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
+                    more_plugins: dict[str, Any] | None = None, executor: str = "sync",
+                    **overrides: Any) -> dict[str, Any]:
     """Prompt A (prefix + tail), then unrelated prompts that evict every cached block of A, then prompt B
     (the same prefix, another tail): B's prefix must come back from the tiers."""
     prefix = _tokens(PREFIX, 1)
     a, b = prefix + _tokens(9, 2), prefix + _tokens(13, 3)
     fillers = [_tokens(70, 10 + i) for i in range(3)]
-    llm = _llm(folder, kv_store, blocks=12, tmp=tmp, more_plugins=more_plugins, **overrides)
+    llm = _llm(folder, kv_store, blocks=12, tmp=tmp, more_plugins=more_plugins, executor=executor, **overrides)
     first = _generate(llm, [a])
     for filler in fillers:
         _generate(llm, [filler])
@@ -221,7 +223,7 @@ def test_lent_host_blocks_are_held_until_their_copies_are_done() -> None:
 def test_tiers_under_the_overlapped_executor(llama_dir: Path) -> None:
     """The overlapped executor (plugins/scheduling: the forward on a worker thread) demotes and promotes
     the same blocks with the same tokens."""
-    run = _evict_then_hit(llama_dir, "host", more_plugins={"scheduling": {"enabled": True}})
+    run = _evict_then_hit(llama_dir, "host", more_plugins={"scheduling": {"enabled": True}}, executor="overlap")
     assert run["got"] == run["want"]
     assert run["stats"]["kv_tiers"]["promoted_blocks"] == PREFIX // BLOCK
     assert run["stats"]["kv_blocks_free"] == run["stats"]["kv_blocks_total"]
@@ -337,7 +339,7 @@ def test_a_store_that_raises_mid_promotion_is_a_miss_and_leaks_nothing(llama_dir
 @pytest.mark.parametrize("executor", ["sync", "overlap"])
 def test_aborts_and_preemptions_with_tiers_leak_no_block(llama_dir: Path, executor: str) -> None:
     overlap = {"scheduling": {"enabled": True}} if executor == "overlap" else None
-    llm = _llm(llama_dir, "host", blocks=10, max_num_seqs=6, more_plugins=overlap)
+    llm = _llm(llama_dir, "host", blocks=10, max_num_seqs=6, more_plugins=overlap, executor=executor)
     engine = llm.engine
     # Whether a demoted prefix comes back depends on the schedule: a seed whose sync run promotes with
     # in-step prefix sharing on (which keeps more of the shared prefix on the device).

@@ -38,7 +38,7 @@ def tiny_dir(request, tmp_path_factory):
 
 
 def _run(folder, plugins, prompts, params, **kw):
-    llm = LLM(folder, block_size=16, plugins=plugins, **kw)
+    llm = LLM(folder, block_size=16, plugins=plugins, scheduler={"executor": "overlap" if plugins else "sync"}, **kw)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], llm
 
@@ -78,8 +78,8 @@ def test_smollm2_overlap_equals_sync(smollm2_dir):
 
 def test_aborts_in_flight_and_a_thousand_requests_leak_nothing(tmp_path):
     folder = save_tiny("llama", tmp_path)[1]
-    llm = LLM(folder, block_size=16, plugins=OVERLAP, kv_cache_bytes=_kv_bytes(13), max_model_len=128,
-              max_num_seqs=16)
+    llm = LLM(folder, block_size=16, plugins=OVERLAP, scheduler={"executor": "overlap"}, kv_cache_bytes=_kv_bytes(13),
+              max_model_len=128, max_num_seqs=16)
     engine = llm.engine
     rng = random.Random(7)
     requests = [engine.make_request(p, SamplingParams(temperature=1.0, seed=i, max_tokens=rng.randint(1, 12)))
@@ -93,10 +93,13 @@ def test_aborts_in_flight_and_a_thousand_requests_leak_nothing(tmp_path):
 
 
 def test_env_knob_enables_overlap(tmp_path, monkeypatch):
+    """The knob enables the plugin, so ``overlap`` can be named; on this CPU device ``auto`` stays synchronous."""
     folder = save_tiny("llama", tmp_path)[1]
     monkeypatch.setenv("DEEPINFER_ZERO_OVERHEAD_SCHEDULING", "1")
-    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 20)
+    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 20, scheduler={"executor": "overlap"})
     assert type(llm.engine.executor).__name__ == "OverlapExecutor"
+    llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 20)
+    assert type(llm.engine.executor).__name__ == "SyncExecutor"
     monkeypatch.delenv("DEEPINFER_ZERO_OVERHEAD_SCHEDULING")
     llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 20)
     assert type(llm.engine.executor).__name__ == "SyncExecutor"

@@ -41,7 +41,8 @@ def _kv_bytes(blocks: int, head_dim: int = 16) -> int:
 
 def _llm(folder: Path, plugins: dict, **kw) -> LLM:
     kw.setdefault("kv_cache_bytes", 1 << 22)
-    return LLM(folder, block_size=16, max_num_seqs=8, plugins=plugins, **kw)
+    executor = "overlap" if "scheduling" in plugins else "sync"  # on a CPU device auto is sync
+    return LLM(folder, block_size=16, max_num_seqs=8, plugins=plugins, scheduler={"executor": executor}, **kw)
 
 
 def _run(folder: Path, plugins: dict, prompts, params, **kw) -> tuple[list[tuple[list[int], str]], LLM]:
@@ -206,7 +207,8 @@ QUOTE = ("The quick brown fox jumps over the lazy dog. A journey of a thousand m
 
 
 def _smol_staggered(smollm2_dir: Path, plugins: dict, chats, params) -> tuple[list[RequestOutput], LLM, int]:
-    llm = LLM(smollm2_dir, kv_cache_bytes=1 << 26, max_model_len=512, max_num_seqs=8, plugins=plugins)
+    llm = LLM(smollm2_dir, kv_cache_bytes=1 << 26, max_model_len=512, max_num_seqs=8, plugins=plugins,
+              scheduler={"executor": "overlap" if "scheduling" in plugins else "sync"})
     prompts = [llm.engine.tokenizer.encode_chat(messages)[1] for messages in chats]
     outs, overlapped = _staggered(llm, prompts, params)
     return outs, llm, overlapped

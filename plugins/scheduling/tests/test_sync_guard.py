@@ -83,7 +83,7 @@ def test_the_config_field_reaches_the_executor(tmp_path):
     """Without CUDA the guard is off whatever the config says, and the run is unchanged."""
     folder = save_tiny("llama", tmp_path)[1]
     llm = LLM(folder, block_size=16, kv_cache_bytes=1 << 20,
-              plugins={"scheduling": {"enabled": True, "sync_guard": True}})
+              plugins={"scheduling": {"enabled": True, "sync_guard": True}}, scheduler={"executor": "overlap"})
     assert llm.engine.executor.guard.enabled == torch.cuda.is_available()
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4

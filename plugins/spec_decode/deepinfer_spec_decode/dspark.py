@@ -53,6 +53,11 @@ one extra row. Drafts are mapped back to target ids and their distributions repo
 vocabulary (zero outside the subset), so verification stays lossless: a token outside is simply never
 proposed.
 
+**Fused passes.** When the engine's GEMM backend offers ``draft_context`` / ``draft_block`` (``plugins/cpu``'s,
+in C), the drafter hands it the dense network as an ``interfaces.BlockDrafterStack`` and the context write and
+greedy drafting run there; what it does not serve (sampling drafts, MoE blocks, more rows than it takes) runs the
+modules above.
+
 **Weights** (``dspark_weights``: ``auto``, a file or ``random``; one safetensors file, names without a
 prefix; ``H`` the main model's hidden size, ``L`` the number of target layers, ``I`` the intermediate
 size, ``r`` the Markov rank, ``V`` the vocabulary or ``Vd`` the draft vocabulary):
