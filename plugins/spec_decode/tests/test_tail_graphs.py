@@ -93,7 +93,8 @@ def _run(folder: Path, plan: str, executor: str, tail: bool
                                                "plan": plan, "max_draft": K}}
     if executor == "overlap":
         plugins["scheduling"] = {"enabled": True}
-    llm = LLM(folder, block_size=BLOCK, kv_cache_bytes=1 << 22, max_num_seqs=MAX_SEQS, plugins=plugins)
+    llm = LLM(folder, block_size=BLOCK, kv_cache_bytes=1 << 22, max_num_seqs=MAX_SEQS, plugins=plugins,
+              scheduler={"executor": executor})
     staged, _ = _emulated(llm, tail)
     outs = [o.outputs[0].token_ids for o in llm.generate(_prompts(), PARAMS, use_tqdm=False)]
     return outs, llm.get_stats(), staged, llm

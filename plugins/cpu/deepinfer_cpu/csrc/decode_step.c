@@ -24,7 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fastexp.h"
 #include "stack_ops.h"
 
 int paged_attention(const float *q, const void *k_cache, const void *v_cache, const int64_t *tables,
@@ -107,17 +106,7 @@ int decode_step(const struct shape *s, const struct layer *layers, const struct 
         keep_all(attn, T * q_size, bf16);
         failed |= project(&t->o_proj, attn, NULL, h, T, hidden, q_size, threads, bf16);
         for (int64_t i = 0; i < T * hidden; ++i) x[i] = keep(x[i] + h[i], bf16);
-        for (int64_t r = 0; r < T; ++r) rms_norm(x + r * hidden, t->post_norm, h + r * hidden, hidden, s->eps, bf16);
-        failed |= project(&t->gate_up, h, NULL, wide, T, 2 * inter, hidden, threads, bf16);
-        for (int64_t r = 0; r < T; ++r) { /* silu(gate) · up, packed into the row's first half */
-            float *gu = wide + r * 2 * inter, *act = wide + r * inter;
-            for (int64_t i = 0; i < inter; ++i) {
-                const float g = gu[i], up = gu[inter + i];
-                act[i] = keep(keep(silu(g), bf16) * up, bf16);
-            }
-        }
-        failed |= project(&t->down, wide, NULL, h, T, hidden, inter, threads, bf16);
-        for (int64_t i = 0; i < T * hidden; ++i) x[i] = keep(x[i] + h[i], bf16);
+        failed |= swiglu_mlp(x, h, wide, t->post_norm, &t->gate_up, &t->down, T, hidden, inter, s->eps, threads, bf16);
     }
     if (!failed) {
         if (captures != NULL && captures[s->layers] != NULL) store(captures[s->layers], x, T * hidden, bf16);

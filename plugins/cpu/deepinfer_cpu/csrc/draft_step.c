@@ -26,7 +26,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fastexp.h"
 #include "stack_ops.h"
 
 #define LOGIT_CLAMP 60.0f
@@ -173,14 +172,7 @@ int draft_block(const struct draft_net *n, int64_t batch, int64_t k, int64_t W, 
         keep_all(h, T * H, bf16);
         failed |= project(&t->o, h, NULL, w, T, H, H, threads, bf16);
         for (int64_t i = 0; i < T * H; ++i) x[i] = keep(x[i] + w[i], bf16);
-        for (int64_t r = 0; r < T; ++r) rms_norm(x + r * H, t->mlp_norm, h + r * H, H, n->eps, bf16);
-        failed |= project(&t->gate_up, h, NULL, w, T, 2 * I, H, threads, bf16);
-        for (int64_t r = 0; r < T; ++r) { /* silu(gate) · up, packed into the row's first half */
-            float *gu = w + r * 2 * I, *act = w + r * I;
-            for (int64_t i = 0; i < I; ++i) act[i] = keep(keep(silu(gu[i]), bf16) * gu[I + i], bf16);
-        }
-        failed |= project(&t->down, w, NULL, h, T, H, I, threads, bf16);
-        for (int64_t i = 0; i < T * H; ++i) x[i] = keep(x[i] + h[i], bf16);
+        failed |= swiglu_mlp(x, h, w, t->mlp_norm, &t->gate_up, &t->down, T, H, I, n->eps, threads, bf16);
     }
     for (int64_t r = 0; r < T; ++r) rms_norm(x + r * H, n->norm, h + r * H, H, n->eps, bf16);
     failed |= project(&n->head, h, NULL, logits, T, V, H, threads, bf16);

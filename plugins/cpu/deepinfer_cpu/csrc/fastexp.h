@@ -1,4 +1,4 @@
-/* e^x for x <= 0 in plain C that vectorizes (included by paged_attention.c and decode_step.c): glibc's expf is a
+/* e^x for x <= 0 in plain C that vectorizes (included by paged_attention.c and stack_ops.h): glibc's expf is a
  * scalar call without -ffast-math, and a decode step calls it for every attention score and every MLP activation.
  * x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r by its degree-6 Taylor polynomial (relative error
  * below 2e-7), times 2^n built in the exponent bits. Below -87 (e^x under float32's normal range; masked scores

@@ -79,11 +79,14 @@ static inline void add_scaled(float *out, float w, const void *v, int64_t dim, i
 
 /* A key's or value's vector as float32 registers (16 lanes each), from float32 or bfloat16 (exactly). */
 static inline void load_row(__m512 *dst, const void *src, int64_t vectors, int bf16) {
-    for (int64_t v = 0; v < vectors; ++v)
-        dst[v] = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)src + 16 * v))),
-                            16))
-                      : _mm512_loadu_ps((const float *)src + 16 * v);
+    for (int64_t v = 0; v < vectors; ++v) {
+        if (!bf16) {
+            dst[v] = _mm512_loadu_ps((const float *)src + 16 * v);
+            continue;
+        }
+        const __m256i halves = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + 16 * v));
+        dst[v] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16));
+    }
 }
 #endif
 

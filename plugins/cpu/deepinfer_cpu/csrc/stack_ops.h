@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "fastexp.h"
 
 void gemv_f32(const float *x, const float *w, const float *bias, float *out, int64_t M, int64_t N, int64_t K,
               int threads);
@@ -61,6 +62,23 @@ static inline int project(const struct projection *w, const float *in, const flo
     default: failed = 1;
     }
     keep_all(out, rows * n, bf16);
+    return failed;
+}
+
+/* A pre-norm SwiGLU MLP over T rows of the residual stream x [T, hidden], in place: x += W_down (silu(g) · u) with
+ * g, u = W_gate_up RMSNorm(x) (norm: its weights). h [T, hidden] and wide [T, 2 · inter] are scratch. Returns
+ * nonzero when a kernel failed. */
+static inline int swiglu_mlp(float *x, float *h, float *wide, const float *norm, const struct projection *gate_up,
+                             const struct projection *down, int64_t T, int64_t hidden, int64_t inter, float eps,
+                             int threads, int bf16) {
+    for (int64_t r = 0; r < T; ++r) rms_norm(x + r * hidden, norm, h + r * hidden, hidden, eps, bf16);
+    int failed = project(gate_up, h, NULL, wide, T, 2 * inter, hidden, threads, bf16);
+    for (int64_t r = 0; r < T; ++r) { /* silu(gate) · up, packed into the row's first half */
+        float *gu = wide + r * 2 * inter, *act = wide + r * inter;
+        for (int64_t i = 0; i < inter; ++i) act[i] = keep(keep(silu(gu[i]), bf16) * gu[inter + i], bf16);
+    }
+    failed |= project(down, wide, NULL, h, T, hidden, inter, threads, bf16);
+    for (int64_t i = 0; i < T * hidden; ++i) x[i] = keep(x[i] + h[i], bf16);
     return failed;
 }
 
