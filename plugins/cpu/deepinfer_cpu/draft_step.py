@@ -2,7 +2,7 @@
 ``GemmBackend.draft_context`` and ``draft_block`` over an ``interfaces.BlockDrafterStack``.
 
 The ``dspark`` drafter's step through its torch modules makes ~260 small ops around its dozen projections: on the
-2-core Xeon 4.5 ms a batch-1 step, of which the projections take ~2 ms (docs/benchmarks.md, issue 28), a third of
+2-core Xeon 4.4 ms a batch-1 step, of which the projections take ~2 ms (docs/benchmarks.md, issue 28), a third of
 a bf16 SmolLM2 decode step. Here each projection runs the GEMM backend's kernel for those rows (``projection``:
 the ``onednn`` backend's GEMV), and the norms, rope, the window attention, SiLU·up, residual adds, the Markov
 correction, argmax and confidences run in C between them. Greedy drafts only (a sampling request's drafts and

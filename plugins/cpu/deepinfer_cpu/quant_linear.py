@@ -235,14 +235,18 @@ class QuantizedGemmBackend:
         self.arena = HugePageArena() if huge_pages else None  # where the quantized weights live (huge_pages.py)
         self._entries: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Entry] = {}
         if fused_decode:  # GemmBackend's optional decode_stack: the steps its kernels take (fewer than dense_rows)
-            self.decode_stack = FusedDecoder(self._projection, max_rows=lambda _dtype: dense_rows - 1)
+            self.decode_stack = FusedDecoder(self._projection, max_rows=self.kernel_rows)
 
     def available(self) -> bool:
         return compiler() is not None
 
+    def kernel_rows(self, dtype: torch.dtype) -> int:
+        """The most rows a call runs the quantized kernels for (``dense_rows`` − 1), whatever the dtype."""
+        return self.dense_rows - 1
+
     def row_breaks(self, dtype: torch.dtype) -> list[int]:
-        """``GemmBackend.row_breaks``: the quantized kernels (and the fused steps) up to ``dense_rows − 1``."""
-        return [self.dense_rows - 1]
+        """``GemmBackend.row_breaks``: the quantized kernels (and the fused steps) up to ``kernel_rows``."""
+        return [self.kernel_rows(dtype)]
 
     def quantize(self, weight: torch.Tensor) -> Int8Weight | Q41Weight:
         """``weight [N, K]`` in this backend's format (8-bit blocks for the LM head under ``q4_1``)."""

@@ -469,12 +469,12 @@ class DSparkDrafter:
         batch, dev = last_tokens.shape[0], last_tokens.device
         block_ids = torch.full((batch, k), self.noise_token_id, dtype=torch.int64, device=dev)
         block_ids[:, 0] = last_tokens
-        block_positions = positions.unsqueeze(1) + torch.arange(k, device=dev)
         embedded = self.model.embed_tokens(block_ids).to(self.dtype)
         if self.stack is not None and not report_probs:
             fused = self.fused.draft_block(self.stack, self.context, slots, visible, embedded, last_tokens, positions)
             if fused is not None:
                 return fused[0], None, fused[1]
+        block_positions = positions.unsqueeze(1) + torch.arange(k, device=dev)
         before_norm, normed = self.network.block(self.context[slots], visible, embedded, block_positions, self.linear)
         logits = self.linear(normed.reshape(batch * k, -1), self.head)
         return draft_block(logits.float().reshape(batch, k, -1), before_norm, last_tokens, self.network,
