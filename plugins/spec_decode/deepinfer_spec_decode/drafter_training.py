@@ -38,6 +38,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -164,7 +165,8 @@ def generate_replies(llm: Any, prompts: Sequence[Prompt], recipe: Recipe, *, gre
             replies.extend(list(o.outputs[0].token_ids) for o in outs)
             bar.update(hi - lo)
             if checkpoint is not None:
-                checkpoint.write_text(json.dumps({"prompts": ids, "kinds": kinds, "replies": replies}))
+                _save(checkpoint, lambda f: f.write_text(json.dumps({"prompts": ids, "kinds": kinds,
+                                                                     "replies": replies})))
     return Sequences([p + r for p, r in zip(ids, replies, strict=True)], [len(p) for p in ids], kinds)
 
 
@@ -393,6 +395,14 @@ class DrafterTrainer:
                 "ece": ece, "steps": len(accepted_lengths)}
 
 
+def _save(path: Path, write: Callable[[Path], object]) -> None:
+    """``write`` to a file beside ``path``, then renamed over it: a run killed mid-write (a time limit)
+    leaves the previous checkpoint whole, never a truncated one that a resumed run would fail to load."""
+    part = path.with_name(path.name + ".part")
+    write(part)
+    os.replace(part, path)
+
+
 def _state_path(work: Path) -> Path:
     return work / "checkpoint.pt"
 
@@ -432,7 +442,7 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
         log(f"resumed the generated data from {data_file}")
     else:
         data = _make_data(llm, recipe, layers, work)
-        torch.save(data, data_file)
+        _save(data_file, functools.partial(torch.save, data))
     gen_seconds = time.perf_counter() - started
     train_labels, held_labels, train_seqs = data["train"], data["held_out"], data["train_seqs"]
     if engine.device.type == "cuda":  # batches gathered on the device: no host copy of features per step
@@ -476,8 +486,9 @@ def train_drafter(model: str, *, output: str | Path | None = None, recipe: Recip
                 last = {n: float(v) for n, v in stats.items()}
                 bar.set_postfix({n: f"{v:.3f}" for n, v in last.items()})
             if trainer.step_count % 250 == 0:
-                torch.save({"network": network.state_dict(), "optimizer": trainer.optimizer.state_dict(),
-                            "step": trainer.step_count}, state_file)
+                _save(state_file, functools.partial(torch.save, {
+                    "network": network.state_dict(), "optimizer": trainer.optimizer.state_dict(),
+                    "step": trainer.step_count}))
     finally:
         if flush:
             torch.set_flush_denormal(False)
