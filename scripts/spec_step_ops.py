@@ -187,13 +187,13 @@ def patch_process_wide(meter: PhaseMeter) -> Callable[[], None]:
     return undo
 
 
-def _engine(model: str, batch: int, executor: str, spec: dict | None, device: str = "cpu") -> LLM:
+def _engine(model: str, batch: int, executor: str, spec: dict | None, device: str = "cpu", dtype: str = "auto") -> LLM:
     plugins: dict = {"attention" if device == "cuda" else "cpu": {"enabled": True}}
     if executor == "overlap":
         plugins["scheduling"] = {"enabled": True}
     if spec is not None:
         plugins["spec_decode"] = {"enabled": True, "max_draft": 5, **spec}
-    return LLM(model, max_num_seqs=max(batch, 1), max_model_len=1024, device=device,
+    return LLM(model, max_num_seqs=max(batch, 1), max_model_len=1024, device=device, dtype=dtype,
                cache={"kv_cache_bytes": 128 << 20, "prefix_caching": False}, plugins=plugins,
                scheduler={"executor": executor})
 
@@ -279,6 +279,7 @@ def main() -> None:
     ap.add_argument("--cprofile", type=Path, default=None, metavar="DIR",
                     help="write a cProfile of each configuration's timed steps here")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="model.dtype (auto: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--top", action="store_true", help="print the most frequent eager ops per phase")
     ap.add_argument("--output", type=Path)
     args = ap.parse_args()
@@ -288,7 +289,7 @@ def main() -> None:
     extra = set_flags_to_tree([f"spec_decode.{item}" for item in args.spec]).get("spec_decode", {})
     oracle = Path(tempfile.mkdtemp()) / "oracle.jsonl"
     for batch in args.batches:
-        recorder = _engine(args.model, batch, "sync", None, args.device)
+        recorder = _engine(args.model, batch, "sync", None, args.device, args.dtype)
         prompts = _prompts(recorder, batch)
         replies = recorder.generate(prompts, SamplingParams(temperature=0, max_tokens=4 * (args.warmup + args.steps)
                                                             + 64, ignore_eos=True), use_tqdm=False)
@@ -304,7 +305,7 @@ def main() -> None:
             for plan in args.plans:
                 for executor in args.executors:
                     name = f"{drafter}-{plan}-{executor}-b{batch}"
-                    llm = _engine(args.model, batch, executor, {**spec, "plan": plan}, args.device)
+                    llm = _engine(args.model, batch, executor, {**spec, "plan": plan}, args.device, args.dtype)
                     measure(llm, prompts, args.warmup, args.steps, count_ops=False)  # warm-up
                     counted = measure(llm, prompts, args.warmup, args.steps, count_ops=True)
                     profiler = cProfile.Profile() if args.cprofile else None
@@ -330,6 +331,7 @@ def main() -> None:
                           f"step {row['wall_ms']:6.1f} ms  | {split}", flush=True)
                     if args.output:  # after every configuration: a long run that is stopped keeps what it measured
                         args.output.write_text(json.dumps(report, indent=1))
+                    print("    host µs: " + ", ".join(f"{p}={us:.0f}" for p, us in row["host_us"].items()), flush=True)
                     if args.top:
                         for phase, names in row["top"].items():
                             print(f"    {phase}: " + ", ".join(f"{n.removeprefix('aten.')}×{c / args.steps:.1f}"
