@@ -136,3 +136,27 @@ def test_each_bf16_kernel_sums_the_bf16_values_and_rows_alone_or_together_alike(
     assert torch.equal(run(x), alone)
     want = x.double() @ w.double().t()
     torch.testing.assert_close(alone.double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(("n", "k"), [(96, 576), (70, 1541)])  # AMX where the CPU has it; vdpbf16ps / widening
+def test_float32_rows_against_a_bf16_weight_are_rounded_as_torch_rounds_them(n: int, k: int) -> None:
+    """The kernel's float32 rows, rounded to bfloat16 on their way in (vectorized on the AMX path), give bitwise the
+    result of rows that torch rounded first: ties to even either way, infinities kept, a NaN row all NaN."""
+    if bf16_kernel(n, k) == "widen":
+        pytest.skip("the widening kernel sums the float32 rows unrounded")
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    rounded = torch.randn(4, k, generator=gen).bfloat16()
+    halfway = (rounded.view(torch.int16).int() << 16 | 0x8000).view(torch.float32)  # exactly between two bf16s
+    x = torch.cat([torch.randn(3, k, generator=gen), halfway[:2], rounded[2:].float()])
+    x[5, 7], x[5, 9], x[4, 3] = float("inf"), float("-inf"), float("nan")
+    kernel = gemv_module._kernels()[True]
+
+    def run(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        kernel(rows.data_ptr(), w.data_ptr(), None, out.data_ptr(), rows.shape[0], n, k, 1)
+        return out
+
+    got, want = run(x.contiguous()), run(x.bfloat16().float().contiguous())
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)  # bitwise, NaN where the other has NaN
+    assert got[4].isnan().all() and got[5].isinf().any() and not got[:4].isnan().any()
