@@ -8,7 +8,7 @@ step's projections at 33–60 GB/s as the VM's memory allows (``csrc/gemv.c``, `
 row's sums run in one order whatever the number of rows, so a row's result is bitwise the same alone or beside
 others. ``OneDNNGemmBackend`` sends its float32 and bfloat16 calls of fewer than ``min_rows`` rows here.
 On a CPU with AMX-BF16 a bfloat16 weight whose sides are multiples of 32 goes through the tile unit, one pass
-over the weight for up to 16 rows: a verification step's rows then cost about what one decode row does
+over the weight for up to 32 rows: a verification step's rows then cost little more than one decode row
 (``bf16_kernel`` says which kernel serves a shape).
 """
 

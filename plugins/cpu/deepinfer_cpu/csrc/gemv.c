@@ -22,12 +22,13 @@
  *
  * On a CPU with AMX-BF16 (Sapphire Rapids and later; __AMX_BF16__ under -march=native, and Linux granting the
  * process the tile state) a bf16 weight whose N and K are multiples of 32 goes through the tile unit instead:
- * the weight is the tiles' A operand as it lies (16 weight rows × 32 k a tile: no repacked copy), up to 16
- * input rows, rounded to bf16 and laid out in the unit's pairs, the B operand. One pass over the weight serves
- * all 16 rows at the memory's speed, where the vector kernels above pay per row: on a 2-core Xeon VM a SmolLM2
- * step's projections took 11.3 / 13.0 / 13.1 ms at 1 / 6 / 8 rows against the vdpbf16ps kernel's 11.3 / 21.3 /
- * 26.7 (scripts/bench_cpu_gemv_sweep.py). Each output is its own tile element, so its sum runs in the same
- * order whatever the rows beside it: bitwise alone or together, as above (another order than vdpbf16ps's).
+ * the weight is the tiles' A operand as it lies (16 weight rows × 32 k a tile: no repacked copy), up to 32
+ * input rows, rounded to bf16 and laid out in the unit's pairs, the B operand (two tiles of 16). One pass over the
+ * weight serves all 32 rows at close to the memory's speed, where the vector kernels above pay per row: on a 2-core
+ * Xeon VM a SmolLM2 step's projections took 13.6 / 14.3 / 16.3 / 20.8 ms at 1 / 6 / 16 / 32 rows, oneDNN's packed
+ * GEMM 22.8 / 21.9 / 23.5 / 28.1 and the vdpbf16ps kernel ~2× per added row (scripts/bench_cpu_gemv_sweep.py;
+ * from 48 rows oneDNN is ahead). Each output is its own tile element, so its sum runs in the same order whatever
+ * the rows beside it: bitwise alone or together, as above (another order than vdpbf16ps's).
  * gemv_bf16_kernel(N, K) says which kernel serves a shape. */
 #include <stdint.h>
 #include <stdlib.h>
@@ -151,7 +152,7 @@ __attribute__((always_inline)) static inline void dot_block_dp(const uint16_t *x
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #include <sys/syscall.h>
 #include <unistd.h>
-#define AMX_ROWS 16 /* input rows per tile pass (a B tile's 16 column pairs) */
+#define AMX_ROWS 32 /* input rows per pass over the weight (two B tiles of 16 column pairs) */
 
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
@@ -177,41 +178,6 @@ static inline void store_transposed(float c[16][16], int64_t rows, const float *
         _mm512_storeu_ps(out + m * N + n0, _mm512_add_ps(_mm512_i32gather_ps(column, &c[0][m], 4), b));
 }
 
-/* out[m, n] for m < rows (≤ AMX_ROWS), the weight as the tiles' A operand (16 weight rows × 32 k, read where it
- * lies: no repacked copy) against the rows in VNNI pairs (xv: K / 32 chunks of [16 pairs][rows][2]) as B. */
-static void amx_rows(const uint16_t *xv, const uint16_t *w, const float *bias, float *out, int64_t rows, int64_t N,
-                     int64_t K, int threads) {
-    const int64_t blocks = N / 32, chunks = K / 32;
-#pragma omp parallel num_threads(threads)
-    {
-        struct tile_config cfg = {0};
-        cfg.palette = 1;
-        for (int t = 0; t < 2; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = (uint16_t)(rows * 4); }       /* C */
-        for (int t = 2; t < 4; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }                         /* A */
-        cfg.rows[4] = 16; cfg.colsb[4] = (uint16_t)(rows * 4);                                       /* B */
-        _tile_loadconfig(&cfg);
-        float c[16][16];
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; ++b) {
-            const uint16_t *w0 = w + b * 32 * K, *w1 = w0 + 16 * K;
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t kc = 0; kc < chunks; ++kc) {
-                _tile_loadd(4, xv + kc * 32 * rows, rows * 4);
-                _tile_loadd(2, w0 + kc * 32, K * 2);
-                _tile_loadd(3, w1 + kc * 32, K * 2);
-                _tile_dpbf16ps(0, 2, 4);
-                _tile_dpbf16ps(1, 3, 4);
-            }
-            for (int half = 0; half < 2; ++half) {
-                if (half == 0) _tile_stored(0, c, 64); else _tile_stored(1, c, 64);
-                store_transposed(c, rows, bias, out, N, b * 32 + half * 16);
-            }
-        }
-        _tile_release();
-    }
-}
-
 /* 16 floats rounded to bfloat16 as float_to_bf16 does (to nearest even; a NaN stays a NaN), in integer lanes. */
 static inline __m256i bf16x16(__m512 f) {
     const __m512i u = _mm512_castps_si512(f), high = _mm512_srli_epi32(u, 16);
@@ -222,10 +188,10 @@ static inline __m256i bf16x16(__m512 f) {
     return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, _mm512_or_si512(high, _mm512_set1_epi32(0x40))));
 }
 
-/* The rows x [rows, K] rounded to bf16 in the tiles' B layout, xv[k / 32][(k % 32) / 2][m][k % 2]: per row and
- * chunk of 32 k, its 16 pairs as 32-bit words scattered `rows` words apart (element by element, with a scalar
- * rounding each, this packing cost ~0.45 ms per input row over a SmolLM2 step: most of what a verification row
- * added to it). */
+/* The rows x [rows, K] (rows ≤ 16) rounded to bf16 in a B tile's layout, xv[k / 32][(k % 32) / 2][m][k % 2]: per
+ * row and chunk of 32 k, its 16 pairs as 32-bit words scattered `rows` words apart (element by element, with a
+ * scalar rounding each, this packing cost ~0.45 ms per input row over a SmolLM2 step: most of what a verification
+ * row added to it). */
 static void pack_pairs(const float *x, uint16_t *xv, int64_t rows, int64_t K) {
     uint32_t *words = (uint32_t *)xv;
     const __m512i apart = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -239,6 +205,68 @@ static void pack_pairs(const float *x, uint16_t *xv, int64_t rows, int64_t K) {
         }
 }
 
+/* out[m, n] for m < rows (≤ AMX_ROWS), the weight as the tiles' A operand (16 weight rows × 32 k, read where it
+ * lies: no repacked copy) against the rows in VNNI pairs as B: up to two groups of 16 rows (group g's chunk kc at
+ * xv + (g · K / 32 + kc) · 32 · 16, laid out by pack_pairs), so one pass over the weight serves 32 rows. Tiles: C
+ * 0, 1 (group 0) and 5, 6 (group 1), A 2, 3, B 4 (group 0) and 7 (group 1). */
+static void amx_rows(const uint16_t *xv, const uint16_t *w, const float *bias, float *out, int64_t rows, int64_t N,
+                     int64_t K, int threads) {
+    const int64_t blocks = N / 32, chunks = K / 32, first = rows < 16 ? rows : 16, second = rows - first;
+    const uint16_t *xv1 = xv + chunks * 32 * 16;
+#pragma omp parallel num_threads(threads)
+    {
+        struct tile_config cfg = {0};
+        cfg.palette = 1;
+        for (int t = 0; t < 2; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = (uint16_t)(first * 4); }      /* C, group 0 */
+        for (int t = 2; t < 4; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }                         /* A */
+        cfg.rows[4] = 16; cfg.colsb[4] = (uint16_t)(first * 4);                                      /* B, group 0 */
+        if (second) {
+            for (int t = 5; t < 7; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = (uint16_t)(second * 4); } /* C, group 1 */
+            cfg.rows[7] = 16; cfg.colsb[7] = (uint16_t)(second * 4);                                 /* B, group 1 */
+        }
+        _tile_loadconfig(&cfg);
+        float c[16][16];
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; ++b) {
+            const uint16_t *w0 = w + b * 32 * K, *w1 = w0 + 16 * K;
+            const int64_t n0 = b * 32;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (second) {
+                _tile_zero(5);
+                _tile_zero(6);
+                for (int64_t kc = 0; kc < chunks; ++kc) {
+                    _tile_loadd(2, w0 + kc * 32, K * 2);
+                    _tile_loadd(3, w1 + kc * 32, K * 2);
+                    _tile_loadd(4, xv + kc * 32 * first, first * 4);
+                    _tile_loadd(7, xv1 + kc * 32 * second, second * 4);
+                    _tile_dpbf16ps(0, 2, 4);
+                    _tile_dpbf16ps(1, 3, 4);
+                    _tile_dpbf16ps(5, 2, 7);
+                    _tile_dpbf16ps(6, 3, 7);
+                }
+                _tile_stored(5, c, 64);
+                store_transposed(c, second, bias, out + first * N, N, n0);
+                _tile_stored(6, c, 64);
+                store_transposed(c, second, bias, out + first * N, N, n0 + 16);
+            } else {
+                for (int64_t kc = 0; kc < chunks; ++kc) {
+                    _tile_loadd(4, xv + kc * 32 * first, first * 4);
+                    _tile_loadd(2, w0 + kc * 32, K * 2);
+                    _tile_loadd(3, w1 + kc * 32, K * 2);
+                    _tile_dpbf16ps(0, 2, 4);
+                    _tile_dpbf16ps(1, 3, 4);
+                }
+            }
+            _tile_stored(0, c, 64);
+            store_transposed(c, first, bias, out, N, n0);
+            _tile_stored(1, c, 64);
+            store_transposed(c, first, bias, out, N, n0 + 16);
+        }
+        _tile_release();
+    }
+}
+
 static int amx_serves(int64_t N, int64_t K) { return N % 32 == 0 && K % 32 == 0 && amx_permitted(); }
 
 /* The AMX path when the shape allows it (amx_serves); 0 if not taken (or no memory for the paired rows). */
@@ -249,7 +277,9 @@ static int gemv_bf16_amx(const float *x, const uint16_t *w, const float *bias, f
     if (xv == NULL) return 0;
     for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
         const int64_t rows = M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS;
-        pack_pairs(x + m0 * K, xv, rows, K);
+        const int64_t first = rows < 16 ? rows : 16;
+        pack_pairs(x + m0 * K, xv, first, K);
+        if (rows > first) pack_pairs(x + (m0 + first) * K, xv + K * 16, rows - first, K);
         amx_rows(xv, w, bias, out + m0 * N, rows, N, K, threads);
     }
     free(xv);
