@@ -23,6 +23,11 @@ overlapped executor a follow-up row whose request has no proposal on the host (i
 the first after a pause, is still on the device) offers no confidence: it verifies as a probe does and its
 grant does not move the pause (judged on nothing, a resuming request paused again at once, so ``varlen``
 hardly drafted under overlap: CPU batch 1 1.02× of no speculation against 1.39× with this rule).
+Probes and resumed drafting cost a drafting step and verified rows whatever they find, so at a batch size where
+the plan says drafting cannot pay for a typical request (``VerificationPlan.drafting_pays``, optional: weighed
+with the acceptance observed so far) no request drafts after the step, probes included; the drafter still
+takes the step's rows (its cache stays whole for when the batch shrinks). On the 2-core Xeon at batch 32 the
+probes and resumptions had cost ~8% of a run that drafted nothing (``docs/benchmarks.md``).
 
 Drafting runs on the device, in the step itself, right after its sampling or verification
 (``draft``; ``engine/drafting.py``): the host plans it when it prepares the step (``plan_drafting``:
@@ -57,6 +62,7 @@ from deepinfer.rows import StepRow
 MIN_CONFIDENCE = 1e-6  # a real draft never has confidence 0, which marks "no draft" for plans
 PAUSE_LIMIT = 64  # the longest drafting pause, in steps (Speculator._note_grants)
 EXPLORE_DRAFTS = 1  # drafts a probe verifies when its plan grants fewer (Speculator.plan_drafts)
+PAYS_REFRESH = 32  # proposal rounds between two asks of the plan's drafting_pays for one batch size
 
 if TYPE_CHECKING:
     from deepinfer.engine.scheduler import SchedulerOutput
@@ -203,6 +209,7 @@ class Speculator:
         self._round = 0  # proposal rounds so far (one per drafting step)
         self._learned_pause = 0  # the pause a new request starts at (_note_grants)
         self._drafted: set[str] = set()  # the requests the newest planned drafting drafts for
+        self._pays: dict[int, tuple[bool, int]] = {}  # batch size -> (plan.drafting_pays, the round it was asked)
 
     def drafts_of(self, req: Request) -> Drafts | None:
         """``req``'s live proposal (None when it has none, or only one from before it was preempted)."""
@@ -308,12 +315,25 @@ class Speculator:
         if request_id not in self._pause and self._learned_pause:
             self._pause_until(request_id, self._learned_pause)
 
+    def _drafting_pays(self, batch: int) -> bool:
+        """The plan's ``drafting_pays`` at a step of ``batch`` sampling rows (True for a plan without it), asked
+        again every ``PAYS_REFRESH`` proposal rounds per batch size (it weighs the step-cost model and the
+        acceptance observed so far, both of which move slowly)."""
+        ask = getattr(self.plan, "drafting_pays", None)
+        if ask is None:
+            return True
+        known = self._pays.get(batch)
+        if known is None or self._round - known[1] >= PAYS_REFRESH:
+            known = self._pays[batch] = (bool(ask(batch, self.cost)), self._round)
+        return known[0]
+
     def plan_drafting(self, batch: SchedulerOutput, samplers: Sequence[StepRow]) -> DraftPlan | None:
         """What the host knows of the drafting after the step ``batch`` when it prepares it (``DraftPlan``):
         every sampling row drafts, but a request whose drafting is paused or that may emit no more than
         one token; the drafter runs even with no request to draft for when it reads the step's rows (its
         cache rows must be written). None: no drafting after this step. One proposal round."""
         sampler_of = {row.request_id: i for i, row in enumerate(samplers)}
+        dormant = not self._drafting_pays(len(samplers))
         plan = _PlanBuilder(self.block_size)
         first_row = 0
         for s, row in zip(batch.scheduled, batch.rows, strict=True):
@@ -323,7 +343,7 @@ class Speculator:
                 plan.emitting(first_row, row, i)
                 self._start_paused(req.request_id)
                 room_after = _room_after(req, s.token_slot)
-                if self.paused(req.request_id) or room_after <= 0:  # no proposal until it drafts again
+                if dormant or self.paused(req.request_id) or room_after <= 0:  # no proposal until it drafts again
                     self.proposals.pop(req.request_id, None)
                 else:
                     plan.drafting(i, row, first_row, room_after)

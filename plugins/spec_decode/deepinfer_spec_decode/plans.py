@@ -12,10 +12,15 @@ go to the smaller flat index (request · k + position): the result is determinis
   verified row, and the drafting of every request with drafts after the step), against decoding
   without any draft (no drafting charged: when the plan verifies nothing the engine pauses drafting);
   rows of zeros are decode requests without drafts, in the step's tokens but not drafting; ``split``
-  gives that total to the best slots of the newest confidences.
+  gives that total to the best slots of the newest confidences. ``drafting_pays`` asks the same question of
+  a typical request at a batch size, with the acceptance observed so far by position: where its answer is no
+  (on a CPU from batch 8 or so, where a verified row and drafting for every request cost more than the
+  expected accepted tokens bring), the engine keeps every request's drafting paused, probes included.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -66,7 +71,21 @@ class FixedPlan:
 
 
 class VarlenPlan:
-    """Confidence-driven variable-length verification."""
+    """Confidence-driven variable-length verification. ``acceptance``: the conditional acceptance by draft
+    position observed so far (``SpecStats.conditional_acceptance``; None: not known yet), for
+    ``drafting_pays``."""
+
+    def __init__(self, acceptance: Callable[[], list[float] | None] = lambda: None) -> None:
+        self.acceptance = acceptance
+
+    def drafting_pays(self, batch: int, cost: StepCostModel) -> bool:
+        """Whether drafting can pay at a step of ``batch`` decode requests: ``budget`` grants drafts when every
+        request offers the observed acceptance as its confidences (True while nothing is observed yet)."""
+        rates = self.acceptance()
+        if rates is None or batch <= 0:
+            return True
+        typical = torch.tensor(rates, dtype=torch.float32).clamp(min=0.0, max=1.0).expand(batch, len(rates))
+        return self.budget(typical, cost) > batch
 
     def budget(self, stale_confidence: torch.Tensor, cost: StepCostModel) -> int:
         batch = stale_confidence.shape[0]

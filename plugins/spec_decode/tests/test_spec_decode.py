@@ -170,6 +170,27 @@ def test_drafting_pauses_while_varlen_verifies_nothing(tmp_path):
     llm.shutdown()
 
 
+def test_no_request_drafts_at_a_batch_size_where_the_plan_says_drafting_cannot_pay(tmp_path):
+    """``VarlenPlan.drafting_pays`` answers per batch size (here: drafting pays alone, not with two requests):
+    while both requests run nobody drafts, probes included (no proposal, no verification), and the drafting
+    resumes once one request finished; tokens are those of decoding without speculation, every block back."""
+    llm, prompts, params, reference = _two_oracle_requests(tmp_path)
+    speculator = llm.engine.speculator
+    asked: list[int] = []
+    speculator.plan.drafting_pays = lambda batch, cost: asked.append(batch) or batch < 2
+    short = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    drafted = _count_drafting_requests(speculator)
+    outs = llm.generate(prompts, [short, params], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [reference[0][:24], reference[1]]
+    assert 2 in asked and 1 in asked
+    steps = llm.get_stats()["steps"]
+    assert max(drafted) == 1 and sum(drafted) < steps  # never both; the second alone drafts again
+    assert llm.get_stats()["spec_decode"]["verify_steps"] > 0
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("explore", [True, False])
 def test_a_probe_verifies_a_draft_so_a_pessimistic_plan_learns_again(tmp_path, monkeypatch, explore):
     """A calibrator taught by a few early rejections makes varlen grant nothing; the drafts are in fact
