@@ -14,8 +14,9 @@ go to the smaller flat index (request · k + position): the result is determinis
   rows of zeros are decode requests without drafts, in the step's tokens but not drafting; ``split``
   gives that total to the best slots of the newest confidences. ``drafting_pays`` asks the same question of
   a typical request at a batch size, with the acceptance observed so far by position: where its answer is no
-  (on a CPU from batch 8 or so, where a verified row and drafting for every request cost more than the
-  expected accepted tokens bring), the engine keeps every request's drafting paused, probes included.
+  (on the 2-core CPU at batch 32, where verified rows past the GEMV's 32 and drafting for every request cost
+  more than the expected accepted tokens bring), the engine keeps every request's drafting paused, probes
+  included.
 """
 
 from __future__ import annotations
