@@ -18,9 +18,8 @@ class CPUConfig(BaseModel):
         "requests, a batch-1 verification step) run the C GEMV (gemv.py) on the plain weight, which streams it "
         "once for every row and sums each row as if alone, and the fused decode step takes the steps of fewer "
         "rows. None: 7 for float32 (on the 2-core AVX-512 VMs the GEMV beat oneDNN up to 4 rows, was level at 6 "
-        "and lost at 8), 33 for bfloat16 on a CPU with AMX-BF16 (its tiles serve up to 32 rows in one pass over "
-        "the weight: 17-32 rows 18.8-20.8 ms a SmolLM2 step against oneDNN's 26.5-28.1), else 7 "
-        "(docs/benchmarks.md)"))
+        "and lost at 8), 17 for bfloat16 on a CPU with AMX-BF16 (its tiles serve up to 16 rows in one pass over "
+        "the weight: batch 8 in bf16 1.40x with 17 against 7), else 7 (docs/benchmarks.md)"))
     pack_rows: int = Field(16, ge=1, description=(
         "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))
     fused_decode: bool = Field(True, description=(
@@ -32,10 +31,6 @@ class CPUConfig(BaseModel):
         "a block drafter's (spec_decode's dspark) context write and greedy block pass each run in one C call "
         "(csrc/draft_step.c) instead of ~260 small torch ops a drafting step, for calls of fewer than min_rows "
         "rows under onednn (a batch-1 step: 4.4 -> 2.6 ms on the 2-core Xeon, docs/benchmarks.md)"))
-    draft_weights: Literal["model", "int8"] = Field("model", description=(
-        "the weights the fused drafting passes (fused_draft) multiply: the drafter's own (model: its dtype), or "
-        "int8 codes in groups of 32 inputs with int8-rounded inputs (quantized once when the drafter binds; "
-        "half a bf16 drafter's bytes a drafting step: the drafts may differ, the verified tokens do not)"))
     huge_pages: bool = Field(True, description=(
         "the GEMM backends copy the weights they prepare into anonymous memory advised MADV_HUGEPAGE (2 MB "
         "pages): a batch-1 step streams every weight, and 4 KB pages cost a TLB miss every 4 KB (huge_pages.py)"))

@@ -61,7 +61,7 @@ class OneDNNGemmBackend:
     ops = frozenset({"linear"})
 
     def __init__(self, *, min_rows: int | None = None, pack_rows: int = 16, fused_decode: bool = True,
-                 fused_draft: bool = True, draft_weights: str = "model", huge_pages: bool = True) -> None:
+                 fused_draft: bool = True, huge_pages: bool = True) -> None:
         self.min_rows = min_rows
         self.pack_rows = pack_rows
         dtypes = {torch.float32, torch.bfloat16} if _bf16_supported() else {torch.float32}
@@ -71,10 +71,7 @@ class OneDNNGemmBackend:
         if fused_decode:  # GemmBackend's optional decode_stack: a Llama-family stack in C, for the GEMV's steps
             self.decode_stack = FusedDecoder(plain_projection, max_rows=self.gemv_rows)
         if fused_draft:  # and its optional draft_context / draft_block: a block drafter's passes in C, as many rows
-            projection = plain_projection
-            if draft_weights == "int8":  # quant_linear builds on this module: imported here, not at the top
-                from deepinfer_cpu.quant_linear import int8_projection as projection
-            drafter = FusedDrafter(projection, max_rows=self.gemv_rows)
+            drafter = FusedDrafter(plain_projection, max_rows=self.gemv_rows)
             self.draft_context, self.draft_block = drafter.draft_context, drafter.draft_block
 
     def min_rows_for(self, dtype: torch.dtype) -> int:

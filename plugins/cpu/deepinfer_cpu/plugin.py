@@ -56,7 +56,6 @@ class Plugin:
         backends: list[Any] = [OneDNNGemmBackend(min_rows=self.config.min_rows, pack_rows=self.config.pack_rows,
                                                      fused_decode=self.config.fused_decode,
                                                      fused_draft=self.config.fused_draft,
-                                                     draft_weights=self.config.draft_weights,
                                                      huge_pages=self.config.huge_pages)]
         if self.quantization is not None:
             backends.append(QuantizedGemmBackend(self.quantization, head_rows=self.vocab_size,

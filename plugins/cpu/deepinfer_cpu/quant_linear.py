@@ -195,15 +195,6 @@ class QuantizedLinear:
         return out
 
 
-def int8_projection(weight: torch.Tensor) -> tuple[Projection, tuple[torch.Tensor, ...]] | None:
-    """``weight`` quantized to int8 in groups of 32 inputs, multiplied with int8-rounded inputs, as the fused C
-    passes call it (``decode_step.ProjectionOf``); None when its width is not a multiple of 32."""
-    if weight.dim() != 2 or weight.shape[1] % BLOCK:
-        return None
-    layer = QuantizedLinear(quantize_int8(weight, BLOCK), "int8")
-    return layer.projection, layer.operands
-
-
 def quantized_linear(x: torch.Tensor, weight: Int8Weight | Q41Weight, bias: torch.Tensor | None = None,
                      inputs: str = "float32") -> torch.Tensor:
     """``QuantizedLinear(weight, inputs)(x, bias)``: one call, for callers without a kept layer."""
