@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU-trained SmolLM2 drafter of docs/benchmarks.md (issues 27, 28): 2 layers, width 2304, a 64-row context
 # window, 8,000 prompts, a 16,000-step cosine schedule of 512 anchors, in /tmp/tr (resumable: a second call
-# continues the same work folder). Progress bars are dropped from the log.
+# continues the same work folder). Progress bars are dropped from the log. On the lent device a call returns at most
+# 8 files from $OUT: bring the 54 MB weights back alone (split -b 15M: 4 pieces) or in fewer, larger pieces.
 #   [PROMPTS=N STEPS=N SEQS=N KV=BYTES] scripts/gpu_train_b.sh MINUTES TIMEOUT_S LOG
 set -uo pipefail
 minutes=$1; limit=$2; log=$3
