@@ -235,33 +235,29 @@ static void amx_rows(const uint16_t *xv, const uint16_t *w, const float *bias, f
             if (second) {
                 _tile_zero(5);
                 _tile_zero(6);
-                for (int64_t kc = 0; kc < chunks; ++kc) {
-                    _tile_loadd(2, w0 + kc * 32, K * 2);
-                    _tile_loadd(3, w1 + kc * 32, K * 2);
-                    _tile_loadd(4, xv + kc * 32 * first, first * 4);
-                    _tile_loadd(7, xv1 + kc * 32 * second, second * 4);
-                    _tile_dpbf16ps(0, 2, 4);
-                    _tile_dpbf16ps(1, 3, 4);
+            }
+            for (int64_t kc = 0; kc < chunks; ++kc) {
+                _tile_loadd(2, w0 + kc * 32, K * 2);
+                _tile_loadd(3, w1 + kc * 32, K * 2);
+                _tile_loadd(4, xv + kc * 32 * first, first * 4);
+                if (second) _tile_loadd(7, xv1 + kc * 32 * second, second * 4);
+                _tile_dpbf16ps(0, 2, 4);
+                _tile_dpbf16ps(1, 3, 4);
+                if (second) {
                     _tile_dpbf16ps(5, 2, 7);
                     _tile_dpbf16ps(6, 3, 7);
-                }
-                _tile_stored(5, c, 64);
-                store_transposed(c, second, bias, out + first * N, N, n0);
-                _tile_stored(6, c, 64);
-                store_transposed(c, second, bias, out + first * N, N, n0 + 16);
-            } else {
-                for (int64_t kc = 0; kc < chunks; ++kc) {
-                    _tile_loadd(4, xv + kc * 32 * first, first * 4);
-                    _tile_loadd(2, w0 + kc * 32, K * 2);
-                    _tile_loadd(3, w1 + kc * 32, K * 2);
-                    _tile_dpbf16ps(0, 2, 4);
-                    _tile_dpbf16ps(1, 3, 4);
                 }
             }
             _tile_stored(0, c, 64);
             store_transposed(c, first, bias, out, N, n0);
             _tile_stored(1, c, 64);
             store_transposed(c, first, bias, out, N, n0 + 16);
+            if (second) {
+                _tile_stored(5, c, 64);
+                store_transposed(c, second, bias, out + first * N, N, n0);
+                _tile_stored(6, c, 64);
+                store_transposed(c, second, bias, out + first * N, N, n0 + 16);
+            }
         }
         _tile_release();
     }
