@@ -701,10 +701,11 @@ class DenseDecoderStack:
     then ``x += down · (silu(gate) · up)(gate_up · RMSNorm(x))``, with RMSNorm's statistics in float32
     (``deepinfer.ops.RMSNorm``), rope in the rotate-half layout over ``rope_cos`` and ``rope_sin_signed
     [max_positions, head_dim]`` (float32; sin with its first half negated, so ``rotate_half(x)·sin = roll(x,
-    head_dim/2)·rope_sin_signed``), causal attention with ``scale`` over the paged cache. ``captured_layers``:
-    the layers whose input the caller keeps (``StackedDecoderLM.capture_hidden``; id ``len(layers)``: the last
-    layer's output). The model keeps one per binding of its weights and caches (identity hash: a backend may
-    key what it derives from it)."""
+    head_dim/2)·rope_sin_signed``), causal attention with ``scale`` over the paged cache; after the last layer the
+    model's output RMSNorm with ``final_norm [hidden]``. ``captured_layers``: the layers whose input the caller
+    keeps (``StackedDecoderLM.capture_hidden``; id ``len(layers)``: the last layer's output, before the output
+    norm). The model keeps one per binding of its weights and caches (identity hash: a backend may key what it
+    derives from it)."""
 
     layers: tuple[DenseDecoderLayer, ...]
     hidden: int
@@ -716,6 +717,7 @@ class DenseDecoderStack:
     scale: float
     rope_cos: torch.Tensor
     rope_sin_signed: torch.Tensor
+    final_norm: torch.Tensor
     captured_layers: tuple[int, ...] = ()
 
 
@@ -781,8 +783,8 @@ class GemmBackend(Backend, Protocol):
 
     Optional ``decode_stack(stack, x, ctx) -> (out, captured) | None``: a whole ``DenseDecoderStack`` over a
     step, in fewer calls than the model's layers make (a batch-1 CPU step pays per op, issue 36). ``x [T,
-    hidden]`` is the embedded input; it returns the residual stream after the last layer ``[T, hidden]`` and
-    the inputs of ``stack.captured_layers`` (layer id → ``[T, hidden]``), having written the step's keys and
+    hidden]`` is the embedded input; it returns the output norm of the residual stream after the last layer ``[T,
+    hidden]`` (the model's hidden state for the LM head) and the inputs of ``stack.captured_layers`` (layer id → ``[T, hidden]``), having written the step's keys and
     values to the caches as the attention backend would; or None, before touching anything, when it does not
     serve this step (shape, dtype, the run's attention backend), and the model then runs its layers. Its
     results equal the layers' within the rounding of another summation order.

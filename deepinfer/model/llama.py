@@ -150,13 +150,15 @@ class LlamaForCausalLM(StackedDecoderLM):
         super().capture_hidden(layer_ids)
         self._stack = None
 
-    def run_layers(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The layers, or the GEMM backend's ``decode_stack`` over them when it serves the step."""
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The layers and the output norm, or the GEMM backend's ``decode_stack`` over both when it serves the
+        step (a CPU step then makes one call where the norm alone made eight torch ops)."""
+        x = self.embed_tokens(input_ids)
         fused = getattr(ctx.backends["linear"], "decode_stack", None)
         stack = self.decoder_stack() if fused is not None else None
         served = fused(stack, x, ctx) if stack is not None else None
         if served is None:
-            return super().run_layers(x, ctx)
+            return self.norm(self.run_layers(x, ctx))
         out, captured = served
         if self.captured_layers:
             self.captured_hidden = captured
@@ -179,7 +181,7 @@ class LlamaForCausalLM(StackedDecoderLM):
                     layer.self_attn.q_norm.weight if d.qk_norm else None,
                     layer.self_attn.k_norm.weight if d.qk_norm else None) for layer in self.layers),
                 d.hidden, d.heads, d.kv_heads, d.head_dim, d.intermediate, d.eps, attn0.scale,
-                attn0.rotary.cos, attn0.rotary.sin_signed, self.captured_layers)
+                attn0.rotary.cos, attn0.rotary.sin_signed, self.norm.weight, self.captured_layers)
         return self._stack
 
     def gemm_weights(self) -> list[nn.Parameter]:

@@ -84,7 +84,7 @@ class _Step(ctypes.Structure):
 def _kernel() -> ctypes._CFuncPtr:
     fn = build_library(SOURCES).decode_step
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int]
     return fn
 
 
@@ -101,6 +101,7 @@ class DecodeStep:
         self.shape = _Shape(len(layers), stack.hidden, stack.heads, stack.kv_heads, stack.head_dim,
                             stack.intermediate, block_size, stack.eps, stack.scale, int(dtype == torch.bfloat16))
         self.cos, self.sin = stack.rope_cos.float().contiguous(), stack.rope_sin_signed.float().contiguous()
+        self.final_norm = stack.final_norm.float().contiguous()
         self.stamp = Stamp.of(stack)
 
     @classmethod
@@ -131,8 +132,8 @@ class DecodeStep:
 
     def run(self, stack: DenseDecoderStack, x: torch.Tensor, ctx: ForwardContext
             ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The residual stream after the last layer for the step's rows ``x [T, hidden]`` (their keys and
-        values written to the caches), and the inputs of ``stack.captured_layers``."""
+        """The output norm of the residual stream after the last layer for the step's rows ``x [T, hidden]``
+        (their keys and values written to the caches), and the inputs of ``stack.captured_layers``."""
         x = x.contiguous()
         out = torch.empty_like(x)
         captured = {i: torch.empty_like(x) for i in stack.captured_layers}
@@ -145,7 +146,7 @@ class DecodeStep:
         tables = index[-1]
         step = _Step(x.shape[0], tables.shape[0], tables.shape[1], *(t.data_ptr() for t in index))
         failed = _kernel()(ctypes.byref(self.shape), self.layers, ctypes.byref(step), x.data_ptr(), out.data_ptr(),
-                           self.cos.data_ptr(), self.sin.data_ptr(), captures, torch.get_num_threads())
+                           self.final_norm.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), captures, torch.get_num_threads())
         if failed:
             raise MemoryError("plugins.cpu decode step: the kernel could not allocate its buffers")
         return out, captured
@@ -169,7 +170,8 @@ class Stamp:
         """The stamp of a decoder stack's weights and caches."""
         return cls([t for layer in stack.layers for t in (
             layer.input_norm, layer.qkv, layer.qkv_bias, layer.o_proj, layer.post_norm, layer.gate_up, layer.down,
-            layer.q_norm, layer.k_norm) if t is not None], [c for layer in stack.layers for c in layer.kv_cache])
+            layer.q_norm, layer.k_norm) if t is not None] + [stack.final_norm],
+            [c for layer in stack.layers for c in layer.kv_cache])
 
     def _read(self) -> tuple[list[int], list[int]]:
         return list(map(Stamp._address, self.tensors)), list(map(Stamp._version, self.weights))

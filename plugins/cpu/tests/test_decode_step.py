@@ -130,14 +130,14 @@ def test_captured_layer_inputs_equal_the_layers(tiny_llama: Path) -> None:
         llm = _llm(tiny_llama, fused)
         model = llm.engine.model
         model.capture_hidden([0, 1, 2])
-        run_layers, seen = model.run_layers, []
+        forward, seen = model.forward, []
 
-        def keep(x, ctx, run_layers=run_layers, seen=seen, model=model):
-            out = run_layers(x, ctx)
-            if x.shape[0] == 1:
+        def keep(input_ids, ctx, forward=forward, seen=seen, model=model):
+            out = forward(input_ids, ctx)
+            if input_ids.shape[0] == 1:
                 seen.append({i: t.clone() for i, t in model.captured_hidden.items()})
             return out
-        model.run_layers = keep
+        model.forward = keep
         _run(llm, _prompts(3, (7,)), tokens=10)
         captured[fused] = seen
         assert _fused_steps(llm) == (9 if fused else 0)

@@ -16,9 +16,11 @@
  * at the same point (round to nearest even), sums run in float32, so the two differ only in summation order.
  *
  * layers: the stack's layers (struct layer: norm weights and the bias as float32; the caches [blocks, block_size,
- * kv_heads, dim]). x_in, x_out [tokens, hidden] in the model dtype. captures: NULL, or layers + 1 pointers (NULL or
- * a [tokens, hidden] buffer in the model dtype) that receive the residual stream entering each layer (index layers:
- * leaving the last). Returns 0, or 1 when a buffer could not be allocated (here or in a kernel). */
+ * kv_heads, dim]). x_in [tokens, hidden] in the model dtype; x_out [tokens, hidden] receives the model's output
+ * RMSNorm (final_norm: its weights as float32) of the residual stream leaving the last layer. captures: NULL, or
+ * layers + 1 pointers (NULL or a [tokens, hidden] buffer in the model dtype) that receive the residual stream
+ * entering each layer (index layers: leaving the last, before the output norm). Returns 0, or 1 when a buffer could
+ * not be allocated (here or in a kernel). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -67,7 +69,8 @@ static void rope(float *x, int64_t heads, int64_t d, const float *cos_row, const
 }
 
 int decode_step(const struct shape *s, const struct layer *layers, const struct step *step, const void *x_in,
-                void *x_out, const float *cos_table, const float *sin_table, void *const *captures, int threads) {
+                void *x_out, const float *final_norm, const float *cos_table, const float *sin_table,
+                void *const *captures, int threads) {
     const int bf16 = s->bf16;
     const int64_t T = step->tokens, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;
     const int64_t hidden = s->hidden, inter = s->intermediate, qkv_size = q_size + 2 * kv_size;
@@ -110,7 +113,8 @@ int decode_step(const struct shape *s, const struct layer *layers, const struct 
     }
     if (!failed) {
         if (captures != NULL && captures[s->layers] != NULL) store(captures[s->layers], x, T * hidden, bf16);
-        store(x_out, x, T * hidden, bf16);
+        for (int64_t r = 0; r < T; ++r) rms_norm(x + r * hidden, final_norm, h + r * hidden, hidden, s->eps, bf16);
+        store(x_out, h, T * hidden, bf16);
     }
     free(x);
     return failed;
