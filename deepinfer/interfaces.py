@@ -783,11 +783,12 @@ class GemmBackend(Backend, Protocol):
 
     Optional ``decode_stack(stack, x, ctx) -> (out, captured) | None``: a whole ``DenseDecoderStack`` over a
     step, in fewer calls than the model's layers make (a batch-1 CPU step pays per op, issue 36). ``x [T,
-    hidden]`` is the embedded input; it returns the output norm of the residual stream after the last layer ``[T,
-    hidden]`` (the model's hidden state for the LM head) and the inputs of ``stack.captured_layers`` (layer id → ``[T, hidden]``), having written the step's keys and
-    values to the caches as the attention backend would; or None, before touching anything, when it does not
-    serve this step (shape, dtype, the run's attention backend), and the model then runs its layers. Its
-    results equal the layers' within the rounding of another summation order.
+    hidden]`` is the embedded input; it returns the output norm (``stack.final_norm``) of the residual stream after
+    the last layer ``[T, hidden]`` (the model's hidden state for the LM head) and the inputs of
+    ``stack.captured_layers`` (layer id → ``[T, hidden]``), having written the step's keys and values to the
+    caches as the attention backend would; or None, before touching anything, when it does not serve this step
+    (shape, dtype, the run's attention backend), and the model then runs its layers (and the norm). Its results
+    equal the layers' within the rounding of another summation order.
 
     Optional ``draft_context(stack, features, positions, slots, cache) -> bool`` and ``draft_block(stack, cache,
     slots, visible, embedded, last_tokens, positions) -> (tokens, confidence) | None``: a ``BlockDrafterStack``'s

@@ -25,7 +25,7 @@ grant does not move the pause (judged on nothing, a resuming request paused agai
 hardly drafted under overlap: CPU batch 1 1.02× of no speculation against 1.39× with this rule).
 Probes and resumed drafting cost a drafting step and verified rows whatever they find, so at a batch size where
 the plan says drafting cannot pay for a typical request (``VerificationPlan.drafting_pays``, optional: weighed
-with the acceptance observed so far) no request drafts after the step, probes included; the drafter still
+with the drafts offered so far) no request drafts after the step, probes included; the drafter still
 takes the step's rows (its cache stays whole for when the batch shrinks). On the 2-core Xeon at batch 32 the
 probes and resumptions had cost ~8% of a run that drafted nothing (``docs/benchmarks.md``).
 
@@ -318,7 +318,7 @@ class Speculator:
     def _drafting_pays(self, batch: int) -> bool:
         """The plan's ``drafting_pays`` at a step of ``batch`` sampling rows (True for a plan without it), asked
         again every ``PAYS_REFRESH`` proposal rounds per batch size (it weighs the step-cost model and the
-        acceptance observed so far, both of which move slowly)."""
+        drafts offered so far, both of which move slowly)."""
         ask = getattr(self.plan, "drafting_pays", None)
         if ask is None:
             return True

@@ -146,7 +146,8 @@ class DecodeStep:
         tables = index[-1]
         step = _Step(x.shape[0], tables.shape[0], tables.shape[1], *(t.data_ptr() for t in index))
         failed = _kernel()(ctypes.byref(self.shape), self.layers, ctypes.byref(step), x.data_ptr(), out.data_ptr(),
-                           self.final_norm.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), captures, torch.get_num_threads())
+                           self.final_norm.data_ptr(), self.cos.data_ptr(), self.sin.data_ptr(), captures,
+                           torch.get_num_threads())
         if failed:
             raise MemoryError("plugins.cpu decode step: the kernel could not allocate its buffers")
         return out, captured

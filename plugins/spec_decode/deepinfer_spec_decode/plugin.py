@@ -69,7 +69,7 @@ class Plugin:
 
     @hookimpl
     def deepinfer_verification_plans(self) -> dict[str, Any]:
-        return {"fixed": FixedPlan(), "varlen": VarlenPlan(self.stats.conditional_acceptance)}
+        return {"fixed": FixedPlan(), "varlen": VarlenPlan()}
 
     @hookimpl
     def deepinfer_validate_config(self, config: Any, info: EngineInfo) -> None:

@@ -30,19 +30,6 @@ class SpecStats:
                 self.accepted_at[j] += int(j < a)
             self.calibration.observe(conf, v, a)
 
-    def conditional_acceptance(self, min_verified: int = 32) -> list[float] | None:
-        """Per draft position the share of verified drafts accepted given the one before was: what a typical
-        request's calibrated confidences would be (a later position's is a share of the requests the plan let
-        verify that far: the ones it was surer of). None until ``min_verified`` first drafts were verified."""
-        if self.verified_at[0] < min_verified:
-            return None
-        rates, previous = [], 1.0
-        for verified, accepted in zip(self.verified_at, self.accepted_at, strict=True):
-            rate = accepted / verified if verified else 0.0
-            rates.append(min(1.0, rate / previous) if previous > 0 else 0.0)
-            previous = rate
-        return rates
-
     def as_dict(self) -> dict[str, float | list[float]]:
         return {
             "mean_acceptance_length": self.emitted / self.verifies if self.verifies else 0.0,

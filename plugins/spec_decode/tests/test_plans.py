@@ -293,29 +293,37 @@ def test_unverified_positions_borrow_the_previous_positions_calibration():
 
 
 def test_varlen_says_whether_drafting_pays_for_a_typical_request_at_a_batch_size():
-    """``drafting_pays`` asks ``budget`` with every request offering the observed conditional acceptance: on a
-    cost where a verified row costs a tenth of a step and drafting little, drafts pay alone and not beside 31
-    other requests (the step's other rows dilute what a draft brings); dear drafting never pays; nothing
-    observed yet: True (so the engine drafts and learns)."""
+    """``drafting_pays`` asks ``budget`` with every request offering the mean acceptance chances of the drafts
+    ``budget`` was offered (16 requests of confidences 0.6, 0.5 here): on a cost where a verified row costs a
+    tenth of a step and drafting little, drafts pay alone and not beside 31 other requests (the step's other rows
+    dilute what a draft brings); dear drafting never pays; nothing offered yet (rows of zeros are requests
+    without drafts): True (so the engine drafts and learns)."""
     cost = CurveCost(lambda q: 1.0 + 0.1 * q, per_request=0.001)
-    plan = VarlenPlan(lambda: [0.6, 0.5])
+
+    def offered(plan: VarlenPlan, rows: torch.Tensor) -> VarlenPlan:
+        plan.budget(rows, cost)
+        return plan
+
+    typical = torch.tensor([[0.6, 0.5]]).expand(16, 2)
+    plan = offered(VarlenPlan(), typical)
     assert plan.drafting_pays(1, cost) and not plan.drafting_pays(32, cost)
-    assert not VarlenPlan(lambda: [0.6, 0.5]).drafting_pays(1, CurveCost(lambda q: 1.0, per_request=10.0))
-    assert VarlenPlan().drafting_pays(32, cost) and VarlenPlan(lambda: None).drafting_pays(32, cost)
+    assert not plan.drafting_pays(1, CurveCost(lambda q: 1.0, per_request=10.0))
+    assert offered(VarlenPlan(), torch.zeros(64, 2)).drafting_pays(32, cost) and VarlenPlan().drafting_pays(32, cost)
 
 
-def test_stats_give_the_conditional_acceptance_by_position():
-    """Accepted share at position j over that at j − 1 (a prefix rule: j is accepted only after j − 1), once
-    enough first drafts were verified."""
-    from deepinfer_spec_decode.stats import SpecStats
+def test_varlen_judges_drafting_by_every_offered_draft_not_by_the_verified_ones():
+    """The typical request is the mean over the offered drafts: half the requests sure (0.95) and half not
+    (0.05) is a typical chance of 0.5 at the first position, whatever varlen chose to verify; and the mean
+    follows newer offers (``OFFERED_DECAY``): after many unsure steps drafting no longer pays where a step's
+    verified row costs a third of it."""
+    cost = CurveCost(lambda q: 1.0 + 0.3 * q)
+    plan = VarlenPlan()
+    mixed = torch.tensor([[0.95, 0.95]] * 8 + [[0.05, 0.05]] * 8)
+    plan.budget(mixed, cost)
+    assert plan._offered[0] / plan._offered_rows == pytest.approx(0.5)
+    assert plan.drafting_pays(1, cost)
+    for _ in range(400):
+        plan.budget(torch.tensor([[0.05, 0.05]]), cost)
+    assert not plan.drafting_pays(1, cost)
 
-    from deepinfer.interfaces import StepStats
 
-    stats = SpecStats(max_draft=3)
-    assert stats.conditional_acceptance(min_verified=4) is None
-    # four verifications of 3 drafts: accepted 3, 2, 1, 0 -> by position 3/4, 2/4, 1/4 accepted
-    for accepted in (3, 2, 1, 0):
-        stats.observe(StepStats(step=0, num_requests=1, num_prefill_tokens=0, num_decode_tokens=4, timings={},
-                                verified_drafts=(3,), accepted_drafts=(accepted,), draft_confidence=((0.5,) * 3,),
-                                draft_raw_confidence=((0.5,) * 3,)))
-    assert stats.conditional_acceptance(min_verified=4) == pytest.approx([0.75, 2 / 3, 0.5])
