@@ -227,10 +227,12 @@ class CommittedRows:
     (prefill chunks, every request's last token and its verified drafts; a CUDA graph's padding rows
     too, which sit on the reserved scratch block). ``next_tokens [R]``: the id of the token after each
     row (the next prompt token, or a token the step emitted; for a draft the step rejected, and the rows
-    after it, any id). ``ctx``: a ``ForwardContext`` over exactly these rows on the main model's paging
-    (``ctx.positions`` their positions), so a cache sharing the main pool's block ids gets the row of
-    position p in the slot of p. Rows of rejected drafts land past the request's committed length:
-    nothing reads them before those positions are computed (and written again) for real.
+    after it, any id), made by ``next_tokens_of`` on first read (a drafter that reads features, not
+    tokens, never pays for it: on the CPU ~0.1 ms of host time a step). ``ctx``: a ``ForwardContext`` over
+    exactly these rows on the main model's paging (``ctx.positions`` their positions), so a cache sharing the
+    main pool's block ids gets the row of position p in the slot of p. Rows of rejected drafts land past the
+    request's committed length: nothing reads them before those positions are computed (and written again) for
+    real.
     ``last_rows [B]``: for each drafting request (``DraftInputs`` order), its last committed row, whose
     next token is the request's last token. ``chain(offset)``: a ``ForwardContext`` of one decode row per
     drafting request at ``DraftInputs.positions + offset`` (offset 0 is the last token, offset j the j-th
@@ -241,10 +243,14 @@ class CommittedRows:
     """
 
     hidden: torch.Tensor
-    next_tokens: torch.Tensor
+    next_tokens_of: Callable[[], torch.Tensor]
     ctx: ForwardContext
     last_rows: torch.Tensor
     chain: Callable[[int], ForwardContext]
+
+    @functools.cached_property
+    def next_tokens(self) -> torch.Tensor:
+        return self.next_tokens_of()
 
 
 @dataclass(frozen=True)

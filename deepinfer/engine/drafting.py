@@ -205,12 +205,17 @@ def draft_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids: torc
     rows = chain = None
     if hidden is not None:
         next_tokens = sent["next_tokens"]  # a view of this step's own copy: written in place
-        if plan.emitted_rows:
-            _write_emitted(next_tokens, tokens, sent["emitted_rows"], sent["emitted_at"])
+        emitted = (sent["emitted_rows"], sent["emitted_at"]) if plan.emitted_rows else None
+
+        def next_tokens_of() -> torch.Tensor:
+            if emitted is not None:
+                _write_emitted(next_tokens, tokens, *emitted)
+            return next_tokens
+
         rows_ctx = _rows_context(ctx)
         chain = ChainRows(positions, caps, sent["coverage"], tables, sent.get("state_slots"), block_size,
                           ctx.backends, exact_host_lists)
-        rows = CommittedRows(hidden=hidden, next_tokens=next_tokens, ctx=rows_ctx,
+        rows = CommittedRows(hidden=hidden, next_tokens_of=next_tokens_of, ctx=rows_ctx,
                              last_rows=sent["last_rows"] + accepted, chain=chain)
     history_of = None
     if token_cache is not None:
@@ -243,20 +248,23 @@ def _rows_only_inputs(plan: DraftPlan, tokens: StepTokens, *, k: int, input_ids:
                       hidden: torch.Tensor | None, block_size: int, exact_host_lists: Callable[[ForwardContext], None]
                       ) -> tuple[DraftInputs, ChainRows | None, torch.Tensor]:
     """``draft_inputs`` of a drafting for no request (every one paused, or none may use a draft): empty
-    per-request fields and, for a drafter that reads them, the step's rows with their next tokens: three of
-    ``draft_fields``' lists cross to the device instead of a dozen (a paused request's every step pays this,
-    issue 28)."""
+    per-request fields and, for a drafter that reads them, the step's rows; their next tokens, if it reads them,
+    from three of ``draft_fields``' lists instead of a dozen (a paused request's every step pays this, issue 28)."""
     dev = input_ids.device
     none = torch.empty(0, dtype=torch.int64, device=dev)
     rows = chain = None
     if hidden is not None:
-        fields = draft_fields(plan, rows=input_ids.shape[0], emitted_width=tokens.emitted.shape[1], with_rows=True)
-        next_tokens, emitted_rows, emitted_at = to_device_many(
-            [fields[name] for name in ("next_tokens", "emitted_rows", "emitted_at")], dev)
-        if plan.emitted_rows:
-            _write_emitted(next_tokens, tokens, emitted_rows, emitted_at)
+        def next_tokens_of() -> torch.Tensor:
+            fields = draft_fields(plan, rows=input_ids.shape[0], emitted_width=tokens.emitted.shape[1],
+                                  with_rows=True)
+            next_tokens, emitted_rows, emitted_at = to_device_many(
+                [fields[name] for name in ("next_tokens", "emitted_rows", "emitted_at")], dev)
+            if plan.emitted_rows:
+                _write_emitted(next_tokens, tokens, emitted_rows, emitted_at)
+            return next_tokens
+
         chain = ChainRows(none, none, none, none.reshape(0, 1), None, block_size, ctx.backends, exact_host_lists)
-        rows = CommittedRows(hidden=hidden, next_tokens=next_tokens, ctx=_rows_context(ctx), last_rows=none,
+        rows = CommittedRows(hidden=hidden, next_tokens_of=next_tokens_of, ctx=_rows_context(ctx), last_rows=none,
                              chain=chain)
     inputs = DraftInputs(last_tokens=none, positions=none, seeds=none, temperature=none.float(), k=k, rows=rows,
                          sampling=False, history_of=None)
