@@ -325,9 +325,10 @@ class StepCostModel(Protocol):
         ...
 
     def observe(self, query_tokens: int, seconds: float, *, sampler_seconds: float | None = None,
-                requests: int = 0, draft_seconds: float | None = None) -> None:
+                requests: int = 0, draft_seconds: float | None = None, step_seconds: float | None = None) -> None:
         """A measured decode step: ``seconds`` of forward and LM head, ``sampler_seconds`` of sampling and
-        verification, ``draft_seconds`` of drafting for ``requests`` requests after it (None: not measured)."""
+        verification, ``draft_seconds`` of drafting for ``requests`` requests after it, ``step_seconds`` of wall
+        time from the end of the step before to the end of this one (None: not measured)."""
         ...
 
 

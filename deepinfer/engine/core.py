@@ -87,6 +87,7 @@ class EngineCore:
         self.awaiting_release: dict[str, Request] = {}  # finished while in flight
         self.followups: dict[str, ScheduledRequest] = {}  # request id -> its follow-up row in flight
         self.structured = StructuredRuntime()  # grammar compilations to poll, step masks to fill
+        self._processed_at: float | None = None  # when the last step's results were processed (host clock)
 
     def has_work(self) -> bool:
         """Requests queued or running, a step whose results are unread, or outputs to flush."""
@@ -257,7 +258,10 @@ class EngineCore:
         if self.speculator is not None:
             forward, sampler, draft_seconds = results.time_split()
             drafted = len(results.proposal.plan.samplers) if results.proposal is not None else 0
-            self.speculator.observe_step(batch, forward, sampler, drafted, draft_seconds)
+            now = time.perf_counter()  # a step's wall time: from the step before's processing to this one's
+            since = now - self._processed_at if self._processed_at is not None else None
+            self._processed_at = now
+            self.speculator.observe_step(batch, forward, sampler, drafted, draft_seconds, since)
         self.structured.fill_pending()  # phase 4: masks of the step in flight, from the advanced matchers
         if self.on_step_end is not None:
             self.on_step_end(self._step_stats(batch, scheduled.timer, step_verifies))

@@ -3,7 +3,7 @@
 A step of ``q`` query tokens (every one a verified row: a verification step samples each of them)
 drafted for ``r`` requests afterwards is charged
 
-    step_time(q, requests=r) = forward(q) + sampler_per_row · q + drafting(r)
+    step_time(q, requests=r) = forward(q) + sampler_per_row · q + drafting(r) + host(r > 0)
 
 - ``forward``: a curve of (query tokens, seconds) of forward and LM head, profiled on placeholder
   batches of random token ids (one id repeated would route every row of an MoE layer to the same
@@ -38,6 +38,14 @@ drafted for ``r`` requests afterwards is charged
   a median of seconds per request, learned from probes of one request, would charge a step of 16 the
   cost of 16 single ones (measured on the H200: 1.6 ms per request against 0.76 in full steps). It does
   not depend on ``q``, but it is what more verified tokens per step amortize.
+- ``host``: the rest of a step's wall time, from the end of the step before to the end of this one, past the
+  three measured parts: the host's own work while the device waits (scheduling, the step's inputs, the
+  plan, verification and drafting glue launched eagerly, reading the results). A windowed median of it per
+  kind of step, those that drafted and those that did not (``host_drafting``, ``host_plain``; each stands in
+  for the other until it has ``min_samples``). On the H100 at batch 16 a synchronous ``fixed`` step took
+  ~17 ms of wall time for ~7 ms of device time, a plain one ~6.5 for ~4: the device-only model called
+  drafting paying there (both plans ran at 0.64–0.74× of no speculation). Under an overlapped executor the
+  host's work hides behind the device's, and so the term shrinks by itself.
 
 Each observation is first predicted: ``prediction_error`` is the median relative error
 ``|predicted − measured| / measured`` over the last ``term_window`` steps (``stats()``).
@@ -202,6 +210,8 @@ class StepCost:
         self.min_samples = min_samples
         self.sampler_per_row = WindowedMedian(term_window, min_samples)
         self.drafting = DraftingCost(term_window, min_samples)
+        self.host_drafting = WindowedMedian(term_window, min_samples)
+        self.host_plain = WindowedMedian(term_window, min_samples)
         self.errors = WindowedMedian(term_window, 1)
         self.predicted_steps = 0
         # Called with every point so far after each newly profiled size (the engine's on-disk CurveCache).
@@ -313,11 +323,19 @@ class StepCost:
         offset, slope = self._correction()
         return max(0.0, self.curve(charged) + offset + slope * charged)
 
+    def host_seconds(self, requests: int) -> float:
+        """The host's seconds a step adds to the measured parts: that of a drafting step (``requests`` > 0) or
+        of a plain one, each the other's until it was seen ``min_samples`` times."""
+        drafting, plain = self.host_drafting, self.host_plain
+        if requests > 0:
+            return drafting.value() if len(drafting.samples) >= self.min_samples else plain.value()
+        return plain.value() if len(plain.samples) >= self.min_samples else drafting.value()
+
     def step_time(self, query_tokens: int, *, requests: int = 0) -> float:
         """Seconds of a decode step of ``query_tokens`` (all verified rows) followed by drafting for
-        ``requests`` requests: forward, sampler and verification, drafter."""
+        ``requests`` requests: forward, sampler and verification, drafter, the host's own work."""
         return (self.forward_time(query_tokens) + self.sampler_per_row.value() * query_tokens
-                + self.drafting.seconds(requests))
+                + self.drafting.seconds(requests) + self.host_seconds(requests))
 
     def step_times(self, query_tokens: torch.Tensor, *, requests: int = 0) -> torch.Tensor:
         """``step_time`` of every size in ``query_tokens`` (int64 ``[N]``, host) at once, float64 ``[N]``."""
@@ -340,18 +358,23 @@ class StepCost:
             curve = torch.where(charged <= sizes[0], secs[0], secs[lo] + frac * (secs[hi] - secs[lo]))
         offset, slope = self._correction()
         forward = (curve + offset + slope * charged).clamp(min=0.0)
-        return forward + self.sampler_per_row.value() * q + self.drafting.seconds(requests)
+        return (forward + self.sampler_per_row.value() * q + self.drafting.seconds(requests)
+                + self.host_seconds(requests))
 
     def observe(self, query_tokens: int, seconds: float, *, sampler_seconds: float | None = None,
-                requests: int = 0, draft_seconds: float | None = None) -> None:
+                requests: int = 0, draft_seconds: float | None = None, step_seconds: float | None = None) -> None:
         """Learn from a decode step of ``query_tokens``: ``seconds`` of forward and LM head,
         ``sampler_seconds`` of sampling and verification, ``draft_seconds`` of drafting for ``requests``
-        requests afterwards (None: not measured). The step is predicted first (``stats``)."""
+        requests afterwards, ``step_seconds`` of wall time since the step before ended (None: not measured).
+        The step is predicted first (``stats``)."""
         if query_tokens <= 0:
             return
         if requests <= 0:
             draft_seconds = None
-        self._record_error(query_tokens, seconds, sampler_seconds, requests, draft_seconds)
+        self._record_error(query_tokens, seconds, sampler_seconds, requests, draft_seconds, step_seconds)
+        if step_seconds is not None:
+            measured = seconds + (sampler_seconds or 0.0) + (draft_seconds or 0.0)
+            (self.host_drafting if requests > 0 else self.host_plain).add(max(0.0, step_seconds - measured))
         charged = self.charged_tokens(query_tokens)
         residual = seconds - self.curve(charged)  # profiles the curve up to ``charged`` first
         self._residuals.add((self._bucket(charged), charged, residual))
@@ -361,8 +384,9 @@ class StepCost:
             self.drafting.add(requests, draft_seconds)
 
     def _record_error(self, query_tokens: int, seconds: float, sampler_seconds: float | None, requests: int,
-                      draft_seconds: float | None) -> None:
-        """The relative error of the model's prediction of the parts of a step that were measured."""
+                      draft_seconds: float | None, step_seconds: float | None) -> None:
+        """The relative error of the model's prediction of the parts of a step that were measured (the whole
+        step's wall time when ``step_seconds`` is known)."""
         predicted, measured = self.forward_time(query_tokens), seconds
         if sampler_seconds is not None:
             predicted += self.sampler_per_row.value() * query_tokens
@@ -370,6 +394,9 @@ class StepCost:
         if draft_seconds is not None:
             predicted += self.drafting.seconds(requests)
             measured += draft_seconds
+        if step_seconds is not None:
+            predicted += self.host_seconds(requests)
+            measured = step_seconds
         if measured > 0:
             self.errors.add(abs(predicted - measured) / measured)
             self.predicted_steps += 1
@@ -386,6 +413,8 @@ class StepCost:
             "sampler_seconds_per_row": self.sampler_per_row.value(),
             "draft_seconds_per_step": self.drafting.line()[0],
             "draft_seconds_per_request": self.drafting.line()[1],
+            "host_seconds_drafting": self.host_seconds(1),
+            "host_seconds_plain": self.host_seconds(0),
             "curve_seconds": {str(q): seconds for q, seconds in self.points},  # the profiled forward, by size
         }
 

@@ -406,10 +406,11 @@ class Speculator:
                                                 tuple(raw_confidence[i][:n]), probs)
 
     def observe_step(self, batch: SchedulerOutput, forward_seconds: float, sampler_seconds: float, drafted: int,
-                     draft_seconds: float | None) -> None:
-        """Feed a pure decode step's times to the step-cost model: its forward and sampler seconds, and
-        the seconds of drafting for ``drafted`` requests after it (None: not measured)."""
+                     draft_seconds: float | None, step_seconds: float | None) -> None:
+        """Feed a pure decode step's times to the step-cost model: its forward and sampler seconds, the
+        seconds of drafting for ``drafted`` requests after it (None: not measured), and its wall time since
+        the step before ended (None: none before it)."""
         rows = batch.scheduled
         if rows and all(s.samples and s.num_new_tokens == 1 + s.draft_rows for s in rows):
             self.cost.observe(batch.num_tokens, forward_seconds, sampler_seconds=sampler_seconds, requests=drafted,
-                              draft_seconds=draft_seconds)
+                              draft_seconds=draft_seconds, step_seconds=step_seconds)

@@ -253,8 +253,30 @@ def test_step_cost_reports_its_prediction_error():
     assert abs(stats["prediction_error"] - 0.1 / 1.1) < 1e-9  # the median of four 1/11 and one 1/9
     assert set(stats) == {"prediction_error", "predicted_steps", "offset_seconds", "slope_seconds_per_token",
                           "sampler_seconds_per_row", "draft_seconds_per_step",
-                          "draft_seconds_per_request", "curve_seconds"}
+                          "draft_seconds_per_request", "host_seconds_drafting", "host_seconds_plain",
+                          "curve_seconds"}
     assert stats["curve_seconds"] == {str(q): seconds for q, seconds in cost.points}
+
+
+def test_step_cost_charges_the_hosts_own_time_by_kind_of_step():
+    """A step's wall time past its measured parts is the host's own work: its median per kind of step (drafting
+    or plain) is charged to the steps of that kind, each kind standing in for the other until seen; a budget
+    whose drafting steps cost the host 3 s more than plain ones (on a curve of 1–3 s) then grants no draft."""
+    measure, _ = _profiled(BUCKETS)
+    cost = StepCost(measure, 24, min_samples=3)
+    assert cost.host_seconds(0) == cost.host_seconds(4) == 0.0
+    for _ in range(3):  # drafting steps: 5 ms of forward, 1 of drafting, 20 of wall time
+        cost.observe(6, 0.005, sampler_seconds=0.0, requests=1, draft_seconds=0.001, step_seconds=0.020)
+    assert cost.host_seconds(1) == cost.host_seconds(0) == pytest.approx(0.014)  # plain: not seen yet
+    for _ in range(3):  # plain steps: 5 ms of forward, 7 of wall time
+        cost.observe(1, 0.005, sampler_seconds=0.0, step_seconds=0.007)
+    assert cost.host_seconds(0) == pytest.approx(0.002) and cost.host_seconds(3) == pytest.approx(0.014)
+    assert cost.step_time(6, requests=1) - cost.step_time(6) == pytest.approx(0.012 + cost.drafting.seconds(1))
+    host_heavy = StepCost(measure, 24, min_samples=1)  # the curve's seconds exactly, then 3 s of host a drafting step
+    host_heavy.observe(1, BUCKETS[1], sampler_seconds=0.0, step_seconds=BUCKETS[1])
+    host_heavy.observe(2, BUCKETS[2], sampler_seconds=0.0, requests=1, draft_seconds=0.0, step_seconds=BUCKETS[2] + 3)
+    sure = torch.full((1, 4), 0.9)
+    assert VarlenPlan().budget(sure, StepCost(measure, 24)) > 1 and VarlenPlan().budget(sure, host_heavy) == 1
 
 
 def test_varlen_charges_drafting_only_to_budgets_that_verify_drafts():
