@@ -17,10 +17,11 @@ class CPUConfig(BaseModel):
         "calls with at least this many rows run oneDNN on the packed weight; fewer rows (decode steps of a few "
         "requests, a batch-1 verification step) run the C GEMV (gemv.py) on the plain weight, which streams it "
         "once for every row and sums each row as if alone, and the fused decode step takes the steps of fewer "
-        "rows. None: 7 for float32 (on the 2-core AVX-512 VMs the GEMV beat oneDNN up to 4 rows, was level at 6 "
-        "and lost at 8), 33 for bfloat16 on a CPU with AMX-BF16 (its tiles serve up to 32 rows in one pass over "
-        "the weight: 17-32 rows 18.8-20.8 ms a SmolLM2 step against oneDNN's 26.5-28.1), else 7 "
-        "(docs/benchmarks.md)"))
+        "rows. None: 13 for float32 (on the 2-core Xeon VM the GEMV, which asks for the weight 3 KB ahead, beat "
+        "oneDNN up to 12 rows: 24.9 against 32.7 ms a SmolLM2 step's projections at 8, a batch-8 decode 1.27x "
+        "faster end to end; 7 before the prefetch, when it lost at 8 on an AMD VM), 33 for bfloat16 on a CPU "
+        "with AMX-BF16 (its tiles serve up to 32 rows in one pass over the weight: 17-32 rows 18.8-20.8 ms a "
+        "SmolLM2 step against oneDNN's 26.5-28.1), else 7 (docs/benchmarks.md)"))
     pack_rows: int = Field(16, ge=1, description=(
         "the row count oneDNN chooses the packed weight layout for (any row count can use it)"))
     fused_decode: bool = Field(True, description=(

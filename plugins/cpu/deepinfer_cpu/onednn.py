@@ -31,7 +31,8 @@ from deepinfer_cpu.draft_step import FusedDrafter
 from deepinfer_cpu.gemv import amx_available, fits, gemv
 from deepinfer_cpu.huge_pages import HugePageArena
 
-DEFAULT_MIN_ROWS = 7  # plugins.cpu.min_rows when None (config.py), float32 or no AMX
+FLOAT32_MIN_ROWS = 13  # plugins.cpu.min_rows when None (config.py): float32, the GEMV up to 12 rows
+BF16_MIN_ROWS = 7  # bfloat16 without AMX tiles
 AMX_MIN_ROWS = 33  # bfloat16 with AMX tiles: the GEMV takes up to 32 rows in one pass
 
 
@@ -75,11 +76,13 @@ class OneDNNGemmBackend:
             self.draft_context, self.draft_block = drafter.draft_context, drafter.draft_block
 
     def min_rows_for(self, dtype: torch.dtype) -> int:
-        """The fewest rows a call of ``dtype`` runs oneDNN for (``plugins.cpu.min_rows``; None: 33 for bfloat16
-        where the GEMV has AMX tiles, which take up to 32 rows in one pass over the weight, else 7)."""
+        """The fewest rows a call of ``dtype`` runs oneDNN for (``plugins.cpu.min_rows``; None: 13 for float32, 33
+        for bfloat16 where the GEMV has AMX tiles, which take up to 32 rows in one pass over the weight, else 7)."""
         if self.min_rows is not None:
             return self.min_rows
-        return AMX_MIN_ROWS if dtype == torch.bfloat16 and amx_available() else DEFAULT_MIN_ROWS
+        if dtype == torch.bfloat16:
+            return AMX_MIN_ROWS if amx_available() else BF16_MIN_ROWS
+        return FLOAT32_MIN_ROWS
 
     def gemv_rows(self, dtype: torch.dtype) -> int:
         """The most rows a call of ``dtype`` runs the GEMV for (``min_rows_for`` − 1)."""

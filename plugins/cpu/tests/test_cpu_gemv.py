@@ -81,7 +81,7 @@ def test_what_gemv_does_not_serve() -> None:
 @pytest.mark.skipif(not onednn_available(), reason="needs torch's oneDNN ops")
 def test_the_backend_sends_calls_of_fewer_than_min_rows_to_gemv_and_keeps_weights_row_major(monkeypatch) -> None:
     backend = OneDNNGemmBackend()
-    assert backend.min_rows_for(torch.float32) == 7 and backend.decode_stack.max_rows(torch.float32) == 6
+    assert backend.min_rows_for(torch.float32) == 13 and backend.decode_stack.max_rows(torch.float32) == 12
     # bfloat16 on AMX: the tiles take up to 32 rows in one pass, so the GEMV and the fused step serve 32
     bf16_rows = 33 if _cpu_has("amx_bf16") else 7
     assert backend.min_rows_for(torch.bfloat16) == bf16_rows
@@ -94,10 +94,10 @@ def test_the_backend_sends_calls_of_fewer_than_min_rows_to_gemv_and_keeps_weight
     real = gemv_module.gemv
     monkeypatch.setattr("deepinfer_cpu.onednn.gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     param = torch.nn.Parameter(plain, requires_grad=False)
-    for rows in (1, 3, 6, 7, 12):
+    for rows in (1, 3, 12, 13, 20):
         x = torch.randn(rows, 24)
         torch.testing.assert_close(backend.linear(x, param), x @ plain.t(), rtol=1e-5, atol=1e-5)
-    assert calls == [1, 3, 6]  # 7 and 12 rows: oneDNN on the packed copy
+    assert calls == [1, 3, 12]  # 13 and 20 rows: oneDNN on the packed copy
 
 
 def _cpu_has(flag: str) -> bool:

@@ -116,7 +116,7 @@ def test_the_overlapped_executor_gives_the_same_tokens(tiny_llama: Path) -> None
     for executor in ("sync", "overlap"):
         llm = _llm(tiny_llama, scheduler={"executor": executor},
                    plugins={"scheduling": {"enabled": executor == "overlap"}})
-        runs[executor] = _run(llm, _prompts(11, (9, 30)))
+        runs[executor] = _run(llm, _prompts(11, (14, 30)))  # prompts of min_rows (13) rows or more: not fused
         assert _fused_steps(llm) == 2 * 13
         llm.shutdown()
     _assert_same(runs["overlap"], runs["sync"], 0.0)
@@ -138,7 +138,7 @@ def test_captured_layer_inputs_equal_the_layers(tiny_llama: Path) -> None:
                 seen.append({i: t.clone() for i, t in model.captured_hidden.items()})
             return out
         model.forward = keep
-        _run(llm, _prompts(3, (7,)), tokens=10)
+        _run(llm, _prompts(3, (15,)), tokens=10)  # the prompt: more rows than the fused step takes
         captured[fused] = seen
         assert _fused_steps(llm) == (9 if fused else 0)
         llm.shutdown()
