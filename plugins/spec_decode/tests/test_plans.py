@@ -333,6 +333,16 @@ def test_varlen_says_whether_drafting_pays_for_a_typical_request_at_a_batch_size
     assert offered(VarlenPlan(), torch.zeros(64, 2)).drafting_pays(32, cost) and VarlenPlan().drafting_pays(32, cost)
 
 
+def test_drafting_must_promise_more_than_the_margin_to_pay():
+    """A draft that promises 3.4% more tokens a second is taken by ``budget`` (the step's own choice) but does not
+    open the gate, which asks for ``PAYS_MARGIN`` (5%) more: a gain under the cost model's error."""
+    cost = CurveCost(lambda q: 1.0 + 0.45 * (q - 1))  # one verified draft of chance 0.5: 1.5 tokens in 1.45
+    plan = VarlenPlan()
+    plan.budget(torch.full((16, 1), 0.5), cost)  # 16 requests offer a draft of chance 0.5
+    assert plan.budget(torch.tensor([[0.5]]), cost) == 2
+    assert not plan.drafting_pays(1, cost)
+
+
 def test_varlen_judges_drafting_by_every_offered_draft_not_by_the_verified_ones():
     """The typical request is the mean over the offered drafts: half the requests sure (0.95) and half not
     (0.05) is a typical chance of 0.5 at the first position, whatever varlen chose to verify; and the mean
