@@ -41,11 +41,13 @@ drafted for ``r`` requests afterwards is charged
 - ``host``: the rest of a step's wall time, from the end of the step before to the end of this one, past the
   three measured parts: the host's own work while the device waits (scheduling, the step's inputs, the
   plan, verification and drafting glue launched eagerly, reading the results). A windowed median of it per
-  kind of step, those that drafted and those that did not (``host_drafting``, ``host_plain``; each stands in
-  for the other until it has ``min_samples``). On the H100 at batch 16 a synchronous ``fixed`` step took
-  ~17 ms of wall time for ~7 ms of device time, a plain one ~6.5 for ~4: the device-only model called
-  drafting paying there (both plans ran at 0.64–0.74× of no speculation). Under an overlapped executor the
-  host's work hides behind the device's, and so the term shrinks by itself.
+  kind of step, those that drafted and those that did not (``host_drafting``, ``host_plain``), charged only
+  once both kinds were seen ``min_samples`` times: the plain step's host work is the baseline's too, and one
+  kind standing in for the other made drafting look cheaper on the H100 (a drafting step's 3.2–4.4 ms charged
+  to the plain step too, whose own was ~3: the gate opened at batch 64 and ran at 0.82× of no speculation,
+  0.99× without the term). On the H100 a synchronous spec step's host part was 2.6–4.4 ms against a forward of
+  3.1–4.0 (``stats()``). Under an overlapped executor the host's work hides behind the device's, and so the
+  term shrinks by itself.
 
 Each observation is first predicted: ``prediction_error`` is the median relative error
 ``|predicted − measured| / measured`` over the last ``term_window`` steps (``stats()``).
@@ -325,11 +327,11 @@ class StepCost:
 
     def host_seconds(self, requests: int) -> float:
         """The host's seconds a step adds to the measured parts: that of a drafting step (``requests`` > 0) or
-        of a plain one, each the other's until it was seen ``min_samples`` times."""
+        of a plain one, once both kinds were seen ``min_samples`` times (0 before)."""
         drafting, plain = self.host_drafting, self.host_plain
-        if requests > 0:
-            return drafting.value() if len(drafting.samples) >= self.min_samples else plain.value()
-        return plain.value() if len(plain.samples) >= self.min_samples else drafting.value()
+        if len(drafting.samples) < self.min_samples or len(plain.samples) < self.min_samples:
+            return 0.0
+        return drafting.value() if requests > 0 else plain.value()
 
     def step_time(self, query_tokens: int, *, requests: int = 0) -> float:
         """Seconds of a decode step of ``query_tokens`` (all verified rows) followed by drafting for
@@ -394,8 +396,8 @@ class StepCost:
         if draft_seconds is not None:
             predicted += self.drafting.seconds(requests)
             measured += draft_seconds
-        if step_seconds is not None:
-            predicted += self.host_seconds(requests)
+        if step_seconds is not None:  # the kind's own median, charged or not (0 until min_samples)
+            predicted += (self.host_drafting if requests > 0 else self.host_plain).value()
             measured = step_seconds
         if measured > 0:
             self.errors.add(abs(predicted - measured) / measured)
@@ -413,8 +415,8 @@ class StepCost:
             "sampler_seconds_per_row": self.sampler_per_row.value(),
             "draft_seconds_per_step": self.drafting.line()[0],
             "draft_seconds_per_request": self.drafting.line()[1],
-            "host_seconds_drafting": self.host_seconds(1),
-            "host_seconds_plain": self.host_seconds(0),
+            "host_seconds_drafting": self.host_drafting.value(),
+            "host_seconds_plain": self.host_plain.value(),
             "curve_seconds": {str(q): seconds for q, seconds in self.points},  # the profiled forward, by size
         }
 

@@ -260,14 +260,16 @@ def test_step_cost_reports_its_prediction_error():
 
 def test_step_cost_charges_the_hosts_own_time_by_kind_of_step():
     """A step's wall time past its measured parts is the host's own work: its median per kind of step (drafting
-    or plain) is charged to the steps of that kind, each kind standing in for the other until seen; a budget
-    whose drafting steps cost the host 3 s more than plain ones (on a curve of 1–3 s) then grants no draft."""
+    or plain) is charged to the steps of that kind once both kinds were seen (before, neither: one kind's would
+    stand for the baseline's too); a budget whose drafting steps cost the host 3 s more than plain ones (on a
+    curve of 1–3 s) then grants no draft."""
     measure, _ = _profiled(BUCKETS)
     cost = StepCost(measure, 24, min_samples=3)
     assert cost.host_seconds(0) == cost.host_seconds(4) == 0.0
     for _ in range(3):  # drafting steps: 5 ms of forward, 1 of drafting, 20 of wall time
         cost.observe(6, 0.005, sampler_seconds=0.0, requests=1, draft_seconds=0.001, step_seconds=0.020)
-    assert cost.host_seconds(1) == cost.host_seconds(0) == pytest.approx(0.014)  # plain: not seen yet
+    assert cost.host_seconds(1) == cost.host_seconds(0) == 0.0  # plain steps not seen yet
+    assert cost.stats()["host_seconds_drafting"] == pytest.approx(0.014)
     for _ in range(3):  # plain steps: 5 ms of forward, 7 of wall time
         cost.observe(1, 0.005, sampler_seconds=0.0, step_seconds=0.007)
     assert cost.host_seconds(0) == pytest.approx(0.002) and cost.host_seconds(3) == pytest.approx(0.014)
