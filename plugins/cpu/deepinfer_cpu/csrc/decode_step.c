@@ -59,8 +59,11 @@ struct step {
  * negated, deepinfer/model/layers/rope.py). */
 static void rope(float *x, int64_t heads, int64_t d, const float *cos_row, const float *sin_row, int bf16) {
     float rotated[d];
+    const int64_t half = d / 2;
     for (int64_t h = 0; h < heads; ++h, x += d) {
-        for (int64_t i = 0; i < d; ++i) rotated[i] = x[(i + d / 2) % d];
+        /* roll(x, d/2) in two copies: a modulo per element kept this loop scalar (0.44 ms of a six-row step) */
+        memcpy(rotated, x + half, sizeof(float) * (size_t)(d - half));
+        memcpy(rotated + (d - half), x, sizeof(float) * (size_t)half);
         for (int64_t i = 0; i < d; ++i) {
             const float turned = rotated[i] * sin_row[i], straight = x[i] * cos_row[i];
             x[i] = keep(turned + straight, bf16);

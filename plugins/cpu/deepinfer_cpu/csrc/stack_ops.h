@@ -75,6 +75,10 @@ static inline int swiglu_mlp(float *x, float *h, float *wide, const float *norm,
     int failed = project(gate_up, h, NULL, wide, T, 2 * inter, hidden, threads, bf16);
     for (int64_t r = 0; r < T; ++r) { /* silu(gate) · up, packed into the row's first half */
         float *gu = wide + r * 2 * inter, *act = wide + r * inter;
+        /* act[i] is written after gu[i] and gu[inter + i] are read, and act lies at or before gu: no element is
+         * read after it was written, so the loop vectorizes (GCC cannot see that and kept it scalar: 0.34 of a
+         * six-row SmolLM2 step's 11.6 ms) */
+#pragma GCC ivdep
         for (int64_t i = 0; i < inter; ++i) act[i] = keep(keep(silu(gu[i]), bf16) * gu[inter + i], bf16);
     }
     failed |= project(down, wide, NULL, h, T, hidden, inter, threads, bf16);
