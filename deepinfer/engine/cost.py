@@ -136,7 +136,6 @@ class WindowedMedian(RefitWindow[float, float]):
 
     def __init__(self, window: int, min_samples: int) -> None:
         super().__init__(window, lambda samples: statistics.median(samples) if len(samples) >= min_samples else 0.0)
-        self.min_samples = min_samples
 
 
 def least_squares_line(points: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
