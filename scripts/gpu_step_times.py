@@ -20,9 +20,10 @@ import json
 import runpy
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from deepinfer import LLM, SamplingParams
+from deepinfer import LLM
 from deepinfer.config import set_flags_to_tree
 
 
@@ -44,35 +45,34 @@ class GcClock:
         self.seconds = 0.0
 
 
-def timed_run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list]:
-    """The run's seconds and, per engine step, ``(seconds, (query tokens, requests, prompt rows) or None)``
-    (None: a step that processed no batch)."""
-    core = llm.engine.core
-    batches: list[tuple[int, int, int]] = []
-    process = core.process
+def timed_run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, run: Callable) -> tuple[float, list]:
+    """``bench_drafter``'s ``run`` of the workload with each engine step's batch recorded: the run's seconds and,
+    per engine step, ``(seconds, (query tokens, requests, prompt rows) or None)`` (None: a step that processed no
+    batch)."""
+    engine, core = llm.engine, llm.engine.core
+    process, step = core.process, engine.step
+    shapes: list[tuple[int, int, int]] = []
+    per_step: list[tuple[int, int, int] | None] = []
 
     def recording(scheduled, results):
         out = process(scheduled, results)
         b = scheduled.batch
         prompt_rows = sum(1 for s in b.scheduled if not (s.samples and s.num_new_tokens == 1 + s.draft_rows))
-        batches.append((b.num_tokens, len(b.scheduled), prompt_rows))
+        shapes.append((b.num_tokens, len(b.scheduled), prompt_rows))
         return out
 
-    core.process = recording
-    params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    engine, pending, added, finished, steps = llm.engine, list(prompts), 0, 0, []
-    start = time.perf_counter()
-    while pending or engine.has_unfinished():
-        while pending and added - finished < batch:
-            engine.add(engine.make_request(pending.pop(0), params))
-            added += 1
-        seen = len(batches)
-        t = time.perf_counter()
-        outs = engine.step()
-        steps.append((time.perf_counter() - t, batches[-1] if len(batches) > seen else None))
-        finished += sum(1 for o in outs if o.finished)
-    core.process = process
-    return time.perf_counter() - start, steps
+    def stepping():
+        seen = len(shapes)
+        outs = step()
+        per_step.append(shapes[-1] if len(shapes) > seen else None)
+        return outs
+
+    core.process, engine.step = recording, stepping
+    try:
+        seconds, _, times = run(llm, prompts, batch, max_tokens)
+    finally:
+        del core.process, engine.step  # the instances' own methods again
+    return seconds, list(zip(times, per_step, strict=True))
 
 
 def report(name: str, batch: int, seconds: float, steps: list, gc_seconds: float, cost: dict) -> None:
@@ -121,7 +121,7 @@ def main() -> None:
                   kv_cache_bytes=512 << 20, max_model_len=2048)
         bench["_run"](llm, prompts, args.batch, args.max_tokens)  # warm-up: the whole workload
         clock.reset()
-        seconds, steps = timed_run(llm, prompts, args.batch, args.max_tokens)
+        seconds, steps = timed_run(llm, prompts, args.batch, args.max_tokens, bench["_run"])
         report(name, args.batch, seconds, steps, clock.seconds, llm.get_stats().get("step_cost", {}))
         llm.shutdown()
 

@@ -324,13 +324,16 @@ class StepCost:
         offset, slope = self._correction()
         return max(0.0, self.curve(charged) + offset + slope * charged)
 
+    def _host(self, requests: int) -> WindowedMedian:
+        """The host-time median of a step that drafts for ``requests`` requests: a drafting or a plain step's."""
+        return self.host_drafting if requests > 0 else self.host_plain
+
     def host_seconds(self, requests: int) -> float:
         """The host's seconds a step adds to the measured parts: that of a drafting step (``requests`` > 0) or
         of a plain one, once both kinds were seen ``min_samples`` times (0 before)."""
-        drafting, plain = self.host_drafting, self.host_plain
-        if len(drafting.samples) < self.min_samples or len(plain.samples) < self.min_samples:
+        if min(len(self.host_drafting.samples), len(self.host_plain.samples)) < self.min_samples:
             return 0.0
-        return drafting.value() if requests > 0 else plain.value()
+        return self._host(requests).value()
 
     def step_time(self, query_tokens: int, *, requests: int = 0) -> float:
         """Seconds of a decode step of ``query_tokens`` (all verified rows) followed by drafting for
@@ -375,7 +378,7 @@ class StepCost:
         self._record_error(query_tokens, seconds, sampler_seconds, requests, draft_seconds, step_seconds)
         if step_seconds is not None:
             measured = seconds + (sampler_seconds or 0.0) + (draft_seconds or 0.0)
-            (self.host_drafting if requests > 0 else self.host_plain).add(max(0.0, step_seconds - measured))
+            self._host(requests).add(max(0.0, step_seconds - measured))
         charged = self.charged_tokens(query_tokens)
         residual = seconds - self.curve(charged)  # profiles the curve up to ``charged`` first
         self._residuals.add((self._bucket(charged), charged, residual))
@@ -396,7 +399,7 @@ class StepCost:
             predicted += self.drafting.seconds(requests)
             measured += draft_seconds
         if step_seconds is not None:  # the kind's own median, charged or not (0 until min_samples)
-            predicted += (self.host_drafting if requests > 0 else self.host_plain).value()
+            predicted += self._host(requests).value()
             measured = step_seconds
         if measured > 0:
             self.errors.add(abs(predicted - measured) / measured)

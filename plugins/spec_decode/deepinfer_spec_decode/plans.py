@@ -130,8 +130,9 @@ class VarlenPlan:
         best, best_rate, expected = batch, 0.0, float(batch)
         for q, rate, seconds in zip(sizes, ranked, times, strict=True):
             expected += rate
-            if expected / max(seconds, 1e-12) > best_rate:  # the first of equal maxima: the fewest tokens
-                best, best_rate = q, expected / max(seconds, 1e-12)
+            throughput = expected / max(seconds, 1e-12)
+            if throughput > best_rate:  # the first of equal maxima: the fewest tokens
+                best, best_rate = q, throughput
         return best if best_rate > baseline * (1 + margin) else batch
 
     def split(self, confidence: torch.Tensor, total: int) -> torch.Tensor:
