@@ -137,6 +137,9 @@ class KernelsSection(_Section):
     batch_invariant: bool = False
     cuda_graphs: bool = True
     cuda_graph_interval: int = Field(default=8, ge=1)
+    # Steps with prompt rows replay the forward captured in pieces cut at the attention calls
+    # (engine/piecewise.py), up to this many query tokens (0: such steps run eagerly).
+    piecewise_max_tokens: int = Field(default=2048, ge=0)
     force_balanced_routing: bool = False
     compile: Literal["off", "inductor"] = "off"
 

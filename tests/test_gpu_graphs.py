@@ -7,6 +7,7 @@
   verification steps under speculative decoding (``oracle`` and ``mtp`` drafters); so do ``dspark``'s,
   whose target layers' features the graphs keep, and its drafting replays graphs of its own equal to eager;
   and its whole speculative tail replays one graph per step (``engine/tail_graphs.py``), equal to eager.
+- Steps with prompt rows replay the forward captured in pieces (``engine/piecewise.py``), equal to eager.
 - The router statistics of replayed steps count the step's tokens, not the bucket's padding rows.
 - Sampling and verification on the device draw from the target distribution (chi-square against the
   exact distribution computed on CPU).
@@ -235,6 +236,26 @@ def test_follow_up_rows_under_overlap_replay_graphs_equal_eager_without_a_sync(f
     _compare(eager, _run(llm, prompts))
     assert sum(follow_ups) > len(follow_ups) / 2, "requests did not follow their steps in flight"
     assert any(qlen == 4 for _, qlen in used), "no verification step replayed a graph"
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("executor", ["sync", "overlap"])
+def test_steps_with_prompt_rows_replay_the_pieces_equal_eager(folder: Path, executor: str) -> None:
+    """Steps with prompt rows replay the forward captured in pieces cut at the attention calls
+    (``engine/piecewise.py``): greedy tokens and logprobs equal eager execution, also when requests join
+    one by one beside decoding ones, under the overlapped executor with no sync; every block comes back."""
+    prompts = _prompts(9)
+    eager_llm = _llm(folder, graphs=False)
+    eager = _run(eager_llm, prompts)
+    eager_llm.shutdown()
+    plugins = {"scheduling": {"enabled": True, "sync_guard": True}} if executor == "overlap" else {}
+    llm = _llm(folder, graphs=True, plugins=plugins, max_num_batched_tokens=48)  # prompts chunked beside decodes
+    piecewise = llm.engine.runner.piecewise
+    assert piecewise is not None, "the piecewise graphs were not captured"
+    _compare(eager, _run(llm, prompts))
+    assert piecewise.replays > 0
+    stats = llm.get_stats()
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     llm.shutdown()
 
 

@@ -22,6 +22,7 @@ from deepinfer.engine.context import Span, SpanLayout, forward_context
 from deepinfer.engine.drafting import DraftPlan, StepTokens
 from deepinfer.engine.followup import FollowUps
 from deepinfer.engine.graphs import DecodeGraphs, GraphStep
+from deepinfer.engine.piecewise import PiecewiseGraphs
 from deepinfer.interfaces import ForwardContext
 from deepinfer.model.base import CausalLM
 from deepinfer.model.transfer import to_device, to_device_many, to_host
@@ -66,6 +67,8 @@ class StepInputs:
     grammar: StepMasks | None = None
     # Set when the step replays a CUDA graph: its inputs, staged for the graph's static buffers.
     graph: GraphStep | None = None
+    # Set when the step's forward replays the piecewise graphs (engine/piecewise.py): a step with prompt rows.
+    piecewise: bool = False
     # Logits processing (penalties, logit bias, allowed tokens, early-EOS ban) of the step's sampled rows.
     penalties: PenaltyStep | None = None
     # Speculative decoding: the drafting that runs on the device right after the step's sampling, and the
@@ -138,8 +141,9 @@ class ModelRunner:
     """Runs scheduled batches through one model on one device."""
 
     def __init__(self, model: CausalLM, backends: Mapping[str, object], block_size: int,
-                 device: torch.device, *, graphs: DecodeGraphs | None = None, stateful: bool = False,
-                 keep_hidden: bool = False, hidden_layers: tuple[int, ...] = ()) -> None:
+                 device: torch.device, *, graphs: DecodeGraphs | None = None,
+                 piecewise: PiecewiseGraphs | None = None, stateful: bool = False, keep_hidden: bool = False,
+                 hidden_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.backends = backends
         self.block_size = block_size
@@ -151,6 +155,8 @@ class ModelRunner:
         self.keep_hidden = keep_hidden
         # Decode-shaped steps replay these CUDA graphs (engine/graphs.py) when given.
         self.graphs = graphs
+        # Other steps that fit its buckets (prompt rows) replay the forward in pieces (engine/piecewise.py).
+        self.piecewise = piecewise
         self._placeholder_ids = torch.Generator().manual_seed(0)  # placeholder_step's token ids
         self._last_ready: torch.cuda.Event | None = None  # the previous step's end, for device_span
         # With ``keep_hidden``, when the drafter reads chosen layers' features (dspark, the model's
@@ -220,6 +226,9 @@ class ModelRunner:
                 and self.graphs.keeps(self.hidden_layers)):
             bucket = self.graphs.bucket_for(len(ids), layout.max_query_len)
         graph = None
+        # Other steps (prompt rows) replay the forward in pieces, when it keeps what the drafter reads.
+        piecewise = (bucket is None and self.piecewise is not None and not has_truncation and not replaying
+                     and self.piecewise.serves(len(ids)) and self.piecewise.keeps(self.hidden_layers))
         if bucket is not None:
             assert self.graphs is not None
             graph = self.graphs.stage(bucket, ids, layout.positions, layout.slots, layout.seq_lens, layout.starts,
@@ -256,7 +265,8 @@ class ModelRunner:
             verify_batch = self._verify_batch(samplers, sampling, _fields_of(sent, "verify."))
         penalties = self._penalty_step(samplers)
         return StepInputs(input_ids, ctx, sent["logits"], samplers, sent["sample"], sampling, spans,
-                          pending_rows, pending_requests, verify_batch, graph=graph, penalties=penalties)
+                          pending_rows, pending_requests, verify_batch, graph=graph, piecewise=piecewise,
+                          penalties=penalties)
 
     def _penalty_step(self, samplers: list[StepRow]) -> PenaltyStep | None:
         """The logits processing of the step's sampling rows (None when none asks for any)."""
@@ -351,7 +361,11 @@ class ModelRunner:
             # (the speculative tail reads the bucket's logits itself)
             logits = all_logits if inputs.tail is not None else all_logits.index_select(0, inputs.logits_indices)
         else:
-            hidden = self.model.forward(inputs.input_ids, inputs.ctx)
+            if inputs.piecewise:
+                assert self.piecewise is not None
+                hidden = self.piecewise.forward(inputs.input_ids, inputs.ctx)
+            else:
+                hidden = self.model.forward(inputs.input_ids, inputs.ctx)
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices), inputs.ctx)
         t1 = time.perf_counter()
         if self.device.type == "cuda":

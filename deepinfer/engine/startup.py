@@ -25,6 +25,7 @@ from deepinfer.engine.cost import CurveCache, StepCost, profile_sizes, time_call
 from deepinfer.engine.drafting import TokenCache
 from deepinfer.engine.graphs import DecodeGraphs
 from deepinfer.engine.intake import RequestIntake, load_tokenizer
+from deepinfer.engine.piecewise import PiecewiseGraphs
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.scheduler import ReplayStart, Scheduler
 from deepinfer.engine.speculation import Speculator
@@ -191,7 +192,8 @@ class StartUp:
         # do so before capture, so that the graphs keep them and its engine's steps replay.
         drafting = self._drafting()
         graphs = self._decode_graphs()
-        self.runner, self.speculator = self._runner_and_speculator(graphs, drafting)
+        piecewise = self._piecewise_graphs(graphs)
+        self.runner, self.speculator = self._runner_and_speculator(graphs, piecewise, drafting)
         self.tail = self._tail_graphs(graphs)
         self.scheduler = Scheduler(self.kv, policy, max_num_seqs=cfg.scheduler.max_num_seqs,
                                    max_num_batched_tokens=cfg.scheduler.max_num_batched_tokens,
@@ -360,7 +362,8 @@ class StartUp:
             return None
         return self.host.select("deepinfer_drafters", settings.drafter, "speculative.drafter")
 
-    def _runner_and_speculator(self, graphs: DecodeGraphs | None, drafting: tuple[Drafter, VerificationPlan] | None
+    def _runner_and_speculator(self, graphs: DecodeGraphs | None, piecewise: PiecewiseGraphs | None,
+                               drafting: tuple[Drafter, VerificationPlan] | None
                                ) -> tuple[ModelRunner, Speculator | None]:
         """The runner, and the speculator over it and ``drafting`` (``_drafting``)."""
         settings = self.spec_settings
@@ -368,14 +371,14 @@ class StartUp:
         block_size = self.config.cache.block_size
         if settings is None or drafting is None:
             return ModelRunner(self.model, self.backends, block_size, self.device, graphs=graphs,
-                               stateful=stateful), None
+                               piecewise=piecewise, stateful=stateful), None
         drafter, plan = drafting
         # dspark reads the captured layers' features of the committed rows (CommittedRows.hidden); the mtp
         # drafter writes MTP cache rows for every committed token: both need each step's hidden states.
         hidden_layers = tuple(getattr(self.model, "captured_layers", ()))
         keep_hidden = self.uses_mtp or bool(hidden_layers)
-        runner = ModelRunner(self.model, self.backends, block_size, self.device, graphs=graphs, stateful=stateful,
-                             keep_hidden=keep_hidden, hidden_layers=hidden_layers)
+        runner = ModelRunner(self.model, self.backends, block_size, self.device, graphs=graphs, piecewise=piecewise,
+                             stateful=stateful, keep_hidden=keep_hidden, hidden_layers=hidden_layers)
         sched = self.config.scheduler
         largest = min(sched.max_num_seqs * (1 + settings.max_draft), sched.max_num_batched_tokens)
 
@@ -478,6 +481,18 @@ class StartUp:
                               interval=k.cuda_graph_interval, stateful=bool(self.num_state_slots))
         graphs.capture()
         return graphs
+
+    def _piecewise_graphs(self, graphs: DecodeGraphs | None) -> PiecewiseGraphs | None:
+        """The forward captured in pieces for steps with prompt rows (``engine/piecewise.py``), captured now;
+        None when the decode graphs are off (``_decode_graphs``), ``kernels.piecewise_max_tokens`` is 0, the
+        model keeps per-request state, or its layers are compiled."""
+        k, sched = self.config.kernels, self.config.scheduler
+        if graphs is None or not k.piecewise_max_tokens or self.num_state_slots or k.compile != "off":
+            return None
+        piecewise = PiecewiseGraphs(self.model, self.backends, self.config.cache.block_size, self.device,
+                                    max_tokens=min(k.piecewise_max_tokens, sched.max_num_batched_tokens))
+        piecewise.capture()
+        return piecewise
 
     def _num_kv_blocks(self, specs: list, drafter_bytes_per_slot: int = 0) -> int:
         """Blocks of the pool for ``specs`` within the KV budget, of which the state slots' rings and the
