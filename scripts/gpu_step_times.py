@@ -2,6 +2,7 @@
 
     python scripts/gpu_step_times.py --work WORK_DIR --weights W.safetensors [--batch 16] [--prompts 32]
         [--configs off fixed varlen] [--device cuda|cpu] [--max-tokens 128] [--spec FIELD=VALUE ...]
+        [--profile-prompt-steps DIR]
 
 The workload, configurations and warm-up of ``scripts/bench_drafter.py`` (its held-out prompts, ``batch``
 requests in flight, greedy, the whole workload once before the timed run), then one timed run per
@@ -15,8 +16,11 @@ time, and the step-cost model's terms.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import runpy
 import statistics
 import time
@@ -45,10 +49,12 @@ class GcClock:
         self.seconds = 0.0
 
 
-def timed_run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, run: Callable) -> tuple[float, list]:
+def timed_run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, run: Callable,
+              profile: Path | None = None) -> tuple[float, list]:
     """``bench_drafter``'s ``run`` of the workload with each engine step's batch recorded: the run's seconds and,
     per engine step, ``(seconds, (query tokens, requests, prompt rows) or None)`` (None: a step that processed no
-    batch)."""
+    batch). ``profile``: every step runs under ``cProfile`` (slower), and the steps with prompt rows' functions,
+    by own and by cumulative time, are written there."""
     engine, core = llm.engine, llm.engine.core
     process, step = core.process, engine.step
     shapes: list[tuple[int, int, int]] = []
@@ -61,10 +67,19 @@ def timed_run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, r
         shapes.append((b.num_tokens, len(b.scheduled), prompt_rows))
         return out
 
+    prompt_steps: list[cProfile.Profile] = []
+
     def stepping():
         seen = len(shapes)
+        profiler = cProfile.Profile() if profile is not None else None
+        if profiler is not None:
+            profiler.enable()
         outs = step()
+        if profiler is not None:
+            profiler.disable()
         per_step.append(shapes[-1] if len(shapes) > seen else None)
+        if profiler is not None and per_step[-1] is not None and per_step[-1][2]:
+            prompt_steps.append(profiler)
         return outs
 
     core.process, engine.step = recording, stepping
@@ -72,6 +87,13 @@ def timed_run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int, r
         seconds, _, times = run(llm, prompts, batch, max_tokens)
     finally:
         del core.process, engine.step  # the instances' own methods again
+    if profile is not None and prompt_steps:
+        text = io.StringIO()
+        stats = pstats.Stats(*prompt_steps, stream=text)
+        text.write(f"{len(prompt_steps)} steps with prompt rows\n")
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(60)
+        profile.write_text(text.getvalue())
     return seconds, list(zip(times, per_step, strict=True))
 
 
@@ -109,7 +131,11 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=["off", "fixed", "varlen"], choices=["off", "fixed", "varlen"])
     ap.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
     ap.add_argument("--spec", action="append", default=[], metavar="FIELD=VALUE")
+    ap.add_argument("--profile-prompt-steps", type=Path, default=None, metavar="DIR",
+                    help="cProfile every step; the steps with prompt rows go to DIR/<config>.txt")
     args = ap.parse_args()
+    if args.profile_prompt_steps is not None:
+        args.profile_prompt_steps.mkdir(parents=True, exist_ok=True)
     bench = runpy.run_path(str(Path(__file__).with_name("bench_drafter.py")))
     prompts = json.loads((args.work / "replies-held-out.json").read_text())["prompts"][:args.prompts]
     extra = set_flags_to_tree([f"spec_decode.{item}" for item in args.spec]).get("spec_decode", {})
@@ -121,7 +147,8 @@ def main() -> None:
                   kv_cache_bytes=512 << 20, max_model_len=2048)
         bench["_run"](llm, prompts, args.batch, args.max_tokens)  # warm-up: the whole workload
         clock.reset()
-        seconds, steps = timed_run(llm, prompts, args.batch, args.max_tokens, bench["_run"])
+        profile = args.profile_prompt_steps / f"{name}.txt" if args.profile_prompt_steps is not None else None
+        seconds, steps = timed_run(llm, prompts, args.batch, args.max_tokens, bench["_run"], profile)
         report(name, args.batch, seconds, steps, clock.seconds, llm.get_stats().get("step_cost", {}))
         llm.shutdown()
 

@@ -222,7 +222,8 @@ class PiecewiseGraphs:
                 if cut is not None:
                     cut.out[:num_tokens].copy_(cut.method(*_step_args(cut, ctx, num_tokens), **cut.kwargs))
             hidden = bucket.hidden
-            self.model.captured_hidden.update(bucket.captured)
+            if bucket.captured:
+                self.model.captured_hidden.update(bucket.captured)
         for i in self.captured_layers:
             self.model.captured_hidden[i] = self.model.captured_hidden[i][:num_tokens]
         return hidden[:num_tokens]

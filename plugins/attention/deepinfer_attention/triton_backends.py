@@ -23,6 +23,7 @@ dequantize each tile after loading (``triton_mla``'s prefill chunks: in the torc
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 from dataclasses import dataclass
 
@@ -83,16 +84,24 @@ def plan_rows(ctx: ForwardContext, num_tokens: int, max_query_len: int) -> RowPl
         return RowPlan(None, None)
     if 0 < stated <= max_query_len:
         return RowPlan(None, device_token_req(ctx, num_tokens))
-    starts = ctx.query_start_loc_host
+    plan = _host_plan(tuple(ctx.query_start_loc_host[:batch + 1]), max_query_len, ctx.positions.device)
+    return plan if plan is not None else RowPlan(None, device_token_req(ctx, num_tokens))
+
+
+@functools.lru_cache(maxsize=64)
+def _host_plan(starts: tuple[int, ...], max_query_len: int, device: torch.device) -> RowPlan | None:
+    """``plan_rows`` from the query starts of a step with requests longer than ``max_query_len`` (None:
+    there are none). Cached: every layer of a step asks for the same plan, and its index tensors are never
+    written (a step with prompt rows paid ~4 host → device copies per layer for them)."""
+    batch = len(starts) - 1
     lengths = [starts[i + 1] - starts[i] for i in range(batch)]
     long = tuple(i for i, n in enumerate(lengths) if n > max_query_len)
-    dev = ctx.positions.device
     if not long:
-        return RowPlan(None, device_token_req(ctx, num_tokens))
+        return None
     short = [i for i in range(batch) if lengths[i] <= max_query_len]
 
     def tensor(values: list[int]) -> torch.Tensor:
-        return to_device(values, torch.int64, dev)  # never waits for the device (the launch path)
+        return to_device(values, torch.int64, device)  # never waits for the device (the launch path)
 
     return RowPlan(kernel_tokens=tensor([t for i in short for t in range(starts[i], starts[i + 1])]),
                    token_req=tensor([i for i in short for _ in range(lengths[i])]),

@@ -21,6 +21,7 @@ never captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -149,7 +150,14 @@ def prefill_tiles(query_starts: Sequence[int], requests: Sequence[int], tokens_p
                   device: torch.device) -> torch.Tensor:
     """``[tiles, 3]`` int32 rows ``(request, first token, end token)`` cutting each of ``requests``'
     query tokens ``[query_starts[i], query_starts[i + 1])`` into tiles of ``tokens_per_tile``; the last
-    tiles of each request (the most keys under causality) come first, so the longest programs start early."""
+    tiles of each request (the most keys under causality) come first, so the longest programs start early.
+    Cached by its arguments: every layer of a step asks for the same tiles, and they are never written."""
+    return _prefill_tiles(tuple(query_starts), tuple(requests), tokens_per_tile, device)
+
+
+@functools.lru_cache(maxsize=64)
+def _prefill_tiles(query_starts: tuple[int, ...], requests: tuple[int, ...], tokens_per_tile: int,
+                   device: torch.device) -> torch.Tensor:
     tiles = []
     for i in requests:
         lo, hi = query_starts[i], query_starts[i + 1]
