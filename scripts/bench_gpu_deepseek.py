@@ -190,7 +190,7 @@ def prompts(batch: int, seed: int, vocab: int, length_spread: int = 0) -> list[l
 def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int, profile_out: Path | None,
                     plugins: list[str], cuda_graphs: bool, profile_batch: int | None = None,
                     kv_dtype: str = "auto", max_prefill_tokens: int = 32768, compile_mode: str = "off",
-                    gemm: str = "auto", length_spread: int = 0) -> dict:
+                    gemm: str = "auto", length_spread: int = 0, piecewise_max_tokens: int = 2048) -> dict:
     from deepinfer import LLM, SamplingParams
     from deepinfer.bench.anchor import run_anchor
 
@@ -198,6 +198,7 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
     t = time.perf_counter()
     llm = LLM(str(folder), load_format="dummy", dtype="bfloat16", device="cuda",
               kernels={"force_balanced_routing": True, "cuda_graphs": cuda_graphs, "compile": compile_mode,
+                       "piecewise_max_tokens": piecewise_max_tokens,
                        "gemm": gemm},
               cache={"kv_cache_bytes": 4 << 30, "kv_dtype": kv_dtype}, max_num_seqs=max(batches),
               max_num_batched_tokens=min(max_prefill_tokens, max(4096, max(batches) * PROMPT_LEN)),
@@ -393,6 +394,8 @@ def main() -> None:
     parser.add_argument("--length-spread", type=int, default=63,
                         help="prompt lengths spread evenly over 128 +- this, mean 128 (0: every prompt 128 tokens, "
                              "which decodes balanced routing in lockstep)")
+    parser.add_argument("--piecewise-max-tokens", type=int, default=2048,
+                        help="kernels.piecewise_max_tokens (0: steps with prompt rows run eagerly)")
     args = parser.parse_args()
     config = SHAPES[args.shape]
     if args.expert_dtype != "bf16":
@@ -402,7 +405,8 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "config": config,
               "date": time.strftime("%Y-%m-%d"), "plugins": args.plugins, "cuda_graphs": not args.eager,
               "kv_dtype": args.kv_dtype, "compile": "inductor" if args.compile else "off", "gemm": args.gemm,
-              "prompt_len_mean": PROMPT_LEN, "length_spread": args.length_spread}
+              "prompt_len_mean": PROMPT_LEN, "length_spread": args.length_spread,
+              "piecewise_max_tokens": args.piecewise_max_tokens}
     bw = copy_bandwidth()
     result["copy_bandwidth_bytes_s"] = bw
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
@@ -412,7 +416,7 @@ def main() -> None:
         result["deepinfer"] = bench_deepinfer(folder, config, args.batch, args.repeats, args.profile_out,
                                               args.plugins, not args.eager, args.profile_batch, args.kv_dtype,
                                               args.max_prefill_tokens, "inductor" if args.compile else "off",
-                                              args.gemm, args.length_spread)
+                                              args.gemm, args.length_spread, args.piecewise_max_tokens)
     torch.cuda.empty_cache()
     if not args.no_transformers and args.shape in ("v2lite", "v4"):
         try:
