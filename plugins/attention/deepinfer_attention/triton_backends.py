@@ -6,9 +6,10 @@ Per step each backend writes the step's cache rows, then splits the batch (``pla
   host list: this is the path a CUDA graph captures;
 - requests with at most ``max_query_len`` query tokens (speculative verification) also go to the
   kernel; their token → request map is computed on the device from ``query_start_loc``;
-- longer requests (prefill chunks): ``triton`` answers them with its prefill kernel
-  (``triton_prefill.py``), ``triton_mla`` with the core's torch reference backend on one sub-batch;
-  both are planned from the host lists (a prefill step is never captured).
+- a step with longer requests (prefill chunks): ``triton`` answers all its requests with its prefill kernel
+  (``triton_prefill.py``) in one launch, ``triton_mla`` answers the long ones with the core's torch reference
+  backend on one sub-batch and the others with its kernel; both are planned from the host lists (such a step is
+  never captured whole).
 
 ``available()`` needs ``import triton`` and either CUDA or ``TRITON_INTERPRET=1`` (Triton's CPU
 interpreter, used by the tests: slow, only meant to check the kernels' logic). Under the interpreter
@@ -171,8 +172,8 @@ class _TritonBackend:
 
 class TritonAttentionBackend(_TritonBackend):
     """Op ``paged_attention`` (GQA, optional sliding window) through ``triton_decode.paged_gqa_attention``
-    for rows of at most ``max_query_len`` query tokens and ``triton_prefill.paged_prefill_attention`` for
-    longer rows (prefill chunks)."""
+    for steps whose requests bring at most ``max_query_len`` query tokens each and through
+    ``triton_prefill.paged_prefill_attention`` for steps with longer ones (prefill chunks), every row of them."""
 
     name = "triton"
     ops = frozenset({"paged_attention"})
@@ -195,18 +196,12 @@ class TritonAttentionBackend(_TritonBackend):
             return paged_gqa_attention(q, k_cache, v_cache, ctx.block_tables, ctx.positions, plan.token_req,
                                        scale=scale, window=window, visibility_floor=floor, k_scales=k_scales,
                                        v_scales=v_scales)
-        assert plan.kernel_tokens is not None
-        out = torch.empty_like(q)
-        if plan.kernel_tokens.numel():
-            short = paged_gqa_attention(q.index_select(0, plan.kernel_tokens), k_cache, v_cache, ctx.block_tables,
-                                        ctx.positions.index_select(0, plan.kernel_tokens), plan.token_req,
-                                        scale=scale, window=window, visibility_floor=floor, k_scales=k_scales,
-                                        v_scales=v_scales)
-            out.index_copy_(0, plan.kernel_tokens, short)
-        # Prefill chunks: tiles listed from the host lists (a prefill step is never captured).
+        # A step with prefill chunks: every request through the prefill kernel, tiles listed from the host lists
+        # (one launch; a decode or verification row is a tile of its own). Such a step is never captured whole:
+        # the piecewise graphs (engine/piecewise.py) call this eagerly between their pieces.
         return paged_prefill_attention(q, k_cache, v_cache, ctx.block_tables, ctx.positions, ctx.query_start_loc_host,
-                                       plan.long_requests, scale=scale, window=window, visibility_floor=floor, out=out,
-                                       k_scales=k_scales, v_scales=v_scales)
+                                       range(ctx.block_tables.shape[0]), scale=scale, window=window,
+                                       visibility_floor=floor, k_scales=k_scales, v_scales=v_scales)
 
 
 class TritonMLABackend(_TritonBackend):

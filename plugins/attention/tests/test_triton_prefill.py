@@ -141,9 +141,11 @@ def test_sliding_tiles_visit_only_their_band() -> None:
 
 
 @pytest.mark.parametrize("window,floored", [(0, False), (5, False), (5, True)])
-def test_backend_prefill_rows_match_the_reference_backend(window: int, floored: bool) -> None:
+def test_backend_prefill_rows_match_the_reference_backend(window: int, floored: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed step (decode, verification, prefill chunks from 0 and after a prefix) through
-    ``TritonAttentionBackend``: outputs and cache equal ``TorchAttentionBackend``'s."""
+    ``TritonAttentionBackend``: outputs and cache equal ``TorchAttentionBackend``'s; every row goes through one
+    launch of the prefill kernel (none of the decode kernel)."""
     from deepinfer_attention.triton_backends import TritonAttentionBackend
 
     from deepinfer.ops import TorchAttentionBackend
@@ -162,7 +164,10 @@ def test_backend_prefill_rows_match_the_reference_backend(window: int, floored: 
     k = torch.randn(tokens, 2, 16, generator=gen).to(DEVICE)
     v = torch.randn(tokens, 2, 16, generator=gen).to(DEVICE)
     expected = TorchAttentionBackend().paged_attention(q, k, v, caches[0], ctx, scale=0.25, window=window)
+    launches = _count_calls(monkeypatch, "paged_prefill_attention")
+    decode_launches = _count_calls(monkeypatch, "paged_gqa_attention")
     out = TritonAttentionBackend(max_query_len=4).paged_attention(q, k, v, caches[1], ctx, scale=0.25, window=window)
+    assert len(launches) == 1 and not decode_launches
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(caches[1], caches[0], atol=0, rtol=0)
 
@@ -195,7 +200,7 @@ def test_backend_fp8_prefill_rows_match_the_reference_backend(window: int, floor
     k = torch.randn(tokens, kv_heads, dim, generator=gen).to(DEVICE)
     v = torch.randn(tokens, kv_heads, dim, generator=gen).to(DEVICE)
     expected = TorchAttentionBackend().paged_attention(q, k, v, caches[0], ctx, scale=0.25, window=window)
-    launches = _count_prefill_launches(monkeypatch)
+    launches = _count_calls(monkeypatch, "paged_prefill_attention")
     out = TritonAttentionBackend(max_query_len=4).paged_attention(q, k, v, caches[1], ctx, scale=0.25, window=window)
     assert launches
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
@@ -223,17 +228,20 @@ def _greedy(folder: Path, prompts: list[list[int]], **overrides: object) -> tupl
     return tokens, name
 
 
-def _count_prefill_launches(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Counts the calls of ``paged_prefill_attention`` (the backend imports it at each call)."""
-    import deepinfer_attention.triton_prefill as module
+def _count_calls(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Counts the calls of ``triton_prefill.paged_prefill_attention`` or ``triton_decode.paged_gqa_attention`` (the
+    backend imports them at each call)."""
+    import deepinfer_attention.triton_decode as decode
+    import deepinfer_attention.triton_prefill as prefill
 
-    calls, original = [], module.paged_prefill_attention
+    module = prefill if name == "paged_prefill_attention" else decode
+    calls, original = [], getattr(module, name)
 
     def counted(*args: object, **kwargs: object) -> torch.Tensor:
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(module, "paged_prefill_attention", counted)
+    monkeypatch.setattr(module, name, counted)
     return calls
 
 
@@ -249,7 +257,7 @@ def test_tiny_llama_prefill_through_the_kernel(tmp_path: Path, monkeypatch: pyte
     folder = save_tiny("llama", tmp_path)[1]
     prompts = _prompts([45, 30, 19], 256)
     expected, ref = _greedy(folder, prompts)
-    launches = _count_prefill_launches(monkeypatch)
+    launches = _count_calls(monkeypatch, "paged_prefill_attention")
     tokens, name = _greedy(folder, prompts, **ATTENTION)
     assert (ref, name) == ("torch", "triton") and launches
     assert tokens == expected
@@ -262,6 +270,6 @@ def test_tiny_gemma3_sliding_prefill_through_the_kernel(tmp_path: Path, monkeypa
     build_gemma3("gemma3-tied").save_pretrained(tmp_path)  # window 8, two sliding layers per global one
     prompts = _prompts([44, 27, 18], VOCAB)
     expected, _ = _greedy(tmp_path, prompts)
-    launches = _count_prefill_launches(monkeypatch)
+    launches = _count_calls(monkeypatch, "paged_prefill_attention")
     tokens, name = _greedy(tmp_path, prompts, **ATTENTION)
     assert name == "triton" and launches and tokens == expected
