@@ -68,7 +68,7 @@ class _Cut:
     token_args: tuple[int, ...]
     args: tuple
     kwargs: dict[str, Any]
-    out: torch.Tensor
+    out: torch.Tensor | None = None  # set by the capture
 
 
 @dataclass
@@ -99,8 +99,7 @@ class _Cutter:
         return self._call
 
     def _call(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._owner.cut(_Cut(getattr(self._backend, self._method), self._token_args, args, kwargs,
-                                    out=torch.empty(0)))
+        return self._owner.cut(_Cut(getattr(self._backend, self._method), self._token_args, args, kwargs))
 
 
 class PiecewiseGraphs:
@@ -183,9 +182,9 @@ class PiecewiseGraphs:
             ctx, num_tokens = self._emulated
             rows = call.args[call.token_args[0]].shape[0]
             answer = call.method(*_step_args(call, ctx, num_tokens), **call.kwargs)
-            call.out = answer.new_zeros(rows, *answer.shape[1:])
-            call.out[:num_tokens] = answer
-            return call.out
+            out = answer.new_zeros(rows, *answer.shape[1:])
+            out[:num_tokens] = answer
+            return out
         assert self._mode == "warm-up", "an attention cut outside a capture, a warm-up or an emulated replay"
         return call.method(*call.args, **call.kwargs)
 
@@ -220,6 +219,7 @@ class PiecewiseGraphs:
             for graph, cut in zip(bucket.graphs, [*bucket.cuts, None], strict=True):
                 graph.replay()
                 if cut is not None:
+                    assert cut.out is not None
                     cut.out[:num_tokens].copy_(cut.method(*_step_args(cut, ctx, num_tokens), **cut.kwargs))
             hidden = bucket.hidden
             if bucket.captured:
