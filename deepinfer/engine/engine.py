@@ -148,6 +148,7 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "step_time_split": dict(self.stats.phase_seconds),
             "cuda_graph_replays": self.runner.graphs.replays if self.runner.graphs else 0,
+            "piecewise_graph_replays": self.runner.piecewise.replays if self.runner.piecewise else 0,
             "device_busy_s": self.stats.device_busy_s,
             "device_idle_s": self.stats.device_idle_s,
         }
