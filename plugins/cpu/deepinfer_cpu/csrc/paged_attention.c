@@ -109,6 +109,16 @@ static int64_t block_span(const int64_t *table, int64_t blk, int64_t lo, int64_t
 }
 
 #ifdef __AVX512F__
+/* Head h's rows of cache block `block` asked for while the block before is computed: a task's blocks lie anywhere
+ * in the pool, so the hardware prefetcher stops at each block's end (a batch-18 decode step over ~520 keys: 49
+ * against 42 ms on the Xeon). */
+static inline void prefetch_head_block(const char *cache, int64_t block, int64_t block_size, int64_t row, int64_t h,
+                                       int64_t dim, size_t element) {
+    const char *first = cache + (block * block_size * row + h * dim) * (int64_t)element;
+    for (int64_t t = 0; t < block_size; ++t)
+        for (int64_t b = 0; b < dim * (int64_t)element; b += 64) __builtin_prefetch(first + t * row * (int64_t)element + b);
+}
+
 /* The weighted sum of the values for LANES score rows of VECTORS vectors each (a head of 16 * VECTORS floats),
  * the sums held in registers across every key (storing them to out and loading them back for each key made a
  * chain through memory: a batch-18 decode step's attention over ~520 keys took 0.6 ms a layer). The same fused
@@ -123,6 +133,8 @@ static int64_t block_span(const int64_t *table, int64_t blk, int64_t lo, int64_t
         for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {                                   \
             int64_t begin, end;                                                                                \
             const char *vj = values + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element; \
+            if ((blk + 1) * block_size < len)                                                                  \
+                prefetch_head_block(values, table[blk + 1], block_size, row, h, dim, element);                    \
             for (int64_t j = begin; j < end; ++j, vj += row * element) {                                       \
                 __m512 value[VECTORS];                                                                         \
                 load_row(value, vj, VECTORS, bf16);                                                            \
@@ -180,6 +192,8 @@ static pv_pass pv_registers(int64_t vectors, int64_t lanes, int64_t *per_pass) {
         for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {                                   \
             int64_t begin, end;                                                                                \
             const char *kj = keys + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element; \
+            if ((blk + 1) * block_size < len)                                                                  \
+                prefetch_head_block(keys, table[blk + 1], block_size, row, h, dim, element);                    \
             for (int64_t j = begin; j < end; ++j, kj += row * element) {                                       \
                 __m512 key[VECTORS];                                                                           \
                 load_row(key, kj, VECTORS, bf16);                                                              \
