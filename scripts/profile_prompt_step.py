@@ -75,7 +75,8 @@ def main() -> None:
             decode.extend(timed_step(engine) for _ in range(3))
             engine.add(engine.make_request(prompt(n), joiner))
             results.setdefault(n, []).append(timed_step(engine))
-    print(f"decode step ({args.batch} requests): median {1e3 * statistics.median(decode[3 * len(args.lengths):]):.2f} ms")
+    steady = decode[3 * len(args.lengths):]  # after the warm-up round
+    print(f"decode step ({args.batch} requests): median {1e3 * statistics.median(steady):.2f} ms")
     for n, times in results.items():
         print(f"step with a {n}-token prompt: median {1e3 * statistics.median(times[1:]):.2f} ms "
               f"(first {1e3 * times[0]:.2f} ms)")

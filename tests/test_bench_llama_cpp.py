@@ -5,13 +5,12 @@ error."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import stat
 import sys
 from pathlib import Path
 
 import pytest
+from peer_fakes import assert_a_missing_peer_is_a_clear_error, fake_continuation, python_with
 
 from deepinfer.bench.llama_cpp import peer_python, run_llama_cpp
 
@@ -125,21 +124,7 @@ def llama_memory_seq_rm(memory, seq, p0, p1):
 
 def _fake_python(tmp_path: Path, module: str = FAKE) -> str:
     """A python that imports ``module`` (default: the stand-in above) as ``llama_cpp``."""
-    (tmp_path / "fake").mkdir()
-    (tmp_path / "fake" / "llama_cpp.py").write_text(module)
-    wrapper = tmp_path / "peer-python"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    return str(wrapper)
-
-
-def _expected(prompt: list[int], n: int, shift: int = 0) -> list[int]:
-    """The fake's greedy continuation of ``prompt`` alone."""
-    history, out = list(prompt), []
-    for _ in range(n):
-        out.append((sum(history) * 7 + 3 + shift) % 50000)
-        history.append(out[-1])
-    return out
+    return python_with(tmp_path, {"llama_cpp.py": module})
 
 
 @pytest.mark.parametrize("slots", [1, 2, 8])
@@ -150,7 +135,7 @@ def test_the_peer_batches_requests_in_slots_and_stamps_every_token(tmp_path: Pat
     work = [([5, 9, 11], 4), ([7], 2), ([1, 2], 5), ([8, 8, 8], 1), ([3] * 2100, 3)]
     run, ids = run_llama_cpp(python, gguf, work, threads=1, n_ctx=2200, dtype="q4_1", slots=slots, offline=True)
     # each request's tokens are its own continuation, whatever shared its steps
-    assert ids == [_expected(p, m) for p, m in work]
+    assert ids == [fake_continuation(p, m) for p, m in work]
     assert run["engine"] == "llama.cpp 0.0-fake" and run["batch_size"] == slots and run["gguf"] == str(gguf)
     records = run["_records"]
     assert [r.num_output_tokens for r in records] == [4, 2, 5, 1, 3]
@@ -167,7 +152,7 @@ def test_the_peer_batches_requests_in_slots_and_stamps_every_token(tmp_path: Pat
                                  offline=False)
     copy = tmp_path / "model.f32.gguf"
     assert f32["gguf"] == str(copy) and copy.read_bytes() == b"GGUFf32"
-    assert f32_ids == [_expected(p, m, 1000) for p, m in work]
+    assert f32_ids == [fake_continuation(p, m, 1000) for p, m in work]
     starts = [r.start for r in f32["_records"]]
     assert len(set(starts)) == 5  # concurrency mode: each request's own start, when it takes a slot
     if slots == 1:  # one at a time: a request starts after the one before has its last token
@@ -175,16 +160,11 @@ def test_the_peer_batches_requests_in_slots_and_stamps_every_token(tmp_path: Pat
     bf16, bf16_ids = run_llama_cpp(python, gguf, work, threads=1, n_ctx=2200, dtype="bfloat16", slots=slots,
                                    offline=True)
     assert bf16["gguf"] == str(tmp_path / "model.bf16.gguf")
-    assert bf16_ids == [_expected(p, m, 2000) for p, m in work]
+    assert bf16_ids == [fake_continuation(p, m, 2000) for p, m in work]
 
 
 def test_a_missing_or_unusable_peer_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DEEPINFER_LLAMA_CPP_PYTHON", raising=False)
-    with pytest.raises(ValueError, match="--baseline-python"):
-        peer_python(None)
-    if importlib.util.find_spec("llama_cpp") is None:  # this environment has no llama_cpp (CI's has none)
-        with pytest.raises(ValueError, match="cannot import llama_cpp"):
-            peer_python(sys.executable)
+    assert_a_missing_peer_is_a_clear_error(peer_python, "DEEPINFER_LLAMA_CPP_PYTHON", "llama_cpp", monkeypatch)
     monkeypatch.setenv("DEEPINFER_LLAMA_CPP_PYTHON", _fake_python(tmp_path))
     assert os.path.exists(peer_python(None))
     with pytest.raises(ValueError, match="q4_1, float32, bfloat16"):

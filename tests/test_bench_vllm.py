@@ -4,13 +4,12 @@ every step's tokens stamped; a missing or unusable peer, a bad dtype and a faili
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import stat
 import sys
 from pathlib import Path
 
 import pytest
+from peer_fakes import assert_a_missing_peer_is_a_clear_error, fake_continuation, python_with
 
 from deepinfer.bench.vllm_baseline import peer_python, run_vllm
 from deepinfer.entrypoints.cli import main
@@ -75,23 +74,7 @@ FAKE_SAMPLING = 'class RequestOutputKind:\n    DELTA = "delta"\n'
 
 def _fake_python(tmp_path: Path, init: str = FAKE_INIT) -> str:
     """A python that imports ``init`` (default: the stand-in above) as ``vllm``."""
-    package = tmp_path / "fake" / "vllm"
-    package.mkdir(parents=True)
-    (package / "__init__.py").write_text(init)
-    (package / "sampling_params.py").write_text(FAKE_SAMPLING)
-    wrapper = tmp_path / "peer-python"
-    wrapper.write_text(f'#!/bin/sh\nPYTHONPATH={tmp_path / "fake"} exec {sys.executable} "$@"\n')
-    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
-    return str(wrapper)
-
-
-def _expected(prompt: list[int], n: int, shift: int = 0) -> list[int]:
-    """The fake's greedy continuation of ``prompt``."""
-    history, out = list(prompt), []
-    for _ in range(n):
-        out.append((sum(history) * 7 + 3 + shift) % 50000)
-        history.append(out[-1])
-    return out
+    return python_with(tmp_path, {"vllm/__init__.py": init, "vllm/sampling_params.py": FAKE_SAMPLING})
 
 
 @pytest.mark.parametrize("slots", [1, 2, 8])
@@ -100,7 +83,7 @@ def test_the_peer_keeps_slots_in_flight_and_stamps_every_token(tmp_path: Path, s
     work = [([5, 9, 11], 4), ([7], 2), ([1, 2], 5), ([8, 8, 8], 1), ([3] * 40, 3)]
     run, ids = run_vllm(python, tmp_path, work, dtype="float32", slots=slots, offline=True, max_model_len=64,
                         threads=1)
-    assert ids == [_expected(p, m) for p, m in work]
+    assert ids == [fake_continuation(p, m) for p, m in work]
     assert run["engine"] == "vllm 0.0-fake" and run["batch_size"] == slots and run["baseline_dtype"] == "float32"
     records = run["_records"]
     assert [r.num_output_tokens for r in records] == [4, 2, 5, 1, 3]
@@ -110,7 +93,7 @@ def test_the_peer_keeps_slots_in_flight_and_stamps_every_token(tmp_path: Path, s
     assert (len(set(firsts)) == 1) == (slots == 8)  # with room for all, one step answers every first token
     bf16, bf16_ids = run_vllm(python, tmp_path, work, dtype="bfloat16", slots=slots, offline=False, max_model_len=64,
                               threads=1)
-    assert bf16_ids == [_expected(p, m, 5000) for p, m in work]
+    assert bf16_ids == [fake_continuation(p, m, 5000) for p, m in work]
     starts = [r.start for r in bf16["_records"]]
     if slots == 1:  # one at a time: a request is added after the one before has its last token
         assert all(s >= r.chunk_times[-1] for s, r in zip(starts[1:], bf16["_records"], strict=False))
@@ -118,12 +101,7 @@ def test_the_peer_keeps_slots_in_flight_and_stamps_every_token(tmp_path: Path, s
 
 def test_a_missing_or_unusable_peer_or_a_bad_dtype_is_a_clear_error(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("DEEPINFER_VLLM_PYTHON", raising=False)
-    with pytest.raises(ValueError, match="--baseline-python"):
-        peer_python(None)
-    if importlib.util.find_spec("vllm") is None:  # this environment has no vllm (CI's has none)
-        with pytest.raises(ValueError, match="cannot import vllm"):
-            peer_python(sys.executable)
+    assert_a_missing_peer_is_a_clear_error(peer_python, "DEEPINFER_VLLM_PYTHON", "vllm", monkeypatch)
     with pytest.raises(ValueError, match="float32, bfloat16"):
         run_vllm(sys.executable, tmp_path, [], dtype="q4_1", slots=1, offline=True, max_model_len=8, threads=1)
     with pytest.raises(ValueError, match="at least one request"):

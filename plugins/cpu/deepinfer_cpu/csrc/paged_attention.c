@@ -119,6 +119,22 @@ static inline void prefetch_head_block(const char *cache, int64_t block, int64_t
         for (int64_t b = 0; b < dim * (int64_t)element; b += 64) __builtin_prefetch(first + t * row * (int64_t)element + b);
 }
 
+/* Key `*j`'s vector of head h in `cache`, for the first key of table block blk that lies in [lo, len) (*j and
+ * *end: that block's keys there); the next block's rows asked for meanwhile (prefetch_head_block). */
+static inline const char *block_start(const char *cache, const int64_t *table, int64_t blk, int64_t lo, int64_t len,
+                                      int64_t block_size, int64_t row, int64_t h, int64_t dim, size_t element,
+                                      int64_t *j, int64_t *end) {
+    if ((blk + 1) * block_size < len) prefetch_head_block(cache, table[blk + 1], block_size, row, h, dim, element);
+    return cache + block_span(table, blk, lo, len, block_size, row, h, dim, j, end) * element;
+}
+
+/* The statement after it, once for every key j in [lo, len) of head h with `at` pointing at its vector in `cache`,
+ * block by block (one table lookup per block). */
+#define FOR_EACH_KEY(cache, at)                                                                                \
+    for (int64_t blk = lo / block_size, j = 0, end = 0; blk * block_size < len; ++blk)                          \
+        for (const char *at = block_start(cache, table, blk, lo, len, block_size, row, h, dim, element, &j, &end); \
+             j < end; ++j, at += row * element)
+
 /* The weighted sum of the values for LANES score rows of VECTORS vectors each (a head of 16 * VECTORS floats),
  * the sums held in registers across every key (storing them to out and loading them back for each key made a
  * chain through memory: a batch-18 decode step's attention over ~520 keys took 0.6 ms a layer). The same fused
@@ -130,54 +146,36 @@ static inline void prefetch_head_block(const char *cache, int64_t block, int64_t
         __m512 acc[LANES][VECTORS];                                                                            \
         _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l)                                              \
             _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v) acc[l][v] = _mm512_setzero_ps();       \
-        for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {                                   \
-            int64_t begin, end;                                                                                \
-            const char *vj = values + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element; \
-            if ((blk + 1) * block_size < len)                                                                  \
-                prefetch_head_block(values, table[blk + 1], block_size, row, h, dim, element);                    \
-            for (int64_t j = begin; j < end; ++j, vj += row * element) {                                       \
-                __m512 value[VECTORS];                                                                         \
-                load_row(value, vj, VECTORS, bf16);                                                            \
-                _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l) {                                    \
-                    const float w = weights[l][j - lo];                                                        \
-                    if (w == 0.0f) continue; /* masked (or vanishing) */                                       \
-                    const __m512 weight = _mm512_set1_ps(w);                                                   \
-                    _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v)                                \
-                        acc[l][v] = _mm512_fmadd_ps(weight, value[v], acc[l][v]);                              \
-                }                                                                                              \
+        FOR_EACH_KEY(values, vj) {                                                                             \
+            __m512 value[VECTORS];                                                                             \
+            load_row(value, vj, VECTORS, bf16);                                                                \
+            _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l) {                                        \
+                const float w = weights[l][j - lo];                                                            \
+                if (w == 0.0f) continue; /* masked (or vanishing) */                                           \
+                const __m512 weight = _mm512_set1_ps(w);                                                       \
+                _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v)                                    \
+                    acc[l][v] = _mm512_fmadd_ps(weight, value[v], acc[l][v]);                                  \
             }                                                                                                  \
         }                                                                                                      \
         _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l)                                              \
             _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v) _mm512_storeu_ps(lane_out[l] + 16 * v, acc[l][v]); \
     }
-PV_REGISTERS(pv_4x1, 4, 1)
-PV_REGISTERS(pv_4x2, 4, 2)
-PV_REGISTERS(pv_4x3, 4, 3)
-PV_REGISTERS(pv_4x4, 4, 4)
-PV_REGISTERS(pv_4x5, 4, 5)
-PV_REGISTERS(pv_4x6, 4, 6)
-PV_REGISTERS(pv_8x1, 8, 1)
-PV_REGISTERS(pv_8x2, 8, 2)
-PV_REGISTERS(pv_8x3, 8, 3)
+/* Every (head width, score rows) pair a register pass serves: heads of 4 vectors (64 floats) by 1-6 rows, of 8
+ * (128 floats) by 1-3 (24 accumulators at most); PASS(NAME, VECTORS, LANES) for each, and their table. */
+#define EACH_PASS(PASS, P)                                                                                     \
+    PASS(P##_4x1, 4, 1) PASS(P##_4x2, 4, 2) PASS(P##_4x3, 4, 3) PASS(P##_4x4, 4, 4) PASS(P##_4x5, 4, 5)        \
+    PASS(P##_4x6, 4, 6) PASS(P##_8x1, 8, 1) PASS(P##_8x2, 8, 2) PASS(P##_8x3, 8, 3)
+#define PASS_TABLE(P) {P##_4x1, P##_4x2, P##_4x3, P##_4x4, P##_4x5, P##_4x6, P##_8x1, P##_8x2, P##_8x3}
 
+/* The score rows a register pass takes at once for heads of `vectors` vectors (0: no pass serves them), and its
+ * place in a PASS_TABLE for `lanes` rows (at most that many). */
+static int64_t lanes_per_pass(int64_t vectors) { return vectors == 4 ? 6 : vectors == 8 ? 3 : 0; }
+static int pass_index(int64_t vectors, int64_t lanes) { return (vectors == 4 ? 0 : 6) + (int)lanes - 1; }
+
+EACH_PASS(PV_REGISTERS, pv)
 typedef void (*pv_pass)(const char *, const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, size_t,
                         int, const float *const *, float *const *);
-
-/* The register pass for heads of `vectors` vectors (4: 64 floats, 8: 128), and how many score rows it takes at
- * once (24 accumulators at most); NULL for other heads. */
-static pv_pass pv_registers(int64_t vectors, int64_t lanes, int64_t *per_pass) {
-    static const pv_pass four[6] = {pv_4x1, pv_4x2, pv_4x3, pv_4x4, pv_4x5, pv_4x6};
-    static const pv_pass eight[3] = {pv_8x1, pv_8x2, pv_8x3};
-    if (vectors == 4) {
-        *per_pass = lanes < 6 ? lanes : 6;
-        return four[*per_pass - 1];
-    }
-    if (vectors == 8) {
-        *per_pass = lanes < 3 ? lanes : 3;
-        return eight[*per_pass - 1];
-    }
-    return NULL;
-}
+static const pv_pass pv_passes[] = PASS_TABLE(pv);
 
 /* The scores of LANES score rows (query vectors of VECTORS vectors, lane_q[l]) against every key in [lo, len), as
  * the key-by-key path computes them (the same fused multiply-adds and reduction: the same bits), with the queries
@@ -189,41 +187,21 @@ static pv_pass pv_registers(int64_t vectors, int64_t lanes, int64_t *per_pass) {
         __m512 query[LANES][VECTORS];                                                                          \
         _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l)                                              \
             _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v) query[l][v] = _mm512_loadu_ps(lane_q[l] + 16 * v); \
-        for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {                                   \
-            int64_t begin, end;                                                                                \
-            const char *kj = keys + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element; \
-            if ((blk + 1) * block_size < len)                                                                  \
-                prefetch_head_block(keys, table[blk + 1], block_size, row, h, dim, element);                    \
-            for (int64_t j = begin; j < end; ++j, kj += row * element) {                                       \
-                __m512 key[VECTORS];                                                                           \
-                load_row(key, kj, VECTORS, bf16);                                                              \
-                _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l) {                                    \
-                    __m512 acc = _mm512_setzero_ps();                                                          \
-                    _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v)                                \
-                        acc = _mm512_fmadd_ps(query[l][v], key[v], acc);                                       \
-                    lane_scores[l][j - lo] = _mm512_reduce_add_ps(acc) * scale;                                \
-                }                                                                                              \
+        FOR_EACH_KEY(keys, kj) {                                                                               \
+            __m512 key[VECTORS];                                                                               \
+            load_row(key, kj, VECTORS, bf16);                                                                  \
+            _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l) {                                        \
+                __m512 acc = _mm512_setzero_ps();                                                              \
+                _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v)                                    \
+                    acc = _mm512_fmadd_ps(query[l][v], key[v], acc);                                           \
+                lane_scores[l][j - lo] = _mm512_reduce_add_ps(acc) * scale;                                    \
             }                                                                                                  \
         }                                                                                                      \
     }
-QK_REGISTERS(qk_4x1, 4, 1)
-QK_REGISTERS(qk_4x2, 4, 2)
-QK_REGISTERS(qk_4x3, 4, 3)
-QK_REGISTERS(qk_4x4, 4, 4)
-QK_REGISTERS(qk_4x5, 4, 5)
-QK_REGISTERS(qk_4x6, 4, 6)
-QK_REGISTERS(qk_8x1, 8, 1)
-QK_REGISTERS(qk_8x2, 8, 2)
-QK_REGISTERS(qk_8x3, 8, 3)
-
+EACH_PASS(QK_REGISTERS, qk)
 typedef void (*qk_pass)(const char *, const int64_t *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, size_t,
                         int, const float *const *, float, float *const *);
-
-static qk_pass qk_registers(int64_t vectors, int64_t lanes) {
-    static const qk_pass four[6] = {qk_4x1, qk_4x2, qk_4x3, qk_4x4, qk_4x5, qk_4x6};
-    static const qk_pass eight[3] = {qk_8x1, qk_8x2, qk_8x3};
-    return vectors == 4 ? four[lanes - 1] : eight[lanes - 1];
-}
+static const qk_pass qk_passes[] = PASS_TABLE(qk);
 #endif
 
 /* Where score row `lane` (query row lane / group of the task, query head lane % group of KV head h's group) has
@@ -275,10 +253,9 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
         }
         float *sums = scores + lanes * n;
 #ifdef __AVX512F__
-        int64_t per_pass = 0;
-        const pv_pass pass = in_registers ? pv_registers(vectors, lanes, &per_pass) : NULL;
+        const int64_t per_pass = in_registers ? lanes_per_pass(vectors) : 0;
         /* Without a window, the scores in register passes over every key, then the keys past each row masked. */
-        if (pass != NULL && window == 0) {
+        if (per_pass && window == 0) {
             for (int64_t first = 0; first < lanes; first += per_pass) {
                 const int64_t count = lanes - first < per_pass ? lanes - first : per_pass;
                 const float *lane_q[6];
@@ -287,7 +264,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
                     lane_q[l] = q + lane_offset(first + l, group, row0, heads, h, dim);
                     lane_scores[l] = scores + (first + l) * n;
                 }
-                qk_registers(vectors, count)(keys, table, lo, len, block_size, row, h, dim, element, bf16, lane_q, scale,
+                qk_passes[pass_index(vectors, count)](keys, table, lo, len, block_size, row, h, dim, element, bf16, lane_q, scale,
                                              lane_scores);
             }
             for (int64_t lane = 0; lane < lanes; ++lane) /* row i sees keys up to its own position */
@@ -351,18 +328,16 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
         }
         /* Weighted sum of the values, block by block: in registers where a pass serves the head's width. */
 #ifdef __AVX512F__
-        if (pass != NULL) {
+        if (per_pass) {
             for (int64_t first = 0; first < lanes; first += per_pass) {
                 const int64_t count = lanes - first < per_pass ? lanes - first : per_pass;
-                int64_t taken;
-                const pv_pass this_pass = count == per_pass ? pass : pv_registers(vectors, count, &taken);
                 const float *weights[6];
                 float *lane_out[6];
                 for (int64_t l = 0; l < count; ++l) {
                     weights[l] = scores + (first + l) * n;
                     lane_out[l] = out + lane_offset(first + l, group, row0, heads, h, dim);
                 }
-                this_pass(values, table, lo, len, block_size, row, h, dim, element, bf16, weights, lane_out);
+                pv_passes[pass_index(vectors, count)](values, table, lo, len, block_size, row, h, dim, element, bf16, weights, lane_out);
             }
         } else
 #endif
