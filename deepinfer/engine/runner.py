@@ -155,8 +155,9 @@ class ModelRunner:
         self.keep_hidden = keep_hidden
         # Decode-shaped steps replay these CUDA graphs (engine/graphs.py) when given.
         self.graphs = graphs
-        # Other steps that fit its buckets (prompt rows) replay the forward in pieces (engine/piecewise.py).
-        self.piecewise = piecewise
+        # Other steps that fit its buckets (prompt rows) replay the forward in pieces (engine/piecewise.py), when
+        # the pieces keep the layer features the drafter reads.
+        self.piecewise = piecewise if piecewise is not None and piecewise.keeps(hidden_layers) else None
         self._placeholder_ids = torch.Generator().manual_seed(0)  # placeholder_step's token ids
         self._last_ready: torch.cuda.Event | None = None  # the previous step's end, for device_span
         # With ``keep_hidden``, when the drafter reads chosen layers' features (dspark, the model's
@@ -226,9 +227,9 @@ class ModelRunner:
                 and self.graphs.keeps(self.hidden_layers)):
             bucket = self.graphs.bucket_for(len(ids), layout.max_query_len)
         graph = None
-        # Other steps (prompt rows) replay the forward in pieces, when it keeps what the drafter reads.
+        # Other steps (prompt rows) replay the forward in pieces.
         piecewise = (bucket is None and self.piecewise is not None and not has_truncation and not replaying
-                     and self.piecewise.serves(len(ids)) and self.piecewise.keeps(self.hidden_layers))
+                     and self.piecewise.serves(len(ids)))
         if bucket is not None:
             assert self.graphs is not None
             graph = self.graphs.stage(bucket, ids, layout.positions, layout.slots, layout.seq_lens, layout.starts,

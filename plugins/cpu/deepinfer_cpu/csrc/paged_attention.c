@@ -116,7 +116,8 @@ static inline void prefetch_head_block(const char *cache, int64_t block, int64_t
                                        int64_t dim, size_t element) {
     const char *first = cache + (block * block_size * row + h * dim) * (int64_t)element;
     for (int64_t t = 0; t < block_size; ++t)
-        for (int64_t b = 0; b < dim * (int64_t)element; b += 64) __builtin_prefetch(first + t * row * (int64_t)element + b);
+        for (int64_t b = 0; b < dim * (int64_t)element; b += 64)
+            __builtin_prefetch(first + t * row * (int64_t)element + b);
 }
 
 /* Key `*j`'s vector of head h in `cache`, for the first key of table block blk that lies in [lo, len) (*j and
@@ -158,7 +159,8 @@ static inline const char *block_start(const char *cache, const int64_t *table, i
             }                                                                                                  \
         }                                                                                                      \
         _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l)                                              \
-            _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v) _mm512_storeu_ps(lane_out[l] + 16 * v, acc[l][v]); \
+            _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v)                                        \
+                _mm512_storeu_ps(lane_out[l] + 16 * v, acc[l][v]);                                             \
     }
 /* Every (head width, score rows) pair a register pass serves: heads of 4 vectors (64 floats) by 1-6 rows, of 8
  * (128 floats) by 1-3 (24 accumulators at most); PASS(NAME, VECTORS, LANES) for each, and their table. */
@@ -186,7 +188,8 @@ static const pv_pass pv_passes[] = PASS_TABLE(pv);
                      float scale, float *const *lane_scores) {                                                  \
         __m512 query[LANES][VECTORS];                                                                          \
         _Pragma("GCC unroll 8") for (int l = 0; l < (LANES); ++l)                                              \
-            _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v) query[l][v] = _mm512_loadu_ps(lane_q[l] + 16 * v); \
+            _Pragma("GCC unroll 8") for (int v = 0; v < (VECTORS); ++v)                                        \
+                query[l][v] = _mm512_loadu_ps(lane_q[l] + 16 * v);                                             \
         FOR_EACH_KEY(keys, kj) {                                                                               \
             __m512 key[VECTORS];                                                                               \
             load_row(key, kj, VECTORS, bf16);                                                                  \
@@ -264,46 +267,43 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
                     lane_q[l] = q + lane_offset(first + l, group, row0, heads, h, dim);
                     lane_scores[l] = scores + (first + l) * n;
                 }
-                qk_passes[pass_index(vectors, count)](keys, table, lo, len, block_size, row, h, dim, element, bf16, lane_q, scale,
-                                             lane_scores);
+                qk_passes[pass_index(vectors, count)](keys, table, lo, len, block_size, row, h, dim, element, bf16,
+                                                      lane_q, scale, lane_scores);
             }
             for (int64_t lane = 0; lane < lanes; ++lane) /* row i sees keys up to its own position */
-                for (int64_t j = first_pos + i0 + lane / group + 1; j < len; ++j) scores[lane * n + (j - lo)] = -INFINITY;
+                for (int64_t j = first_pos + i0 + lane / group + 1; j < len; ++j)
+                    scores[lane * n + (j - lo)] = -INFINITY;
         } else
 #endif
-        /* Scores, block by block (one table lookup per block). */
-        for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
-            int64_t begin, end;
-            const char *kj = keys + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element;
-            for (int64_t j = begin; j < end; ++j, kj += row * element) {
+        /* Scores, key by key with the visibility test. */
+        FOR_EACH_KEY(keys, kj) {
 #ifdef __AVX512F__
-                if (in_registers) { /* the key widened once for every lane: the sums as dot()'s */
-                    __m512 key[MAX_VECTORS];
-                    load_row(key, kj, vectors, bf16);
-                    for (int64_t i = 0; i < m; ++i) {
-                        const int seen = visible(j, first_pos + i0 + i, window, floor_);
-                        const float *qi = q + ((row0 + i) * heads + h * group) * dim;
-                        for (int64_t g = 0; g < group; ++g) {
-                            float score = -INFINITY;
-                            if (seen) {
-                                __m512 acc = _mm512_setzero_ps();
-                                for (int64_t v = 0; v < vectors; ++v)
-                                    acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + g * dim + 16 * v), key[v], acc);
-                                score = _mm512_reduce_add_ps(acc) * scale;
-                            }
-                            scores[(i * group + g) * n + (j - lo)] = score;
-                        }
-                    }
-                    continue;
-                }
-#endif
+            if (in_registers) { /* the key widened once for every lane: the sums as dot()'s */
+                __m512 key[MAX_VECTORS];
+                load_row(key, kj, vectors, bf16);
                 for (int64_t i = 0; i < m; ++i) {
                     const int seen = visible(j, first_pos + i0 + i, window, floor_);
                     const float *qi = q + ((row0 + i) * heads + h * group) * dim;
-                    for (int64_t g = 0; g < group; ++g)
-                        scores[(i * group + g) * n + (j - lo)] =
-                            seen ? dot(qi + g * dim, kj, dim, bf16) * scale : -INFINITY;
+                    for (int64_t g = 0; g < group; ++g) {
+                        float score = -INFINITY;
+                        if (seen) {
+                            __m512 acc = _mm512_setzero_ps();
+                            for (int64_t v = 0; v < vectors; ++v)
+                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + g * dim + 16 * v), key[v], acc);
+                            score = _mm512_reduce_add_ps(acc) * scale;
+                        }
+                        scores[(i * group + g) * n + (j - lo)] = score;
+                    }
                 }
+                continue;
+            }
+#endif
+            for (int64_t i = 0; i < m; ++i) {
+                const int seen = visible(j, first_pos + i0 + i, window, floor_);
+                const float *qi = q + ((row0 + i) * heads + h * group) * dim;
+                for (int64_t g = 0; g < group; ++g)
+                    scores[(i * group + g) * n + (j - lo)] =
+                        seen ? dot(qi + g * dim, kj, dim, bf16) * scale : -INFINITY;
             }
         }
         /* Softmax weights per lane (a query's own key is always visible: the max is finite). The sum goes
@@ -337,43 +337,40 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
                     weights[l] = scores + (first + l) * n;
                     lane_out[l] = out + lane_offset(first + l, group, row0, heads, h, dim);
                 }
-                pv_passes[pass_index(vectors, count)](values, table, lo, len, block_size, row, h, dim, element, bf16, weights, lane_out);
+                pv_passes[pass_index(vectors, count)](values, table, lo, len, block_size, row, h, dim, element, bf16,
+                                                      weights, lane_out);
             }
         } else
 #endif
         {
             for (int64_t i = 0; i < m; ++i) memset(out + ((row0 + i) * heads + h * group) * dim, 0,
                                                    sizeof(float) * (size_t)(group * dim));
-            for (int64_t blk = lo / block_size; blk * block_size < len; ++blk) {
-                int64_t begin, end;
-                const char *vj = values + block_span(table, blk, lo, len, block_size, row, h, dim, &begin, &end) * element;
-                for (int64_t j = begin; j < end; ++j, vj += row * element) {
-    #ifdef __AVX512F__
-                    if (in_registers) { /* the value widened once for every lane */
-                        __m512 value[MAX_VECTORS];
-                        load_row(value, vj, vectors, bf16);
-                        for (int64_t i = 0; i < m; ++i) {
-                            float *oi = out + ((row0 + i) * heads + h * group) * dim;
-                            for (int64_t g = 0; g < group; ++g) {
-                                const float w = scores[(i * group + g) * n + (j - lo)];
-                                if (w == 0.0f) continue; /* masked (or vanishing) */
-                                const __m512 weight = _mm512_set1_ps(w);
-                                for (int64_t v = 0; v < vectors; ++v) {
-                                    float *o = oi + g * dim + 16 * v;
-                                    _mm512_storeu_ps(o, _mm512_fmadd_ps(weight, value[v], _mm512_loadu_ps(o)));
-                                }
-                            }
-                        }
-                        continue;
-                    }
-    #endif
+            FOR_EACH_KEY(values, vj) {
+#ifdef __AVX512F__
+                if (in_registers) { /* the value widened once for every lane */
+                    __m512 value[MAX_VECTORS];
+                    load_row(value, vj, vectors, bf16);
                     for (int64_t i = 0; i < m; ++i) {
                         float *oi = out + ((row0 + i) * heads + h * group) * dim;
                         for (int64_t g = 0; g < group; ++g) {
                             const float w = scores[(i * group + g) * n + (j - lo)];
                             if (w == 0.0f) continue; /* masked (or vanishing) */
-                            add_scaled(oi + g * dim, w, vj, dim, bf16);
+                            const __m512 weight = _mm512_set1_ps(w);
+                            for (int64_t v = 0; v < vectors; ++v) {
+                                float *o = oi + g * dim + 16 * v;
+                                _mm512_storeu_ps(o, _mm512_fmadd_ps(weight, value[v], _mm512_loadu_ps(o)));
+                            }
                         }
+                    }
+                    continue;
+                }
+#endif
+                for (int64_t i = 0; i < m; ++i) {
+                    float *oi = out + ((row0 + i) * heads + h * group) * dim;
+                    for (int64_t g = 0; g < group; ++g) {
+                        const float w = scores[(i * group + g) * n + (j - lo)];
+                        if (w == 0.0f) continue; /* masked (or vanishing) */
+                        add_scaled(oi + g * dim, w, vj, dim, bf16);
                     }
                 }
             }
