@@ -13,8 +13,9 @@ speculative verification rows (1 + drafts), short prompt chunks, in any mix. A s
 goes whole to the core's ``TorchAttentionBackend`` (long prefill is GEMM-bound; its attention is the
 reference's causal SDPA). The kernel equals the reference within float32 rounding (the order of the
 sums). float32 and bfloat16 models with plain caches (its capabilities; a bf16 cache is read as float32,
-queries and sums are float32, the output is rounded to bf16 once); an FP8-cache run keeps the core's
-backend.
+queries and sums are float32, the output is rounded to bf16 once; on a CPU with AMX tiles a bf16 cache's
+scores go through the tiles, which round the queries to bf16 — exact for a bf16 model's queries); an
+FP8-cache run keeps the core's backend.
 
 The kernel is compiled on first use with the system C compiler (``FLAGS``) into ``<deepinfer
 cache>/cpu_kernels/`` under a name hashed from the source, the flags and the compiler, so a machine
@@ -43,9 +44,9 @@ MAX_QUERY_ROWS = 16
 
 
 @functools.cache
-def load_kernel() -> ctypes.CDLL:
-    """The compiled kernel library, built into the cache on first use."""
-    lib = build_library(SOURCE)
+def load_kernel(march: str = "native") -> ctypes.CDLL:
+    """The compiled kernel library, built into the cache on first use (``march``: ``cbuild.build_library``)."""
+    lib = build_library(SOURCE, march)
     i64, f32 = ctypes.c_int64, ctypes.c_float
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = ([ctypes.c_void_p] * 8 + [i64] * 7 + [f32, ctypes.c_int]

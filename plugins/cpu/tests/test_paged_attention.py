@@ -108,6 +108,54 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(window: int) -> Non
         assert torch.equal(alone[0], together[i])
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and flag in line.split() for line in f)
+    except OSError:
+        return False
+
+
+# native: the AMX tiles score a bf16 cache's keys where the CPU has them; skylake-avx512: the register passes;
+# x86-64-v2: the portable loops
+BUILDS = ["native", pytest.param("skylake-avx512", marks=pytest.mark.skipif(
+    not _cpu_has("avx512bw"), reason="the AVX-512 build runs only on a CPU with AVX-512")), "x86-64-v2"]
+
+
+@pytest.mark.parametrize("march", BUILDS)
+@pytest.mark.parametrize(("dim", "block_size", "heads", "kv_heads"), [(64, 16, 9, 3), (128, 32, 8, 2), (64, 16, 4, 4)])
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_each_build_equals_the_reference_and_rows_alone(march: str, dim: int, block_size: int, heads: int,
+                                                        kv_heads: int, cache_dtype: torch.dtype,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every build of the kernel on the model shapes its fast paths serve (heads of 64 and 128 floats, blocks of 16
+    and 32 keys; GQA groups of 3, 4 and 1) with a bf16 model's queries (bf16 values): within float32 rounding of the
+    float64 reference for decode rows, verification rows and a 16-row chunk, contexts from one key to several
+    hundred; and each verification row bitwise itself alone as a decode row (the AMX tiles' scores, too)."""
+    from deepinfer_cpu import paged_attention as module
+
+    kernel = module.load_kernel(march).paged_attention
+    monkeypatch.setattr(module, "_paged_attention", lambda: kernel)
+    gen = torch.Generator().manual_seed(dim + block_size + heads)
+    lens, rows = [1, 16, 17, 40, 300], [1, 5, 16, 7, 3]
+    width = max(-(-n // block_size) for n in lens) + 1
+    blocks = len(lens) * width + 3
+    k_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    v_cache = torch.randn(blocks, block_size, kv_heads, dim, generator=gen).to(cache_dtype)
+    tables = torch.randperm(blocks, generator=gen)[: len(lens) * width].view(len(lens), width)
+    q = torch.randn(sum(rows), heads, dim, generator=gen).bfloat16().float()
+    starts = torch.tensor([0, *rows]).cumsum(0)
+    got = paged_attention(q, k_cache, v_cache, tables, torch.tensor(lens), starts, scale=0.3)
+    want = _reference(q, k_cache, v_cache, tables, lens, rows, 0.3, 0, [0] * len(lens))
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    r = 3  # 7 verification rows at positions 33-39
+    for i in range(rows[r]):
+        at = int(starts[r]) + i
+        alone = paged_attention(q[at:at + 1], k_cache, v_cache, tables[r:r + 1],
+                                torch.tensor([lens[r] - rows[r] + 1 + i]), torch.tensor([0, 1]), scale=0.3)
+        assert torch.equal(alone[0], got[at])
+
+
 def test_the_call_stores_the_steps_keys_and_values_first() -> None:
     """``new_kv``: the step's keys and values land at their slots (what the core's ``write_kv`` does) before
     the step attends to them, in the same call (issue 36)."""

@@ -13,8 +13,18 @@
  * Heads of 64 or 128 floats go through register passes (QK_REGISTERS, PV_REGISTERS) of up to 6 (3) score rows:
  * queries and output sums stay in registers across the keys, with the same arithmetic in the same order (the
  * same bits); a batch-18 decode step over ~520 keys went from 0.61 to 0.44 ms a layer on the Xeon.
+ * On a CPU with AMX-BF16 a bf16 cache's scores go through the tile unit instead (tile_scores; no window, heads of
+ * 64 or 128, blocks of a multiple of 16 keys): 16 keys a tile where they lie in the cache against up to 16 score
+ * rows' queries rounded to bf16 (exact for a bf16 model, whose queries are bf16 values), with no per-key
+ * reduction; the weighted sum of the values stays in the register passes (float32 weights). A decode step of 18
+ * requests over ~520 keys: 0.36 -> 0.25 ms a layer on the Xeon, verification rows 1.3-1.4x faster. Which path
+ * scores a call depends only on the cache's dtype and shape, never on the rows, and each score is one tile element:
+ * rows alone or together still agree bit for bit.
  * When a call has fewer (request, KV head) pairs than two per thread, a request's rows are split into chunks,
- * one task each, so the threads share the work (a 6-row step of SmolLM2's 3 KV heads on 2 threads).
+ * one task each, so the threads share the work (a 6-row step of SmolLM2's 3 KV heads on 2 threads). With
+ * requests enough, a thread takes all the tasks of a request at once: its KV heads share the cache's blocks (one
+ * cache position holds every head's vector), and one thread reading all of them was ~15% faster than the heads
+ * spread over the threads.
  *
  * Layouts (all contiguous): q and out [tokens, heads, dim]; k_cache and v_cache [blocks, block_size,
  * kv_heads, dim]; tables [requests, table_width] (block ids); seq_lens [requests]; starts [requests + 1];
@@ -93,6 +103,8 @@ static inline void load_row(__m512 *dst, const void *src, int64_t vectors, int b
 }
 #endif
 
+#define TILE_LANES 16 /* score rows per AMX tile: a QK tile's 16 columns, a PV tile's 16 rows */
+
 static int visible(int64_t j, int64_t p, int64_t window, int64_t floor_) {
     if (j > p) return 0;
     if (window > 0 && (j <= p - window || (j < floor_ && j != p))) return 0;
@@ -108,7 +120,6 @@ static int64_t block_span(const int64_t *table, int64_t blk, int64_t lo, int64_t
     return (table[blk] * block_size + (*begin - blk * block_size)) * row + h * dim;
 }
 
-#ifdef __AVX512F__
 /* Head h's rows of cache block `block` asked for while the block before is computed: a task's blocks lie anywhere
  * in the pool, so the hardware prefetcher stops at each block's end (a batch-18 decode step over ~520 keys: 49
  * against 42 ms on the Xeon). */
@@ -136,6 +147,7 @@ static inline const char *block_start(const char *cache, const int64_t *table, i
         for (const char *at = block_start(cache, table, blk, lo, len, block_size, row, h, dim, element, &j, &end); \
              j < end; ++j, at += row * element)
 
+#ifdef __AVX512F__
 /* The weighted sum of the values for LANES score rows of VECTORS vectors each (a head of 16 * VECTORS floats),
  * the sums held in registers across every key (storing them to out and loading them back for each key made a
  * chain through memory: a batch-18 decode step's attention over ~520 keys took 0.6 ms a layer). The same fused
@@ -207,6 +219,88 @@ typedef void (*qk_pass)(const char *, const int64_t *, int64_t, int64_t, int64_t
 static const qk_pass qk_passes[] = PASS_TABLE(qk);
 #endif
 
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include "amx.h"
+
+/* Whether the tile path serves a call: a bf16 cache, no window, heads of 64 or 128 floats, cache blocks of a
+ * multiple of 16 keys (a tile's 16 keys lie in one block), and the tile state granted. */
+static int tiles_attend(int bf16, int64_t window, int64_t dim, int64_t block_size) {
+    return bf16 && window == 0 && (dim == 64 || dim == 128) && block_size % 16 == 0 && amx_permitted();
+}
+
+/* Every tile 16 rows of 64 bytes: 16 keys or lanes by 32 bf16, or 16 by 16 float32 sums. */
+static void configure_tiles(void) {
+    struct tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+        cfg.rows[t] = 16;
+        cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* The lanes' queries (lane_q[l], l < lanes) rounded to bf16 as B tiles, 16 lanes a group (the last padded with
+ * zero queries): group g's chunk kc of 32 dims at qv + (g · dim / 32 + kc) · 256 words (pack_pairs's layout).
+ * A bf16 model's queries are bf16 values already: the rounding is exact there. */
+static void pack_queries(const float *const *lane_q, int64_t lanes, int64_t dim, uint32_t *qv) {
+    float rows[TILE_LANES * 128];
+    for (int64_t g = 0; g * TILE_LANES < lanes; ++g) {
+        for (int64_t i = 0; i < TILE_LANES; ++i) {
+            const int64_t l = g * TILE_LANES + i;
+            if (l < lanes) memcpy(rows + i * dim, lane_q[l], sizeof(float) * (size_t)dim);
+            else memset(rows + i * dim, 0, sizeof(float) * (size_t)dim);
+        }
+        pack_pairs(rows, (uint16_t *)(qv + g * (dim / 32) * 256), TILE_LANES, dim);
+    }
+}
+
+/* Scores (scaled) of the lanes against keys [0, len) of head h, 16 keys a tile: the keys the A tiles where they
+ * lie in the cache (a row apart), the queries the B tiles (pack_queries); scores[l · n + j]. A last tile's keys
+ * past len are multiplied from whatever their block holds there and not stored. Each score is one tile element:
+ * its sum does not depend on the other lanes or keys. Tiles: A 0-3 (32 dims each), C 4, B 5. */
+static void tile_scores(const char *keys, const int64_t *table, int64_t len, int64_t block_size, int64_t row,
+                        int64_t h, int64_t dim, const uint32_t *qv, int64_t lanes, float scale, float *scores,
+                        int64_t n) {
+    const __m512i column = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
+    const __m512 scaled = _mm512_set1_ps(scale);
+    const int64_t chunks = dim / 32, stride = row * (int64_t)sizeof(uint16_t);
+    float c[16][16];
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {
+        const int64_t blk = j0 / block_size, at = j0 % block_size;
+        if (at == 0 && (blk + 1) * block_size < len)
+            prefetch_head_block(keys, table[blk + 1], block_size, row, h, dim, sizeof(uint16_t));
+        const uint16_t *k = (const uint16_t *)keys + (table[blk] * block_size + at) * row + h * dim;
+        _tile_loadd(0, k, stride);
+        _tile_loadd(1, k + 32, stride);
+        if (chunks == 4) {
+            _tile_loadd(2, k + 64, stride);
+            _tile_loadd(3, k + 96, stride);
+        }
+        const __mmask16 valid = len - j0 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - j0)) - 1);
+        for (int64_t g = 0; g * TILE_LANES < lanes; ++g) {
+            const uint32_t *b = qv + g * chunks * 256;
+            _tile_zero(4);
+            _tile_loadd(5, b, 64);
+            _tile_dpbf16ps(4, 0, 5);
+            _tile_loadd(5, b + 256, 64);
+            _tile_dpbf16ps(4, 1, 5);
+            if (chunks == 4) {
+                _tile_loadd(5, b + 512, 64);
+                _tile_dpbf16ps(4, 2, 5);
+                _tile_loadd(5, b + 768, 64);
+                _tile_dpbf16ps(4, 3, 5);
+            }
+            _tile_stored(4, c, 64);
+            const int64_t count = lanes - g * TILE_LANES < TILE_LANES ? lanes - g * TILE_LANES : TILE_LANES;
+            for (int64_t i = 0; i < count; ++i) /* column i of the tile: lane g · 16 + i's scores */
+                _mm512_mask_storeu_ps(scores + (g * TILE_LANES + i) * n + j0, valid,
+                                      _mm512_mul_ps(_mm512_i32gather_ps(column, &c[0][i], 4), scaled));
+        }
+    }
+}
+
+#endif
+
 /* Where score row `lane` (query row lane / group of the task, query head lane % group of KV head h's group) has
  * its query and output vectors in q and out. */
 static inline int64_t lane_offset(int64_t lane, int64_t group, int64_t row0, int64_t heads, int64_t h, int64_t dim) {
@@ -238,7 +332,18 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
      * 6-row verification step's 3 SmolLM2 KV heads left one of 2 threads idle a third of the time. */
     const int64_t pairs = requests * kv_heads;
     const int64_t chunks = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    const int64_t per_grab = requests >= 2 * threads ? kv_heads * chunks : 1;
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    const int tiles = tiles_attend(bf16, window, dim, block_size);
+#else
+    const int tiles = 0;
+#endif
+#pragma omp parallel num_threads(threads)
+    {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (tiles) configure_tiles();
+#endif
+#pragma omp for schedule(dynamic, per_grab)
     for (int64_t task = 0; task < requests * kv_heads * chunks; ++task) {
         const int64_t r = task / (kv_heads * chunks), h = task / chunks % kv_heads, c = task % chunks;
         const int64_t all = starts[r + 1] - starts[r], first_pos = seq_lens[r] - all;
@@ -249,30 +354,41 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
         const int64_t floor_ = (window > 0 && floors != NULL) ? floors[r] : 0;
         const int64_t n = len - lo, lanes = m * group; /* score rows: (query row, query head of the group) */
         const int64_t *table = tables + r * table_width;
-        float *scores = malloc(sizeof(float) * (size_t)(lanes * n + lanes)); /* [lanes][n], then the sums */
+        /* [lanes][n] scores, then the sums; with tiles also the queries in the tiles' layout */
+        const int64_t query_words = tiles ? (lanes + TILE_LANES - 1) / TILE_LANES * (dim / 32) * 256 : 0;
+        float *scores = malloc(sizeof(float) * (size_t)(lanes * n + lanes + query_words));
         if (scores == NULL) {
             failed = 1;
             continue;
         }
         float *sums = scores + lanes * n;
+        int64_t per_pass = 0; /* score rows per register pass (0: none serves this head width) */
 #ifdef __AVX512F__
-        const int64_t per_pass = in_registers ? lanes_per_pass(vectors) : 0;
+        per_pass = in_registers ? lanes_per_pass(vectors) : 0;
+#endif
+        const float *lane_q[lanes];
+        float *lane_out[lanes];
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+            lane_q[lane] = q + lane_offset(lane, group, row0, heads, h, dim);
+            lane_out[lane] = out + lane_offset(lane, group, row0, heads, h, dim);
+        }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+        if (tiles) { /* the scores through the tiles over every key */
+            uint32_t *qv = (uint32_t *)(sums + lanes);
+            pack_queries(lane_q, lanes, dim, qv);
+            tile_scores(keys, table, len, block_size, row, h, dim, qv, lanes, scale, scores, n);
+        } else
+#endif
+#ifdef __AVX512F__
         /* Without a window, the scores in register passes over every key, then the keys past each row masked. */
         if (per_pass && window == 0) {
             for (int64_t first = 0; first < lanes; first += per_pass) {
                 const int64_t count = lanes - first < per_pass ? lanes - first : per_pass;
-                const float *lane_q[6];
                 float *lane_scores[6];
-                for (int64_t l = 0; l < count; ++l) {
-                    lane_q[l] = q + lane_offset(first + l, group, row0, heads, h, dim);
-                    lane_scores[l] = scores + (first + l) * n;
-                }
+                for (int64_t l = 0; l < count; ++l) lane_scores[l] = scores + (first + l) * n;
                 qk_passes[pass_index(vectors, count)](keys, table, lo, len, block_size, row, h, dim, element, bf16,
-                                                      lane_q, scale, lane_scores);
+                                                      lane_q + first, scale, lane_scores);
             }
-            for (int64_t lane = 0; lane < lanes; ++lane) /* row i sees keys up to its own position */
-                for (int64_t j = first_pos + i0 + lane / group + 1; j < len; ++j)
-                    scores[lane * n + (j - lo)] = -INFINITY;
         } else
 #endif
         /* Scores, key by key with the visibility test. */
@@ -281,31 +397,26 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
             if (in_registers) { /* the key widened once for every lane: the sums as dot()'s */
                 __m512 key[MAX_VECTORS];
                 load_row(key, kj, vectors, bf16);
-                for (int64_t i = 0; i < m; ++i) {
-                    const int seen = visible(j, first_pos + i0 + i, window, floor_);
-                    const float *qi = q + ((row0 + i) * heads + h * group) * dim;
-                    for (int64_t g = 0; g < group; ++g) {
-                        float score = -INFINITY;
-                        if (seen) {
-                            __m512 acc = _mm512_setzero_ps();
-                            for (int64_t v = 0; v < vectors; ++v)
-                                acc = _mm512_fmadd_ps(_mm512_loadu_ps(qi + g * dim + 16 * v), key[v], acc);
-                            score = _mm512_reduce_add_ps(acc) * scale;
-                        }
-                        scores[(i * group + g) * n + (j - lo)] = score;
+                for (int64_t lane = 0; lane < lanes; ++lane) {
+                    float score = -INFINITY;
+                    if (visible(j, first_pos + i0 + lane / group, window, floor_)) {
+                        __m512 acc = _mm512_setzero_ps();
+                        for (int64_t v = 0; v < vectors; ++v)
+                            acc = _mm512_fmadd_ps(_mm512_loadu_ps(lane_q[lane] + 16 * v), key[v], acc);
+                        score = _mm512_reduce_add_ps(acc) * scale;
                     }
+                    scores[lane * n + (j - lo)] = score;
                 }
                 continue;
             }
 #endif
-            for (int64_t i = 0; i < m; ++i) {
-                const int seen = visible(j, first_pos + i0 + i, window, floor_);
-                const float *qi = q + ((row0 + i) * heads + h * group) * dim;
-                for (int64_t g = 0; g < group; ++g)
-                    scores[(i * group + g) * n + (j - lo)] =
-                        seen ? dot(qi + g * dim, kj, dim, bf16) * scale : -INFINITY;
-            }
+            for (int64_t lane = 0; lane < lanes; ++lane)
+                scores[lane * n + (j - lo)] = visible(j, first_pos + i0 + lane / group, window, floor_)
+                                                  ? dot(lane_q[lane], kj, dim, bf16) * scale : -INFINITY;
         }
+        if (tiles || (per_pass && window == 0)) /* those paths scored every key: row i sees up to its position */
+            for (int64_t lane = 0; lane < lanes; ++lane)
+                for (int64_t j = first_pos + i0 + lane / group + 1; j < len; ++j) scores[lane * n + (j - lo)] = -INFINITY;
         /* Softmax weights per lane (a query's own key is always visible: the max is finite). The sum goes
          * into 16 partial sums by key position, then a fixed tree: a query's weights sum in the same order
          * whatever else the call holds (its masked keys add exact zeros), so a row's output does not depend on
@@ -332,57 +443,46 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
             for (int64_t first = 0; first < lanes; first += per_pass) {
                 const int64_t count = lanes - first < per_pass ? lanes - first : per_pass;
                 const float *weights[6];
-                float *lane_out[6];
-                for (int64_t l = 0; l < count; ++l) {
-                    weights[l] = scores + (first + l) * n;
-                    lane_out[l] = out + lane_offset(first + l, group, row0, heads, h, dim);
-                }
+                for (int64_t l = 0; l < count; ++l) weights[l] = scores + (first + l) * n;
                 pv_passes[pass_index(vectors, count)](values, table, lo, len, block_size, row, h, dim, element, bf16,
-                                                      weights, lane_out);
+                                                      weights, lane_out + first);
             }
         } else
 #endif
         {
-            for (int64_t i = 0; i < m; ++i) memset(out + ((row0 + i) * heads + h * group) * dim, 0,
-                                                   sizeof(float) * (size_t)(group * dim));
+            for (int64_t lane = 0; lane < lanes; ++lane) memset(lane_out[lane], 0, sizeof(float) * (size_t)dim);
             FOR_EACH_KEY(values, vj) {
 #ifdef __AVX512F__
                 if (in_registers) { /* the value widened once for every lane */
                     __m512 value[MAX_VECTORS];
                     load_row(value, vj, vectors, bf16);
-                    for (int64_t i = 0; i < m; ++i) {
-                        float *oi = out + ((row0 + i) * heads + h * group) * dim;
-                        for (int64_t g = 0; g < group; ++g) {
-                            const float w = scores[(i * group + g) * n + (j - lo)];
-                            if (w == 0.0f) continue; /* masked (or vanishing) */
-                            const __m512 weight = _mm512_set1_ps(w);
-                            for (int64_t v = 0; v < vectors; ++v) {
-                                float *o = oi + g * dim + 16 * v;
-                                _mm512_storeu_ps(o, _mm512_fmadd_ps(weight, value[v], _mm512_loadu_ps(o)));
-                            }
+                    for (int64_t lane = 0; lane < lanes; ++lane) {
+                        const float w = scores[lane * n + (j - lo)];
+                        if (w == 0.0f) continue; /* masked (or vanishing) */
+                        const __m512 weight = _mm512_set1_ps(w);
+                        for (int64_t v = 0; v < vectors; ++v) {
+                            float *o = lane_out[lane] + 16 * v;
+                            _mm512_storeu_ps(o, _mm512_fmadd_ps(weight, value[v], _mm512_loadu_ps(o)));
                         }
                     }
                     continue;
                 }
 #endif
-                for (int64_t i = 0; i < m; ++i) {
-                    float *oi = out + ((row0 + i) * heads + h * group) * dim;
-                    for (int64_t g = 0; g < group; ++g) {
-                        const float w = scores[(i * group + g) * n + (j - lo)];
-                        if (w == 0.0f) continue; /* masked (or vanishing) */
-                        add_scaled(oi + g * dim, w, vj, dim, bf16);
-                    }
+                for (int64_t lane = 0; lane < lanes; ++lane) {
+                    const float w = scores[lane * n + (j - lo)];
+                    if (w != 0.0f) add_scaled(lane_out[lane], w, vj, dim, bf16); /* zero: masked (or vanishing) */
                 }
             }
         }
-        for (int64_t i = 0; i < m; ++i) {
-            for (int64_t g = 0; g < group; ++g) {
-                const float inv = 1.0f / sums[i * group + g];
-                float *og = out + ((row0 + i) * heads + h * group + g) * dim;
-                for (int64_t d = 0; d < dim; ++d) og[d] *= inv;
-            }
+        for (int64_t lane = 0; lane < lanes; ++lane) {
+            const float inv = 1.0f / sums[lane];
+            for (int64_t d = 0; d < dim; ++d) lane_out[lane][d] *= inv;
         }
         free(scores);
+    }
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    if (tiles) _tile_release();
+#endif
     }
     return failed;
 }
