@@ -70,7 +70,7 @@ class OneDNNGemmBackend:
         self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Packed] = {}
         self.arena = HugePageArena() if huge_pages else None  # where prepared weights live (huge_pages.py)
         if fused_decode:  # GemmBackend's optional decode_stack: a Llama-family stack in C, for the GEMV's steps
-            self.decode_stack = FusedDecoder(plain_projection, max_rows=self.gemv_rows)
+            self.decode_stack = FusedDecoder(plain_projection, max_rows=self.gemv_rows, linear=self.linear)
         if fused_draft:  # and its optional draft_context / draft_block: a block drafter's passes in C, as many rows
             drafter = FusedDrafter(plain_projection, max_rows=self.gemv_rows)
             self.draft_context, self.draft_block = drafter.draft_context, drafter.draft_block

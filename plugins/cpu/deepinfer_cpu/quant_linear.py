@@ -235,7 +235,7 @@ class QuantizedGemmBackend:
         self.arena = HugePageArena() if huge_pages else None  # where the quantized weights live (huge_pages.py)
         self._entries: dict[tuple[int, tuple[int, ...], tuple[int, ...]], _Entry] = {}
         if fused_decode:  # GemmBackend's optional decode_stack: the steps its kernels take (fewer than dense_rows)
-            self.decode_stack = FusedDecoder(self._projection, max_rows=self.kernel_rows)
+            self.decode_stack = FusedDecoder(self._projection, max_rows=self.kernel_rows, linear=self.linear)
 
     def available(self) -> bool:
         return compiler() is not None

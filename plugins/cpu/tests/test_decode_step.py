@@ -28,9 +28,10 @@ def _llm(folder: Path, fused: bool = True, plugins: dict | None = None, **kw) ->
                plugins={"cpu": {"enabled": True, "fused_decode": fused}, **(plugins or {})})
 
 
-def _fused_steps(llm: LLM) -> int:
+def _fused_steps(llm: LLM, counter: str = "steps") -> int:
+    """Steps the fused stack served through its kernels (``long_steps``: through the backend's linear)."""
     fused = getattr(llm.engine.runner.backends["linear"], "decode_stack", None)
-    return 0 if fused is None else fused.steps
+    return 0 if fused is None else getattr(fused, counter)
 
 
 def _prompts(seed: int, lengths: tuple[int, ...] = (3, 17, 33)) -> list[list[int]]:
@@ -69,8 +70,9 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_mixed_steps_and_speculation_equal_the_layers(tiny_llama: Path) -> None:
-    """Two sequence slots over five prompts (decode steps and short prompts are fused, prompt chunks of
-    ``min_rows`` rows or more not, in one request's life: each reads the cache the other wrote), then ``ngram``
+    """Two sequence slots over five prompts (decode steps and short prompts through the kernels, prompt chunks
+    of ``min_rows`` rows or more through the backend's linear, in one request's life: each reads the cache the
+    other wrote), then ``ngram``
     speculation (verification steps too): tokens equal the layers', logprobs within float32 rounding."""
     prompts = _prompts(2, (5, 40, 9, 23, 2))
     ngram = {"spec_decode": {"enabled": True, "drafter": "ngram", "max_draft": 3}}
@@ -116,7 +118,7 @@ def test_the_overlapped_executor_gives_the_same_tokens(tiny_llama: Path) -> None
     for executor in ("sync", "overlap"):
         llm = _llm(tiny_llama, scheduler={"executor": executor},
                    plugins={"scheduling": {"enabled": executor == "overlap"}})
-        runs[executor] = _run(llm, _prompts(11, (14, 30)))  # prompts of min_rows (13) rows or more: not fused
+        runs[executor] = _run(llm, _prompts(11, (14, 30)))  # prompts of min_rows (13) rows or more: long steps
         assert _fused_steps(llm) == 2 * 13
         llm.shutdown()
     _assert_same(runs["overlap"], runs["sync"], 0.0)
@@ -200,9 +202,69 @@ def test_bfloat16_steps_equal_the_layers_within_bf16_rounding(tiny_llama: Path) 
     _assert_same(runs[True], runs[False], 0.1)
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_long_steps_match_transformers(name: str, tmp_path: Path) -> None:
+    """Prompts of 17, 40 and 70 tokens (more rows than the kernels take, chunks longer than ``cpu_paged``'s): the
+    projections through the backend's linear, attention through the attention backend, the loops between them in
+    C, on every thread from 64 rows (the 70-token prompt): prefill and decode logits within 1e-4 of
+    transformers (Qwen2's biases through linear, Qwen3's per-head norms in C)."""
+    model, folder = save_tiny(name, tmp_path)
+    llm = _llm(folder)
+    assert_cached_logits_match(llm, model, _prompts(5, (17, 40, 70)), decode_steps=3)
+    assert (_fused_steps(llm, "long_steps"), _fused_steps(llm)) == (3, 3 * 3)
+    llm.shutdown()
+
+
+def test_long_steps_equal_the_layers_on_two_threads(tiny_llama: Path) -> None:
+    """Two sequence slots, prompts of 70 and 90 tokens (one step of 160 rows, its loops on both threads), decode
+    steps of two requests through linear (``min_rows`` 2) with ``cpu_paged``'s kernel attending: tokens equal the
+    layers', logprobs within float32 rounding."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = {}
+        for fused in (True, False):
+            llm = _llm(tiny_llama, fused, max_num_seqs=2, plugins={"cpu": {"enabled": True, "fused_decode": fused,
+                                                                           "min_rows": 2}})
+            runs[fused] = _run(llm, _prompts(9, (70, 90)), tokens=6)
+            assert _fused_steps(llm, "long_steps") == (6 if fused else 0)
+            llm.shutdown()
+    finally:
+        torch.set_num_threads(before)
+    _assert_same(runs[True], runs[False], 1e-5)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no AVX512-BF16-class CPU")
+def test_bfloat16_long_steps_equal_the_layers_within_bf16_rounding(tiny_llama: Path) -> None:
+    """A bf16 model's long steps (prompts of 20 and 70 tokens): the C loops read and write the projections'
+    bf16 rows where they lie and round where the torch layers round."""
+    runs = {}
+    for fused in (True, False):
+        llm = _llm(tiny_llama, fused, dtype="bfloat16")
+        runs[fused] = _run(llm, _prompts(10, (20, 70)))
+        assert _fused_steps(llm, "long_steps") == (2 if fused else 0)
+        llm.shutdown()
+    _assert_same(runs[True], runs[False], 0.1)
+
+
+def test_a_failing_projection_raises_from_the_step(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exception inside the backend's linear, called back from the C loop, is raised again by the step once
+    the kernel has returned (it cannot cross the C frames)."""
+    llm = _llm(tiny_llama)
+    backend = llm.engine.runner.backends["linear"]
+
+    def failing(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise RuntimeError("linear failed")
+
+    monkeypatch.setattr(backend.decode_stack, "linear", failing)
+    with pytest.raises(RuntimeError, match="linear failed"):
+        _run(llm, _prompts(3, (40,)), tokens=2)
+    llm.shutdown()
+
+
 def test_what_it_does_not_serve_runs_the_layers(tiny_llama: Path) -> None:
     """The core's attention backend, and the switch off: no step is fused."""
     for llm in (_llm(tiny_llama, kernels={"attention": "torch"}), _llm(tiny_llama, fused=False)):
         _run(llm, _prompts(8, (5,)), tokens=4)
-        assert _fused_steps(llm) == 0
+        assert _fused_steps(llm) == _fused_steps(llm, "long_steps") == 0
         llm.shutdown()

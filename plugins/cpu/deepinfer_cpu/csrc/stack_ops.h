@@ -43,6 +43,7 @@ static inline void keep_all(float *v, int64_t n, int bf16) {
 /* RMSNorm: statistics in float32, then weight * (x / rms) with the quotient kept in the model dtype first. */
 static inline void rms_norm(const float *x, const float *weight, float *out, int64_t n, float eps, int bf16) {
     float sum = 0.0f;
+#pragma omp simd reduction(+ : sum) /* in vector lanes (a chain of n dependent additions took ~1 µs a row) */
     for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
     const float inv = 1.0f / sqrtf(sum / (float)n + eps);
     for (int64_t i = 0; i < n; ++i) out[i] = keep(weight[i] * keep(x[i] * inv, bf16), bf16);
@@ -94,7 +95,10 @@ static inline void store(void *dst, const float *src, int64_t n, int bf16) {
 }
 
 static inline void load(float *dst, const void *src, int64_t n, int bf16) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = bf16 ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+    if (bf16)
+        for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_float(((const uint16_t *)src)[i]);
+    else
+        memcpy(dst, src, sizeof(float) * (size_t)n);
 }
 
 #endif
