@@ -88,7 +88,8 @@ def main() -> None:
     ap.add_argument("--work", required=True, type=Path)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--prompts-per-batch", type=int, nargs="+", default=None,
-                    help="held-out prompts run at each batch size (default: 8 at batch 1, else 2 x batch)")
+                    help="held-out prompts run at each batch size (default: 8 at batch 1, else 2 x batch; cycled "
+                         "when the held-out set has fewer)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -135,7 +136,7 @@ def main() -> None:
                     "threads": args.threads, "overlap": args.overlap, "device": args.device,
                     "date": time.strftime("%Y-%m-%d"), "batches": {}}
     for batch, count in zip(args.batches, counts, strict=True):
-        work = prompts[:count]
+        work = [prompts[i % len(prompts)] for i in range(count)]  # past the held-out set: its prompts again
         llms = {name: LLM(args.model, plugins=cfg, max_num_seqs=max(batch, 1), device=args.device,
                         kv_cache_bytes=args.kv_cache_mb << 20, max_model_len=2048, **engine)
                 for name, cfg in _configs(weights, plugins, extra).items() if name == "off" or name in args.configs}
