@@ -46,7 +46,7 @@ from deepinfer_cpu.paged_attention import MAX_QUERY_ROWS, as_int64
 
 SOURCES = (CSRC / "decode_step.c", CSRC / "gemv.c", CSRC / "paged_attention.c", CSRC / "quant_linear.c")
 # ``enum kind`` of stack_ops.h
-KINDS = ("plain_f32", "plain_bf16", "int8_f32", "int8_q8", "q4_1_f32", "q4_1_q8", "external")
+KINDS = ("plain_f32", "plain_bf16", "int8_f32", "int8_q8", "q4_1_f32", "q4_1_q8")
 # struct caller's call: (weight id or layer, rows, input address) -> 0, or nonzero when it failed
 _CALLBACK = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p)
 
@@ -102,7 +102,7 @@ class _Caller(ctypes.Structure):
 
 def _rows_at(address: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
     """``[rows, width]`` of ``dtype`` at ``address`` (memory the kernel or this module keeps alive), not copied."""
-    size = rows * width * torch.empty((), dtype=dtype).element_size()
+    size = rows * width * (torch.finfo(dtype).bits // 8)
     return torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=dtype).view(rows, width)
 
 

@@ -187,8 +187,8 @@ static void place_output_row(const struct shape *s, const struct layer *t, const
     const size_t element = s->bf16 ? sizeof(uint16_t) : sizeof(float);
     float row[width], q_own[q_size];
     load(row, (const char *)qkv + element * (size_t)(r * width), width, s->bf16);
-    place_row(s, t, row, position, cos_table, sin_table, q_row ? q_row : q_own, (char *)new_k + element * (size_t)(r * kv_size),
-              (char *)new_v + element * (size_t)(r * kv_size));
+    place_row(s, t, row, position, cos_table, sin_table, q_row ? q_row : q_own,
+              (char *)new_k + element * (size_t)(r * kv_size), (char *)new_v + element * (size_t)(r * kv_size));
     if (q_row == NULL) store((char *)q_out + element * (size_t)(r * q_size), q_own, q_size, s->bf16);
 }
 
@@ -197,8 +197,8 @@ static void place_output_row(const struct shape *s, const struct layer *t, const
  * keys and values; the projections' input rows (model dtype). */
 int64_t decode_step_workspace(const struct shape *s, int64_t tokens, int caller_attends) {
     const int64_t q_size = s->heads * s->head_dim, kv_size = s->kv_heads * s->head_dim;
-    const int64_t widest_input = s->intermediate > q_size ? (s->intermediate > s->hidden ? s->intermediate : s->hidden)
-                                                          : (q_size > s->hidden ? q_size : s->hidden);
+    int64_t widest_input = s->hidden > q_size ? s->hidden : q_size; /* normed rows, attention, activations */
+    if (s->intermediate > widest_input) widest_input = s->intermediate;
     const int64_t floats = tokens * (s->hidden + (caller_attends ? 0 : 2 * q_size + 2 * kv_size) + widest_input);
     return (int64_t)sizeof(float) * floats;
 }
