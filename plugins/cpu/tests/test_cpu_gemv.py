@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpu_flags import cpu_has
 from deepinfer_cpu import gemv as gemv_module
 from deepinfer_cpu.gemv import bf16_kernel, fits, gemv
 from deepinfer_cpu.onednn import OneDNNGemmBackend, onednn_available
@@ -62,11 +63,11 @@ def test_each_row_is_bitwise_the_same_alone_or_beside_others(dtype: torch.dtype,
 def test_amx_serves_bf16_weights_of_whole_tiles_where_the_cpu_has_it() -> None:
     """With AMX-BF16 (``-march=native`` on such a CPU) weights whose sides are multiples of 32 go through the
     tiles and the others through ``vdpbf16ps``; the shapes above then run both."""
-    if _cpu_has("amx_bf16"):
+    if cpu_has("amx_bf16"):
         assert bf16_kernel(96, 576) == bf16_kernel(49152, 576) == "amx"
         assert bf16_kernel(33, 1541) == bf16_kernel(96, 577) == bf16_kernel(80, 576) == "avx512_bf16"
     else:
-        assert bf16_kernel(96, 576) == ("avx512_bf16" if _cpu_has("avx512_bf16") else "widen")
+        assert bf16_kernel(96, 576) == ("avx512_bf16" if cpu_has("avx512_bf16") else "widen")
 
 
 def test_what_gemv_does_not_serve() -> None:
@@ -83,7 +84,7 @@ def test_the_backend_sends_calls_of_fewer_than_min_rows_to_gemv_and_keeps_weight
     backend = OneDNNGemmBackend()
     assert backend.min_rows_for(torch.float32) == 13 and backend.decode_stack.max_rows(torch.float32) == 12
     # bfloat16 on AMX: the tiles take up to 32 rows in one pass, so the GEMV and the fused step serve 32
-    bf16_rows = 33 if _cpu_has("amx_bf16") else 7
+    bf16_rows = 33 if cpu_has("amx_bf16") else 7
     assert backend.min_rows_for(torch.bfloat16) == bf16_rows
     assert backend.decode_stack.max_rows(torch.bfloat16) == bf16_rows - 1
     assert OneDNNGemmBackend(min_rows=3).min_rows_for(torch.bfloat16) == 3  # set: every dtype
@@ -100,16 +101,8 @@ def test_the_backend_sends_calls_of_fewer_than_min_rows_to_gemv_and_keeps_weight
     assert calls == [1, 3, 12]  # 13 and 20 rows: oneDNN on the packed copy
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize("march", ["native", pytest.param("skylake-avx512", marks=pytest.mark.skipif(
-    not _cpu_has("avx512bw"), reason="the AVX-512 build runs only on a CPU with AVX-512")), "x86-64-v2"])
+    not cpu_has("avx512bw"), reason="the AVX-512 build runs only on a CPU with AVX-512")), "x86-64-v2"])
 def test_each_bf16_kernel_sums_the_bf16_values_and_rows_alone_or_together_alike(march: str) -> None:
     """The bf16 kernel of every build (``native``: ``vdpbf16ps`` where the CPU has AVX512-BF16; AVX-512 without it and
     no AVX-512: the widening kernel), called directly: within float32 rounding of the float64 product of the bf16

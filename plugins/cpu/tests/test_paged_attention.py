@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_flags import cpu_has
 from deepinfer_cpu.paged_attention import compiler, paged_attention
 from tiny_models import save_tiny
 
@@ -108,18 +109,10 @@ def test_a_rows_output_does_not_depend_on_the_rows_beside_it(window: int) -> Non
         assert torch.equal(alone[0], together[i])
 
 
-def _cpu_has(flag: str) -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and flag in line.split() for line in f)
-    except OSError:
-        return False
-
-
 # native: the AMX tiles score a bf16 cache's keys where the CPU has them; skylake-avx512: the register passes;
 # x86-64-v2: the portable loops
 BUILDS = ["native", pytest.param("skylake-avx512", marks=pytest.mark.skipif(
-    not _cpu_has("avx512bw"), reason="the AVX-512 build runs only on a CPU with AVX-512")), "x86-64-v2"]
+    not cpu_has("avx512bw"), reason="the AVX-512 build runs only on a CPU with AVX-512")), "x86-64-v2"]
 
 
 @pytest.mark.parametrize("march", BUILDS)
