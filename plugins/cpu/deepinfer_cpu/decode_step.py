@@ -100,12 +100,6 @@ class _Caller(ctypes.Structure):
     _fields_ = [("call", _CALLBACK)] + [(name, ctypes.c_void_p) for name in ("out", "q", "k", "v")]
 
 
-def _rows_at(address: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[rows, width]`` of ``dtype`` at ``address`` (memory the kernel or this module keeps alive), not copied."""
-    size = rows * width * (torch.finfo(dtype).bits // 8)
-    return torch.frombuffer((ctypes.c_char * size).from_address(address), dtype=dtype).view(rows, width)
-
-
 @functools.cache
 def _library() -> ctypes.CDLL:
     lib = build_library(SOURCES)
@@ -233,11 +227,22 @@ class DecodeStep:
         caller.out = result.data_ptr()
         return 0
 
+    def _rows_at(self, address: int, rows: int, width: int) -> torch.Tensor:
+        """The kernel's input rows ``[rows, width]`` at ``address``: in the workspace, or an attention output this
+        plan handed over (views, not copies)."""
+        dtype = torch.bfloat16 if self.shape.bf16 else torch.float32
+        offset = address - self._workspace.data_ptr()
+        if 0 <= offset < self._workspace.numel():
+            size = rows * width * (torch.finfo(dtype).bits // 8)
+            return self._workspace[offset:offset + size].view(dtype).view(rows, width)
+        held = next(t for t in self._results if t.data_ptr() == address)
+        return held.view(rows, width)
+
     def _project(self, weight_id: int, rows: int, input_address: int) -> int:
         """``struct caller``'s call for a projection: the backend's ``linear`` on the kernel's input rows."""
         try:
             weight, bias = self.gemms[weight_id]
-            x = _rows_at(input_address, rows, weight.shape[1], self._workspace_dtype())
+            x = self._rows_at(input_address, rows, weight.shape[1])
             return self._hand_over(self._projection, self.linear(x, weight, bias))
         except BaseException as error:  # raised again in run(): an exception cannot cross the C frames
             self._error = error
@@ -257,9 +262,6 @@ class DecodeStep:
         except BaseException as error:
             self._error = error
             return 1
-
-    def _workspace_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.shape.bf16 else torch.float32
 
 
 class Stamp:
