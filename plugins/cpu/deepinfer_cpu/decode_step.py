@@ -9,15 +9,15 @@ adds run in C between them: Python makes one call per step.
 
 Which steps go through the kernels: those of at most ``max_rows`` rows in all (the GEMM backend's choice: the
 rows its own kernels take — the ``onednn`` backend's GEMV those of fewer than ``min_rows`` rows, the quantized
-backends' kernels those of fewer than ``quant_dense_rows``) whose requests have at most ``MAX_QUERY_ROWS`` rows
-each (``cpu_paged``'s bound). A quantized run with ``quant_inputs: int8`` rounds every projection's inputs to
+backends' kernels those of fewer than ``quant_dense_rows``) whose requests' rows ``cpu_paged``'s kernel takes
+(``paged_attention.kernel_takes``). A quantized run with ``quant_inputs: int8`` rounds every projection's inputs to
 int8, so a last-bit difference between two ways of computing a norm can move a code and then a greedy token:
 serving every step its kernels serve (decode rows, a request's verification rows, short prompt chunks) keeps one
 way for all of them, and speculative decoding's tokens equal plain decoding's there as they did through the
 layers.
 
 The other steps (prompt chunks, batches of more rows) run the same C loop with the projections called back into
-the backend's ``linear`` (oneDNN's GEMMs) and, for a chunk longer than ``MAX_QUERY_ROWS``, attention called back
+the backend's ``linear`` (oneDNN's GEMMs) and, for a chunk longer than the kernel takes, attention called back
 into the attention backend (the core's SDPA); the loops between the calls run on every thread and read and write
 the calls' rows in the model dtype where they lie. Through the torch layers a 4 × 512-token bf16 SmolLM2 prompt
 step spent ~215 of its ~500 ms in ~25 elementwise torch ops a layer (conversions, norms, rope, SiLU); here
@@ -42,7 +42,7 @@ import torch
 
 from deepinfer.interfaces import DenseDecoderStack, ForwardContext
 from deepinfer_cpu.cbuild import CSRC, build_library
-from deepinfer_cpu.paged_attention import MAX_QUERY_ROWS, as_int64
+from deepinfer_cpu.paged_attention import as_int64, kernel_takes
 
 SOURCES = (CSRC / "decode_step.c", CSRC / "gemv.c", CSRC / "paged_attention.c", CSRC / "quant_linear.c")
 # ``enum kind`` of stack_ops.h
@@ -163,6 +163,11 @@ class DecodeStep:
                                  caches[1].data_ptr(), *pointers[3:]))
         return cls(stack, block_size, layers, kept, linear)
 
+    def kernel_attends(self, max_query_len: int) -> bool:
+        """Whether ``cpu_paged``'s kernel takes a step whose requests bring at most ``max_query_len`` rows."""
+        cache_dtype = torch.bfloat16 if self.shape.bf16 else torch.float32
+        return kernel_takes(max_query_len, cache_dtype, 0, self.shape.head_dim, self.block_size)
+
     def current(self, block_size: int) -> bool:
         """Whether this plan still describes its stack's tensors (and the cache's block size)."""
         return self.block_size == block_size and self.stamp.holds()
@@ -172,7 +177,7 @@ class DecodeStep:
         """The output norm of the residual stream after the last layer for the step's rows ``x [T, hidden]``
         (their keys and values written to the caches), and the inputs of ``stack.captured_layers``. ``kernels``:
         the projections through the backend's kernels (else its ``linear``); attention through ``cpu_paged``'s
-        kernel when every request brings at most ``MAX_QUERY_ROWS`` rows, else through the attention backend."""
+        kernel when it takes the step's rows (``kernel_attends``), else through the attention backend."""
         x = x.contiguous()
         rows = x.shape[0]
         out = torch.empty_like(x)
@@ -186,7 +191,7 @@ class DecodeStep:
         tables = index[-1]
         projection = attention = workspace = None
         if not kernels:
-            attends = ctx.max_query_len > MAX_QUERY_ROWS
+            attends = not self.kernel_attends(ctx.max_query_len)
             size = _library().decode_step_workspace(ctypes.byref(self.shape), rows, int(attends))
             if self._workspace.numel() < size:
                 self._workspace = torch.empty(size, dtype=torch.uint8)
@@ -321,7 +326,7 @@ class FusedDecoder:
             self._plans[stack] = Stamp.of(stack) if plan is None else plan
             if plan is None:
                 return None
-        kernels = rows <= self.max_rows(x.dtype) and ctx.max_query_len <= MAX_QUERY_ROWS
+        kernels = rows <= self.max_rows(x.dtype) and plan.kernel_attends(ctx.max_query_len)
         if kernels:
             self.steps += 1
         else:

@@ -9,9 +9,11 @@ one OpenMP task per pair, with ``torch.get_num_threads()`` threads. The same cal
 values at their cache slots (in place of the core's ``write_kv``: one C call per layer instead of three).
 
 Steps whose every request has at most ``MAX_QUERY_ROWS`` query rows take the kernel: decode rows,
-speculative verification rows (1 + drafts), short prompt chunks, in any mix. A step with a longer chunk
-goes whole to the core's ``TorchAttentionBackend`` (long prefill is GEMM-bound; its attention is the
-reference's causal SDPA). The kernel equals the reference within float32 rounding (the order of the
+speculative verification rows (1 + drafts), short prompt chunks, in any mix; on a cache it scores through
+the AMX tiles also prompt chunks of up to ``MAX_CHUNK_ROWS`` rows (``kernel_takes``), whose value sums go
+through the tiles too (their weights rounded to bf16, as SDPA's flash kernel rounds them). A step with a
+longer chunk goes whole to the core's ``TorchAttentionBackend`` (long prefill is GEMM-bound; its attention is
+the reference's causal SDPA). The kernel equals the reference within float32 rounding (the order of the
 sums). float32 and bfloat16 models with plain caches (its capabilities; a bf16 cache is read as float32,
 queries and sums are float32, the output is rounded to bf16 once; on a CPU with AMX tiles a bf16 cache's
 scores go through the tiles, which round the queries to bf16 — exact for a bf16 model's queries); an
@@ -34,13 +36,18 @@ from deepinfer.interfaces import BackendCapabilities, ForwardContext
 from deepinfer.ops import TorchAttentionBackend
 from deepinfer_cpu.cbuild import CSRC, FLAGS, build_library, compiler
 
-__all__ = ["FLAGS", "MAX_QUERY_ROWS", "CPUPagedAttentionBackend", "as_int64", "compiler", "load_kernel",
+__all__ = ["FLAGS", "MAX_CHUNK_ROWS", "MAX_QUERY_ROWS", "CPUPagedAttentionBackend", "as_int64", "compiler",
+           "kernel_takes", "load_kernel",
            "paged_attention"]
 
 SOURCE = CSRC / "paged_attention.c"
-# Query rows per request the kernel takes (a verification step's 1 + max_draft, short prompts); its score
-# buffer holds rows × group × context floats per task.
+# Query rows per request the kernel takes in one task (a verification step's 1 + max_draft, short prompts); its
+# score buffer holds rows × group × context floats per task.
 MAX_QUERY_ROWS = 16
+# Query rows per request the kernel takes at most on a cache it scores through the AMX tiles (``tiles``), in tasks
+# of MAX_QUERY_ROWS: a 128-row bf16 prompt's attention 0.17 ms a SmolLM2 layer against the core's SDPA path's ~0.3;
+# at 512 rows SDPA's flash kernel leads (0.97 against 1.27 ms: docs/benchmarks.md).
+MAX_CHUNK_ROWS = 256
 
 
 @functools.cache
@@ -51,7 +58,23 @@ def load_kernel(march: str = "native") -> ctypes.CDLL:
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = ([ctypes.c_void_p] * 8 + [i64] * 7 + [f32, ctypes.c_int]
                                     + [ctypes.c_void_p] * 3 + [i64, ctypes.c_int])
+    lib.paged_attention_tiles.restype = ctypes.c_int
+    lib.paged_attention_tiles.argtypes = [ctypes.c_int, i64, i64, i64]
     return lib
+
+
+@functools.cache
+def tiles(cache_dtype: torch.dtype, window: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel scores such a cache through the AMX tiles (a bf16 cache on a CPU with AMX-BF16, no window,
+    heads of 64 or 128, blocks of a multiple of 16)."""
+    return bool(load_kernel().paged_attention_tiles(int(cache_dtype == torch.bfloat16), window, head_dim, block_size))
+
+
+def kernel_takes(max_query_len: int, cache_dtype: torch.dtype, window: int, head_dim: int, block_size: int) -> bool:
+    """Whether a step whose requests bring at most ``max_query_len`` rows each goes to the kernel: up to
+    ``MAX_QUERY_ROWS``, and up to ``MAX_CHUNK_ROWS`` on a cache it scores through the tiles."""
+    return 0 < max_query_len <= MAX_QUERY_ROWS or (
+        max_query_len <= MAX_CHUNK_ROWS and tiles(cache_dtype, window, head_dim, block_size))
 
 
 @functools.cache
@@ -129,7 +152,7 @@ class CPUPagedAttentionBackend:
                         kv_cache: tuple[torch.Tensor, ...], ctx: ForwardContext, *,
                         scale: float, window: int = 0) -> torch.Tensor:
         """The ``AttentionBackend`` contract (``deepinfer/interfaces.py``)."""
-        if ctx.max_query_len > MAX_QUERY_ROWS:  # a long prompt chunk in the step
+        if not kernel_takes(ctx.max_query_len, kv_cache[0].dtype, window, q.shape[-1], kv_cache[0].shape[1]):
             return self.reference.paged_attention(q, k, v, kv_cache, ctx, scale=scale, window=window)
         return paged_attention(q, kv_cache[0], kv_cache[1], ctx.block_tables, ctx.seq_lens, ctx.query_start_loc,
                                scale=scale, window=window, floors=ctx.visibility_floor if window > 0 else None,

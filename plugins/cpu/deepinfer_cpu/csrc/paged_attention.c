@@ -19,7 +19,10 @@
  * reduction; the weighted sum of the values stays in the register passes (float32 weights). A decode step of 18
  * requests over ~520 keys: 0.36 -> 0.25 ms a layer on the Xeon, verification rows 1.3-1.4x faster. Which path
  * scores a call depends only on the cache's dtype and shape, never on the rows, and each score is one tile element:
- * rows alone or together still agree bit for bit.
+ * rows alone or together still agree bit for bit. A prompt chunk (a request of more than CHUNK_ROWS rows, in tasks
+ * of CHUNK_ROWS) multiplies its values through the tiles too: its weights rounded to bf16 (as SDPA's flash kernel
+ * rounds them) the A tiles, the values in pairs of keys the B tiles; a 128-row bf16 prompt's attention 0.28 -> 0.17
+ * ms a SmolLM2 layer. Requests of up to CHUNK_ROWS rows (decode, verification) keep the float32 value passes.
  * When a call has fewer (request, KV head) pairs than two per thread, a request's rows are split into chunks,
  * one task each, so the threads share the work (a 6-row step of SmolLM2's 3 KV heads on 2 threads). With
  * requests enough, a thread takes all the tasks of a request at once: its KV heads share the cache's blocks (one
@@ -104,6 +107,9 @@ static inline void load_row(__m512 *dst, const void *src, int64_t vectors, int b
 #endif
 
 #define TILE_LANES 16 /* score rows per AMX tile: a QK tile's 16 columns, a PV tile's 16 rows */
+/* The most query rows of one request a task takes (paged_attention.py's MAX_QUERY_ROWS): a verification step's
+ * 1 + drafts in one task; with tiles, a longer prompt chunk's rows in tasks of this many. */
+#define CHUNK_ROWS 16
 
 static int visible(int64_t j, int64_t p, int64_t window, int64_t floor_) {
     if (j > p) return 0;
@@ -299,7 +305,85 @@ static void tile_scores(const char *keys, const int64_t *table, int64_t len, int
     }
 }
 
+/* The values of keys [0, n32) of head h as B tiles: pairs of keys interleaved per column, vv + (chunk · dim / 16 +
+ * slice) · 256 words for 32-key chunk `chunk` and 16-column slice `slice` (a row per key pair, a word per column:
+ * the column's values at keys 2p and 2p + 1); keys from len on are zero (their weights are zero, but the cache
+ * there may hold anything). */
+static void pack_values(const char *values, const int64_t *table, int64_t len, int64_t n32, int64_t block_size,
+                        int64_t row, int64_t h, int64_t dim, uint32_t *vv) {
+    __m512i first = _mm512_setzero_si512(), second = first; /* interleaving indices: columns 0-15, 16-31 */
+    uint16_t low[32], high[32];
+    for (int i = 0; i < 16; ++i) {
+        low[2 * i] = (uint16_t)i, low[2 * i + 1] = (uint16_t)(32 + i);
+        high[2 * i] = (uint16_t)(16 + i), high[2 * i + 1] = (uint16_t)(48 + i);
+    }
+    first = _mm512_loadu_si512(low), second = _mm512_loadu_si512(high);
+    const int64_t slices = dim / 16;
+    for (int64_t j = 0; j < n32; j += 2) {
+        if (j % block_size == 0 && j + block_size < len)
+            prefetch_head_block(values, table[j / block_size + 1], block_size, row, h, dim, sizeof(uint16_t));
+        const uint16_t *a = j < len ? (const uint16_t *)values + (table[j / block_size] * block_size + j % block_size)
+                                          * row + h * dim : NULL;
+        const uint16_t *b = j + 1 < len ? a + row : NULL; /* keys j and j + 1 share a block (blocks are even) */
+        uint32_t *to = vv + ((j / 32) * slices * 16 + (j % 32) / 2) * 16;
+        for (int64_t z = 0; z < dim / 32; ++z) {
+            const __m512i x = a ? _mm512_loadu_si512(a + 32 * z) : _mm512_setzero_si512();
+            const __m512i y = b ? _mm512_loadu_si512(b + 32 * z) : _mm512_setzero_si512();
+            _mm512_storeu_si512(to + (2 * z) * 256, _mm512_permutex2var_epi16(x, first, y));
+            _mm512_storeu_si512(to + (2 * z + 1) * 256, _mm512_permutex2var_epi16(x, second, y));
+        }
+    }
+}
+
+/* lane_out[l] = the lanes' weighted sums of the values: the weights p (bf16 [lane groups · 16][n32], zero past
+ * each lane's visible keys, padding lanes zero) the A tiles (16 lanes × 32 keys), the values the B tiles
+ * (pack_values), four 16-column C tiles at once, keys in order: each output one tile element, its sum independent
+ * of the other lanes. Tiles: C 0-3, A 4, B 5. */
+static void tile_values(const uint16_t *p, int64_t n32, const uint32_t *vv, int64_t lanes, int64_t dim,
+                        float *const *lane_out) {
+    const int64_t slices = dim / 16;
+    float c[4][16][16];
+    for (int64_t g = 0; g * TILE_LANES < lanes; ++g) {
+        const int64_t count = lanes - g * TILE_LANES < TILE_LANES ? lanes - g * TILE_LANES : TILE_LANES;
+        for (int64_t s0 = 0; s0 < slices; s0 += 4) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < n32 / 32; ++k) {
+                const uint32_t *b = vv + (k * slices + s0) * 256;
+                _tile_loadd(4, p + g * TILE_LANES * n32 + k * 32, n32 * (int64_t)sizeof(uint16_t));
+                _tile_loadd(5, b, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(5, b + 256, 64);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_loadd(5, b + 512, 64);
+                _tile_dpbf16ps(2, 4, 5);
+                _tile_loadd(5, b + 768, 64);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            _tile_stored(0, c[0], 64);
+            _tile_stored(1, c[1], 64);
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+            for (int64_t i = 0; i < count; ++i)
+                for (int t = 0; t < 4; ++t)
+                    memcpy(lane_out[g * TILE_LANES + i] + (s0 + t) * 16, c[t][i], sizeof(float) * 16);
+        }
+    }
+}
 #endif
+
+/* Whether a call on such a cache goes through the tiles (tiles_attend): paged_attention.py sends the kernel
+ * prompt chunks of more than CHUNK_ROWS rows only then. */
+int paged_attention_tiles(int bf16, int64_t window, int64_t dim, int64_t block_size) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+    return tiles_attend(bf16, window, dim, block_size);
+#else
+    (void)bf16, (void)window, (void)dim, (void)block_size;
+    return 0;
+#endif
+}
 
 /* Where score row `lane` (query row lane / group of the task, query head lane % group of KV head h's group) has
  * its query and output vectors in q and out. */
@@ -328,24 +412,45 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
             memcpy((char *)v_cache + to, (const char *)new_v + from, element * (size_t)row);
         }
     }
-    /* A request's rows split into chunks when there are fewer (request, KV head) pairs than two per thread: a
-     * 6-row verification step's 3 SmolLM2 KV heads left one of 2 threads idle a third of the time. */
-    const int64_t pairs = requests * kv_heads;
-    const int64_t chunks = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
-    const int64_t per_grab = requests >= 2 * threads ? kv_heads * chunks : 1;
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     const int tiles = tiles_attend(bf16, window, dim, block_size);
 #else
     const int tiles = 0;
 #endif
+    /* A request's rows split into chunks, one task each: when there are fewer (request, KV head) pairs than two
+     * per thread (a 6-row verification step's 3 SmolLM2 KV heads left one of 2 threads idle a third of the time),
+     * and a prompt chunk of more than CHUNK_ROWS rows into tasks of at most that many. task_start[r]:
+     * request r's first task (its chunks, KV head by KV head). */
+    const int64_t pairs = requests * kv_heads;
+    const int64_t least = pairs >= 2 * threads ? 1 : (2 * threads + pairs - 1) / pairs;
+    int64_t *task_start = malloc(sizeof(int64_t) * (size_t)(2 * requests + 1));
+    if (task_start == NULL) return 1;
+    int64_t *chunks_of = task_start + requests + 1;
+    int any_long = 0;
+    task_start[0] = 0;
+    for (int64_t r = 0; r < requests; ++r) {
+        const int64_t all = starts[r + 1] - starts[r], by_size = (all + CHUNK_ROWS - 1) / CHUNK_ROWS;
+        any_long |= all > CHUNK_ROWS;
+        chunks_of[r] = by_size > least ? by_size : least;
+        task_start[r + 1] = task_start[r] + kv_heads * chunks_of[r];
+    }
+    /* With requests enough, a thread takes all of a request's KV heads at once: they share its cache blocks (one
+     * cache position holds every head's vector), and one thread reading all of them was ~15% faster. */
+    const int64_t per_grab = requests >= 2 * threads && !any_long ? kv_heads * least : 1;
 #pragma omp parallel num_threads(threads)
     {
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
     if (tiles) configure_tiles();
 #endif
 #pragma omp for schedule(dynamic, per_grab)
-    for (int64_t task = 0; task < requests * kv_heads * chunks; ++task) {
-        const int64_t r = task / (kv_heads * chunks), h = task / chunks % kv_heads, c = task % chunks;
+    for (int64_t task = 0; task < task_start[requests]; ++task) {
+        int64_t r = 0; /* the request whose tasks hold `task`: a binary search over task_start */
+        for (int64_t hi = requests; hi - r > 1;) {
+            const int64_t mid = (r + hi) / 2;
+            if (task_start[mid] <= task) r = mid;
+            else hi = mid;
+        }
+        const int64_t chunks = chunks_of[r], h = (task - task_start[r]) / chunks, c = (task - task_start[r]) % chunks;
         const int64_t all = starts[r + 1] - starts[r], first_pos = seq_lens[r] - all;
         const int64_t i0 = c * all / chunks, m = (c + 1) * all / chunks - i0; /* this task's rows: i0 .. i0 + m - 1 */
         if (m == 0) continue;
@@ -354,9 +459,16 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
         const int64_t floor_ = (window > 0 && floors != NULL) ? floors[r] : 0;
         const int64_t n = len - lo, lanes = m * group; /* score rows: (query row, query head of the group) */
         const int64_t *table = tables + r * table_width;
-        /* [lanes][n] scores, then the sums; with tiles also the queries in the tiles' layout */
-        const int64_t query_words = tiles ? (lanes + TILE_LANES - 1) / TILE_LANES * (dim / 32) * 256 : 0;
-        float *scores = malloc(sizeof(float) * (size_t)(lanes * n + lanes + query_words));
+        /* A prompt chunk's rows (more than CHUNK_ROWS in the request) multiply the values through the tiles too,
+         * their weights rounded to bf16; a request of fewer rows (decode, verification) keeps float32 weights, so
+         * its rows agree bit for bit alone or together. */
+        const int long_chunk = tiles && all > CHUNK_ROWS;
+        /* [lanes][n] scores, then the sums; with tiles the queries in the tiles' layout, and for a prompt chunk
+         * the weights (bf16 [lane groups · 16][n32]) and the values (bf16 [n32][dim]) in theirs */
+        const int64_t groups = (lanes + TILE_LANES - 1) / TILE_LANES, n32 = (n + 31) / 32 * 32;
+        const int64_t query_words = tiles ? groups * (dim / 32) * 256 : 0;
+        const int64_t tile_words = long_chunk ? groups * TILE_LANES * n32 / 2 + n32 * dim / 2 : 0;
+        float *scores = malloc(sizeof(float) * (size_t)(lanes * n + lanes + query_words + tile_words));
         if (scores == NULL) {
             failed = 1;
             continue;
@@ -423,9 +535,13 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
          * the rows beside it — decode and verification agree bit for bit. */
         for (int64_t lane = 0; lane < lanes; ++lane) {
             float *s = scores + lane * n, top = -INFINITY, part[16] = {0.0f};
+#pragma omp simd reduction(max : top) /* in vector lanes: a scalar chain of maxima was 40% of a prompt chunk's time */
             for (int64_t x = 0; x < n; ++x) top = s[x] > top ? s[x] : top;
 #pragma omp simd
             for (int64_t x = 0; x < n; ++x) s[x] = exp_nonpositive(s[x] - top);
+            if (long_chunk) /* the weights the value tiles multiply: bf16 values, summed as they weigh */
+#pragma omp simd
+                for (int64_t x = 0; x < n; ++x) s[x] = bf16_to_float(float_to_bf16(s[x]));
             int64_t x = 0;
             for (; x < n && ((lo + x) & 15); ++x) part[(lo + x) & 15] += s[x];
             for (; x + 16 <= n; x += 16) { /* key positions aligned to 16: lane l takes position l mod 16 */
@@ -437,7 +553,19 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
                 for (int l = 0; l < width; ++l) part[l] += part[l + width];
             sums[lane] = part[0];
         }
-        /* Weighted sum of the values, block by block: in registers where a pass serves the head's width. */
+        /* Weighted sum of the values: a prompt chunk's through the tiles; else block by block, in registers where a
+         * pass serves the head's width. */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+        if (long_chunk) {
+            uint32_t *vv = (uint32_t *)(sums + lanes) + query_words;
+            uint16_t *weights16 = (uint16_t *)(vv + n32 * dim / 2);
+            memset(weights16, 0, sizeof(uint16_t) * (size_t)(groups * TILE_LANES * n32));
+            for (int64_t lane = 0; lane < lanes; ++lane)
+                for (int64_t x = 0; x < n; ++x) weights16[lane * n32 + x] = float_to_bf16(scores[lane * n + x]);
+            pack_values(values, table, len, n32, block_size, row, h, dim, vv);
+            tile_values(weights16, n32, vv, lanes, dim, lane_out);
+        } else
+#endif
 #ifdef __AVX512F__
         if (per_pass) {
             for (int64_t first = 0; first < lanes; first += per_pass) {
@@ -484,5 +612,6 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
     if (tiles) _tile_release();
 #endif
     }
+    free(task_start);
     return failed;
 }
