@@ -119,7 +119,7 @@ class DecodeStep:
         self.block_size = block_size
         self.layers = (_Layer * len(layers))(*layers)
         self.kept = kept  # the tensors the plan points into
-        dtype = stack.layers[0].kv_cache[0].dtype
+        self.dtype = dtype = stack.layers[0].kv_cache[0].dtype  # the model's and its caches'
         self.shape = _Shape(len(layers), stack.hidden, stack.heads, stack.kv_heads, stack.head_dim,
                             stack.intermediate, block_size, stack.eps, stack.scale, int(dtype == torch.bfloat16))
         self.cos, self.sin = stack.rope_cos.float().contiguous(), stack.rope_sin_signed.float().contiguous()
@@ -165,8 +165,7 @@ class DecodeStep:
 
     def kernel_attends(self, max_query_len: int) -> bool:
         """Whether ``cpu_paged``'s kernel takes a step whose requests bring at most ``max_query_len`` rows."""
-        cache_dtype = torch.bfloat16 if self.shape.bf16 else torch.float32
-        return kernel_takes(max_query_len, cache_dtype, 0, self.shape.head_dim, self.block_size)
+        return kernel_takes(max_query_len, self.dtype, 0, self.shape.head_dim, self.block_size)
 
     def current(self, block_size: int) -> bool:
         """Whether this plan still describes its stack's tensors (and the cache's block size)."""
@@ -199,7 +198,7 @@ class DecodeStep:
             if attends:
                 q_size, kv_size = stack.heads * stack.head_dim, stack.kv_heads * stack.head_dim
                 for name, width in (("q", q_size), ("k", kv_size), ("v", kv_size)):
-                    setattr(self._attention, name, self._buffer(name, rows * width, x.dtype))
+                    setattr(self._attention, name, self._buffer(name, rows * width))
                 attention = ctypes.addressof(self._attention)
         step = _Step(rows, tables.shape[0], tables.shape[1], *(t.data_ptr() for t in index), projection, attention,
                      workspace)
@@ -218,11 +217,12 @@ class DecodeStep:
             raise MemoryError("plugins.cpu decode step: the kernel could not allocate its buffers")
         return out, captured
 
-    def _buffer(self, name: str, size: int, dtype: torch.dtype) -> int:
-        """The address of a kept buffer of at least ``size`` elements of ``dtype`` (grown when a step needs more)."""
+    def _buffer(self, name: str, size: int) -> int:
+        """The address of a kept buffer of at least ``size`` elements of the model dtype (grown when a step needs
+        more)."""
         held = self._buffers.get(name)
-        if held is None or held.numel() < size or held.dtype != dtype:
-            held = self._buffers[name] = torch.empty(size, dtype=dtype)
+        if held is None or held.numel() < size:
+            held = self._buffers[name] = torch.empty(size, dtype=self.dtype)
         return held.data_ptr()
 
     def _hand_over(self, caller: _Caller, result: torch.Tensor) -> int:
@@ -235,11 +235,10 @@ class DecodeStep:
     def _rows_at(self, address: int, rows: int, width: int) -> torch.Tensor:
         """The kernel's input rows ``[rows, width]`` at ``address``: in the workspace, or an attention output this
         plan handed over (views, not copies)."""
-        dtype = torch.bfloat16 if self.shape.bf16 else torch.float32
         offset = address - self._workspace.data_ptr()
         if 0 <= offset < self._workspace.numel():
-            size = rows * width * (torch.finfo(dtype).bits // 8)
-            return self._workspace[offset:offset + size].view(dtype).view(rows, width)
+            size = rows * width * (torch.finfo(self.dtype).bits // 8)
+            return self._workspace[offset:offset + size].view(self.dtype).view(rows, width)
         held = next(t for t in self._results if t.data_ptr() == address)
         return held.view(rows, width)
 

@@ -209,7 +209,8 @@ int64_t decode_step_workspace(const struct shape *s, int64_t tokens, int caller_
  * and write the calls' rows in the model dtype where they lie (no float32 copies of a projection's rows). They are
  * compiled for 16-float vectors (GCC picks 8-float ones for this CPU, which the one-row GEMV prefers): a 128-token
  * bf16 SmolLM2 prompt's first token 44.7-45.2 -> 41.6-42.5 ms on the Xeon. */
-__attribute__((target("prefer-vector-width=512"))) static int layers_through_caller(const struct shape *s, const struct layer *layers, const struct step *step, float *x,
+__attribute__((target("prefer-vector-width=512")))
+static int layers_through_caller(const struct shape *s, const struct layer *layers, const struct step *step, float *x,
                                  void *const *captures, const float *cos_table, const float *sin_table, int threads) {
     const int bf16 = s->bf16;
     const int64_t T = step->tokens, d = s->head_dim, q_size = s->heads * d, kv_size = s->kv_heads * d;

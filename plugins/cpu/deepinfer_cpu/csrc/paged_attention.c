@@ -311,13 +311,12 @@ static void tile_scores(const char *keys, const int64_t *table, int64_t len, int
  * there may hold anything). */
 static void pack_values(const char *values, const int64_t *table, int64_t len, int64_t n32, int64_t block_size,
                         int64_t row, int64_t h, int64_t dim, uint32_t *vv) {
-    __m512i first = _mm512_setzero_si512(), second = first; /* interleaving indices: columns 0-15, 16-31 */
-    uint16_t low[32], high[32];
+    uint16_t low[32], high[32]; /* interleaving indices: columns 0-15, 16-31 */
     for (int i = 0; i < 16; ++i) {
         low[2 * i] = (uint16_t)i, low[2 * i + 1] = (uint16_t)(32 + i);
         high[2 * i] = (uint16_t)(16 + i), high[2 * i + 1] = (uint16_t)(48 + i);
     }
-    first = _mm512_loadu_si512(low), second = _mm512_loadu_si512(high);
+    const __m512i first = _mm512_loadu_si512(low), second = _mm512_loadu_si512(high);
     const int64_t slices = dim / 16;
     for (int64_t j = 0; j < n32; j += 2) {
         if (j % block_size == 0 && j + block_size < len)
@@ -474,6 +473,9 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
             continue;
         }
         float *sums = scores + lanes * n;
+        /* a prompt chunk's weights as the value tiles take them (bf16, padding lanes and keys zero) */
+        uint16_t *weights16 = long_chunk ? (uint16_t *)((uint32_t *)(sums + lanes) + query_words + n32 * dim / 2) : NULL;
+        if (long_chunk) memset(weights16, 0, sizeof(uint16_t) * (size_t)(groups * TILE_LANES * n32));
         int64_t per_pass = 0; /* score rows per register pass (0: none serves this head width) */
 #ifdef __AVX512F__
         per_pass = in_registers ? lanes_per_pass(vectors) : 0;
@@ -539,9 +541,14 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
             for (int64_t x = 0; x < n; ++x) top = s[x] > top ? s[x] : top;
 #pragma omp simd
             for (int64_t x = 0; x < n; ++x) s[x] = exp_nonpositive(s[x] - top);
-            if (long_chunk) /* the weights the value tiles multiply: bf16 values, summed as they weigh */
+            if (long_chunk) { /* the weights the value tiles multiply: bf16 values, summed as they weigh */
+                uint16_t *w = weights16 + lane * n32;
 #pragma omp simd
-                for (int64_t x = 0; x < n; ++x) s[x] = bf16_to_float(float_to_bf16(s[x]));
+                for (int64_t x = 0; x < n; ++x) {
+                    w[x] = float_to_bf16(s[x]);
+                    s[x] = bf16_to_float(w[x]);
+                }
+            }
             int64_t x = 0;
             for (; x < n && ((lo + x) & 15); ++x) part[(lo + x) & 15] += s[x];
             for (; x + 16 <= n; x += 16) { /* key positions aligned to 16: lane l takes position l mod 16 */
@@ -558,10 +565,6 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache, co
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
         if (long_chunk) {
             uint32_t *vv = (uint32_t *)(sums + lanes) + query_words;
-            uint16_t *weights16 = (uint16_t *)(vv + n32 * dim / 2);
-            memset(weights16, 0, sizeof(uint16_t) * (size_t)(groups * TILE_LANES * n32));
-            for (int64_t lane = 0; lane < lanes; ++lane)
-                for (int64_t x = 0; x < n; ++x) weights16[lane * n32 + x] = float_to_bf16(scores[lane * n + x]);
             pack_values(values, table, len, n32, block_size, row, h, dim, vv);
             tile_values(weights16, n32, vv, lanes, dim, lane_out);
         } else
