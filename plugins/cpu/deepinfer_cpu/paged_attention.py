@@ -72,8 +72,9 @@ def tiles(cache_dtype: torch.dtype, window: int, head_dim: int, block_size: int)
 
 def kernel_takes(max_query_len: int, cache_dtype: torch.dtype, window: int, head_dim: int, block_size: int) -> bool:
     """Whether a step whose requests bring at most ``max_query_len`` rows each goes to the kernel: up to
-    ``MAX_QUERY_ROWS``, and up to ``MAX_CHUNK_ROWS`` on a cache it scores through the tiles."""
-    return 0 < max_query_len <= MAX_QUERY_ROWS or (
+    ``MAX_QUERY_ROWS`` (0, not stated, too, as before), and up to ``MAX_CHUNK_ROWS`` on a cache it scores through
+    the tiles."""
+    return max_query_len <= MAX_QUERY_ROWS or (
         max_query_len <= MAX_CHUNK_ROWS and tiles(cache_dtype, window, head_dim, block_size))
 
 
