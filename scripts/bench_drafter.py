@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -67,14 +68,15 @@ def _run(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int) -> tup
 def profile_config(llm: LLM, prompts: list[list[int]], batch: int, out: Path) -> dict:
     """``torch.profiler`` over 16 steady steps of ``batch`` requests (after 6 warm-up steps): the top ops by
     host time and by device time written to ``out``; per step: wall ms, kernel launches, graph replays and
-    host → device copies."""
+    host → device copies. The steps' timeline (every thread's ops and the kernels) goes beside it as a gzipped
+    Chrome trace."""
     from bench_gpu_deepseek import profile_steps
 
     engine, steps = llm.engine, 16
     params = SamplingParams(temperature=0, max_tokens=128, ignore_eos=True)
     for p in prompts[:batch]:
         engine.add(engine.make_request(p, params))
-    averages, wall = profile_steps(engine, 6, steps)
+    averages, wall = profile_steps(engine, 6, steps, trace=out.with_suffix(".trace.json.gz"))
     out.write_text(averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n"
                    + averages.table(sort_by="self_device_time_total", row_limit=20))
     counts = {e.key: e.count / steps for e in averages
@@ -105,12 +107,17 @@ def main() -> None:
                     help="an engine setting for every configuration, e.g. kernels.compile=inductor (repeatable)")
     ap.add_argument("--configs", nargs="+", default=["off", "fixed", "varlen"], choices=["off", "fixed", "varlen"],
                     help="the configurations to run (off is the speed-ups' baseline and always runs)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run (seconds): how soon a thread waiting for the GIL gets it "
+                         "(the interpreter's default is 0.005); the host and the device thread share it")
     ap.add_argument("--output", type=Path, default=None)
     ap.add_argument("--profile", default=None, choices=["off", "fixed", "varlen"],
                     help="with --device cuda: torch.profiler over 16 steady steps of this configuration at each batch, "
                          "after the timings (tables beside --output)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     if (args.work / "data.pt").exists():
         held = torch.load(args.work / "data.pt", weights_only=False)["held_seqs"]
         prompts = [ids[:p] for ids, p in zip(held.token_ids, held.prompt_lens, strict=True)]
@@ -172,6 +179,12 @@ def main() -> None:
                 row[name]["spec"] = stats["spec_decode"]
             if stats.get("step_cost"):
                 row[name]["step_cost"] = stats["step_cost"]
+            # Where a step's time goes (totals over warm-up and repeats: read them as shares): the host's phases,
+            # the device's busy and idle time, and under --overlap the device thread's busy time and the host's
+            # waits on it.
+            row[name]["time_split"] = {"steps": stats["steps"], **stats["step_time_split"],
+                                       "device_busy_s": stats["device_busy_s"], "device_idle_s": stats["device_idle_s"],
+                                       **{f"executor_{k}": v for k, v in stats.get("scheduling", {}).items()}}
         for name in set(llms) - {"off"}:
             row[name]["speedup"] = row[name]["tok_s"] / row["off"]["tok_s"]
         report["batches"][str(batch)] = row

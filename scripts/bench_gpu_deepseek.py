@@ -238,9 +238,10 @@ def bench_deepinfer(folder: Path, config: dict, batches: list[int], repeats: int
     return result
 
 
-def profile_steps(engine, warmup: int, steps: int):
+def profile_steps(engine, warmup: int, steps: int, trace: Path | None = None):
     """``torch.profiler``'s averages over ``steps`` engine steps after ``warmup`` ones, and their wall
-    seconds; the engine's requests then run to the end."""
+    seconds; the engine's requests then run to the end. ``trace``: the timeline written there too (Chrome
+    trace format; gzipped when the name ends in ``.gz``)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
@@ -252,6 +253,8 @@ def profile_steps(engine, warmup: int, steps: int):
             engine.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     while engine.has_unfinished():
         engine.step()
     return prof.key_averages(), wall

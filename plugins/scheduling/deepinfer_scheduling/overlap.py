@@ -8,8 +8,11 @@ While the device runs step N+1, the host post-processes step N. One ``step()`` c
 3. wait for step N (the one event the host waits on) and post-process it: commit tokens, stops,
    outputs, release of blocks that N+1 no longer touches.
 
-The "device" is one worker thread that runs steps strictly in order, like a CUDA stream, so the
-overlap is real on CPU too (torch releases the GIL inside its kernels). Outputs equal the
+With ``launch="thread"`` the "device" is one worker thread that runs steps strictly in order, like a CUDA
+stream, so the overlap is real on CPU too (torch releases the GIL inside its kernels). With
+``launch="inline"`` (a CUDA device) the host thread enqueues step N+1 itself before it waits for N: the
+stream keeps the order and the device runs N+1 while the host processes N, with no second Python thread
+contending for the GIL. Outputs equal the
 synchronous executor's: every draw is a pure function of (seed, position), and results of requests
 preempted, aborted or finished while a step was in flight are dropped (core ``process``).
 
@@ -39,13 +42,18 @@ class _InFlight:
 
 
 class DeviceTimeline:
-    """Busy intervals of the device worker, for the idle time between steps."""
+    """Busy intervals of the device worker, for the idle time between steps, and the host's waits on it.
+
+    ``host_wait`` is the time the host blocked on a step's results: near zero when the host's own work
+    (scheduling, preparing, processing) is what bounds the step rate, near the step time when the device is.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.steps = 0
         self.busy = 0.0
         self.idle = 0.0
+        self.host_wait = 0.0
         self._last_end: float | None = None
 
     def record(self, start: float, end: float) -> None:
@@ -56,6 +64,10 @@ class DeviceTimeline:
             self.busy += end - start
             self.steps += 1
 
+    def record_wait(self, seconds: float) -> None:
+        with self._lock:
+            self.host_wait += seconds
+
     def mark_drained(self) -> None:
         """The executor ran out of work: the gap until the next step is not the executor's idle time."""
         with self._lock:
@@ -65,16 +77,17 @@ class DeviceTimeline:
         with self._lock:
             total = self.busy + self.idle
             return {"device_steps": self.steps, "device_busy_s": self.busy, "device_idle_s": self.idle,
-                    "device_idle_fraction": self.idle / total if total else 0.0}
+                    "device_idle_fraction": self.idle / total if total else 0.0, "host_wait_s": self.host_wait}
 
 
 class OverlapExecutor:
     """Runs step N+1 on the device while the host post-processes step N."""
 
-    def __init__(self, context: StepContext, guard: SyncGuard | None = None) -> None:
+    def __init__(self, context: StepContext, guard: SyncGuard | None = None, *, inline: bool = False) -> None:
         self.context = context
         self.guard = guard or SyncGuard(enabled=False)
-        self.device = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-device")
+        # inline: the caller's thread launches each step (an asynchronous device keeps the overlap).
+        self.device = None if inline else ThreadPoolExecutor(max_workers=1, thread_name_prefix="deepinfer-device")
         self.timeline = DeviceTimeline()
         self.inflight: _InFlight | None = None
 
@@ -86,12 +99,13 @@ class OverlapExecutor:
                 previous = self.inflight
                 with self.guard.launching():
                     prepared = self.context.prepare(scheduled, previous.scheduled if previous else None)
-                future = self.device.submit(self._device_step, prepared, previous.future if previous else None)
-                launched = _InFlight(scheduled, future)
+                launched = _InFlight(scheduled, self._launch(prepared, previous.future if previous else None))
             if self.inflight is None:
                 outputs = self.context.process(None, None)
             else:
+                waited = time.perf_counter()
                 results = self.inflight.future.result()
+                self.timeline.record_wait(time.perf_counter() - waited)
                 with self.guard.reading():
                     outputs = self.context.process(self.inflight.scheduled, results)
         except BaseException:
@@ -111,6 +125,13 @@ class OverlapExecutor:
         wait(pending)
         self.timeline.mark_drained()
 
+    def _launch(self, prepared: Any, previous: Future | None) -> Future:
+        if self.device is not None:
+            return self.device.submit(self._device_step, prepared, previous)
+        future: Future = Future()
+        future.set_result(self._device_step(prepared, previous))  # raises into step(), which drops the rest
+        return future
+
     def _device_step(self, prepared: Any, previous: Future | None) -> Any:
         # The worker runs steps in order, so the previous step is complete here.
         previous_results = previous.result() if previous is not None else None
@@ -121,4 +142,5 @@ class OverlapExecutor:
         return results
 
     def shutdown(self) -> None:
-        self.device.shutdown(wait=True)
+        if self.device is not None:
+            self.device.shutdown(wait=True)

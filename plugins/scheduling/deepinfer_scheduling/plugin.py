@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from deepinfer import hookimpl
-from deepinfer.interfaces import StepContext
+from deepinfer.errors import ConfigError
+from deepinfer.interfaces import EngineInfo, StepContext
 from deepinfer_scheduling.config import SchedulingConfig
 from deepinfer_scheduling.overlap import OverlapExecutor
 from deepinfer_scheduling.policies import PriorityPolicy, ShortestPromptFirst
@@ -25,8 +26,15 @@ class Plugin:
     def deepinfer_config_aliases() -> dict[str, str]:
         return {"DEEPINFER_ZERO_OVERHEAD_SCHEDULING": "plugins.scheduling.enabled"}
 
+    @hookimpl
+    def deepinfer_validate_config(self, config: Any, info: EngineInfo) -> None:
+        if self.config.launch == "inline" and info.device != "cuda":
+            raise ConfigError(
+                f"plugins.scheduling.launch='inline' needs a CUDA device (the engine's is {info.device!r}): the host "
+                "thread would run each step's forward itself and overlap nothing; use 'thread'")
+
     def _overlap(self, context: StepContext) -> OverlapExecutor:
-        executor = OverlapExecutor(context, SyncGuard(self.config.sync_guard))
+        executor = OverlapExecutor(context, SyncGuard(self.config.sync_guard), inline=self.config.launch == "inline")
         self.executors.append(executor)
         return executor
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import random
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
 from abort_drills import drain_with_random_aborts
+from deepinfer_scheduling.overlap import OverlapExecutor
 from tiny_models import TINY, save_tiny
 
 from deepinfer import LLM, SamplingParams
@@ -105,3 +108,62 @@ def test_env_knob_enables_overlap(tmp_path, monkeypatch):
     assert type(llm.engine.executor).__name__ == "SyncExecutor"
     with pytest.raises(ConfigError, match="overlap"):
         LLM(folder, block_size=16, kv_cache_bytes=1 << 20, scheduler={"executor": "overlap"})
+
+
+class _RecordingContext:
+    """A step context that records which thread did what, in order; step N's results are N."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+        self.scheduled = 0
+        self.calls: list[tuple[str, int | None, str]] = []
+
+    def _note(self, what: str, step: int | None) -> None:
+        self.calls.append((what, step, threading.current_thread().name))
+
+    def schedule(self):
+        self.left -= 1
+        scheduled = SimpleNamespace(is_empty=self.left < 0, step=self.scheduled)
+        self.scheduled += not scheduled.is_empty
+        self._note("schedule", scheduled.step)
+        return scheduled
+
+    def prepare(self, scheduled, previous=None):
+        self._note("prepare", scheduled.step)
+        return scheduled.step
+
+    def run(self, prepared, previous_results=None):
+        assert previous_results == (None if prepared == 0 else prepared - 1)  # the steps run in order
+        self._note("run", prepared)
+        return prepared
+
+    def process(self, scheduled, results):
+        self._note("process", results)
+        return [] if results is None else [results]
+
+
+@pytest.mark.parametrize("inline", [False, True], ids=["thread", "inline"])
+def test_step_n_plus_1_is_launched_before_step_n_is_processed(inline):
+    """Step N+1 is handed to the device before the host processes step N: ``inline`` runs its launch on the
+    caller's thread, so before that processing; ``thread`` on the worker, in step order."""
+    context = _RecordingContext(3)
+    executor = OverlapExecutor(context, inline=inline)
+    outputs = [executor.step() for _ in range(4)]
+    executor.shutdown()
+    assert outputs == [[], [0], [1], [2]]
+    order = [(what, step) for what, step, _ in context.calls if what in ("run", "process")]
+    if inline:
+        assert order == [("run", 0), ("process", None), ("run", 1), ("process", 0), ("run", 2), ("process", 1),
+                         ("process", 2)]
+    else:
+        assert [step for what, step in order if what == "run"] == [0, 1, 2]
+    runners = {thread for what, _, thread in context.calls if what == "run"}
+    assert (runners == {threading.current_thread().name}) is inline
+    assert executor.timeline.stats()["device_steps"] == 3
+
+
+def test_inline_launch_needs_a_cuda_device(tmp_path):
+    folder = save_tiny("llama", tmp_path)[1]
+    with pytest.raises(ConfigError, match=r"plugins\.scheduling\.launch"):
+        LLM(folder, block_size=16, kv_cache_bytes=1 << 20, scheduler={"executor": "overlap"},
+            plugins={"scheduling": {"enabled": True, "launch": "inline"}})

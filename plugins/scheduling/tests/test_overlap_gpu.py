@@ -13,9 +13,10 @@ REFS = Path(__file__).resolve().parents[3] / "tests" / "gpu_refs"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.mark.parametrize("launch", ["thread", "inline"])
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_overlap_equals_sync_on_cuda(name, dtype):
+def test_overlap_equals_sync_on_cuda(name, dtype, launch):
     gen = torch.Generator().manual_seed(3)
     lengths = torch.randint(3, 70, (12,), generator=gen)
     prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in lengths]
@@ -23,7 +24,7 @@ def test_overlap_equals_sync_on_cuda(name, dtype):
     outs = {}
     for executor in ("sync", "overlap"):
         llm = LLM(REFS / name, device="cuda", dtype=dtype, block_size=16, kv_cache_bytes=1 << 22,
-                  plugins={"scheduling": {"enabled": executor == "overlap"}})
+                  plugins={"scheduling": {"enabled": executor == "overlap", "launch": launch}})
         outs[executor] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
                           for o in llm.generate(prompts, params, use_tqdm=False)]
         stats = llm.get_stats()
@@ -36,24 +37,25 @@ PARAMS = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=8
 SPEC = {"spec_decode": {"enabled": True, "drafter": "ngram", "plan": "fixed", "max_draft": 3}}
 
 
-def _llm(guard: bool, plugins: dict | None = None) -> LLM:
+def _llm(guard: bool, plugins: dict | None = None, launch: str = "thread") -> LLM:
     return LLM(REFS / "llama", device="cuda", dtype="float32", block_size=16, kv_cache_bytes=1 << 22,
-               plugins={"scheduling": {"enabled": True, "sync_guard": guard}, **(plugins or {})})
+               plugins={"scheduling": {"enabled": True, "sync_guard": guard, "launch": launch}, **(plugins or {})})
 
 
 def _tokens(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
 
 
+@pytest.mark.parametrize("launch", ["thread", "inline"])
 @pytest.mark.parametrize("plugins", [{}, SPEC], ids=["plain", "spec_decode"])
-def test_sync_guard_passes_a_run_without_hidden_syncs(plugins):
+def test_sync_guard_passes_a_run_without_hidden_syncs(plugins, launch):
     """The launch path (inputs through pinned buffers and non-blocking copies, forward, sampling or
     verification) never synchronizes: with the guard on the run completes, with the same tokens."""
     reference = LLM(REFS / "llama", device="cuda", dtype="float32", block_size=16, kv_cache_bytes=1 << 22,
                     plugins=plugins)
     expected = _tokens(reference)
     reference.shutdown()
-    llm = _llm(True, plugins)
+    llm = _llm(True, plugins, launch)
     assert _tokens(llm) == expected
     assert torch.cuda.get_sync_debug_mode() == 0  # restored once no launch runs
     llm.shutdown()
