@@ -45,9 +45,12 @@ drafted for ``r`` requests afterwards is charged
   once both kinds were seen ``min_samples`` times: the plain step's host work is the baseline's too, and one
   kind standing in for the other made drafting look cheaper on the H100 (a drafting step's 3.2–4.4 ms charged
   to the plain step too, whose own was ~3: the gate opened at batch 64 and ran at 0.82× of no speculation,
-  0.99× without the term). On the H100 a synchronous spec step's host part was 2.6–4.4 ms against a forward of
-  3.1–4.0 (``stats()``). Under an overlapped executor the host's work hides behind the device's, and so the
-  term shrinks by itself.
+  0.99× without the term). A gate that drafts at every step sees no plain step: while drafting steps alone
+  were seen (``wants_plain_steps``) the speculator lets rounds draft nothing, so the baseline is measured (on
+  the H100 at batch 64 the term had stayed uncharged all run: drafting's 4.0 ms of host time against none).
+  On the H100 a synchronous spec step's host part was 2.6–4.4 ms against a forward of 3.1–4.0
+  (``stats()``). Under an overlapped executor the host's work hides behind the device's, and so the term
+  shrinks by itself.
 
 Each observation is first predicted: ``prediction_error`` is the median relative error
 ``|predicted − measured| / measured`` over the last ``term_window`` steps (``stats()``).
@@ -334,6 +337,12 @@ class StepCost:
         if min(len(self.host_drafting.samples), len(self.host_plain.samples)) < self.min_samples:
             return 0.0
         return self._host(requests).value()
+
+    def wants_plain_steps(self) -> bool:
+        """Whether the host term waits for plain steps: drafting steps were seen ``min_samples`` times and plain
+        ones fewer. A gating plan that drafts at every step would otherwise never learn the baseline's host
+        time, and never be charged the drafting steps' own (``Speculator`` then lets a round draft nothing)."""
+        return len(self.host_drafting.samples) >= self.min_samples > len(self.host_plain.samples)
 
     def step_time(self, query_tokens: int, *, requests: int = 0) -> float:
         """Seconds of a decode step of ``query_tokens`` (all verified rows) followed by drafting for

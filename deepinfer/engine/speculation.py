@@ -318,10 +318,14 @@ class Speculator:
     def _drafting_pays(self, batch: int) -> bool:
         """The plan's ``drafting_pays`` at a step of ``batch`` sampling rows (True for a plan without it), asked
         again every ``PAYS_REFRESH`` proposal rounds per batch size (it weighs the step-cost model and the
-        drafts offered so far, both of which move slowly)."""
+        drafts offered so far, both of which move slowly). False, for a gating plan, while the step-cost model
+        wants plain steps to learn the baseline's host time (``wants_plain_steps``)."""
         ask = getattr(self.plan, "drafting_pays", None)
         if ask is None:
             return True
+        wants_plain = getattr(self.cost, "wants_plain_steps", None)
+        if wants_plain is not None and wants_plain():
+            return False  # a plain round: the cost model learns the baseline's host time (engine/cost.py)
         known = self._pays.get(batch)
         if known is None or self._round - known[1] >= PAYS_REFRESH:
             known = self._pays[batch] = (bool(ask(batch, self.cost)), self._round)

@@ -270,8 +270,10 @@ def test_step_cost_charges_the_hosts_own_time_by_kind_of_step():
         cost.observe(6, 0.005, sampler_seconds=0.0, requests=1, draft_seconds=0.001, step_seconds=0.020)
     assert cost.host_seconds(1) == cost.host_seconds(0) == 0.0  # plain steps not seen yet
     assert cost.stats()["host_seconds_drafting"] == pytest.approx(0.014)
+    assert cost.wants_plain_steps()  # the speculator makes plain rounds until it saw as many of them
     for _ in range(3):  # plain steps: 5 ms of forward, 7 of wall time
         cost.observe(1, 0.005, sampler_seconds=0.0, step_seconds=0.007)
+    assert not cost.wants_plain_steps()
     assert cost.host_seconds(0) == pytest.approx(0.002) and cost.host_seconds(3) == pytest.approx(0.014)
     assert cost.step_time(6, requests=1) - cost.step_time(6) == pytest.approx(0.012 + cost.drafting.seconds(1))
     host_heavy = StepCost(measure, 24, min_samples=1)  # the curve's seconds exactly, then 3 s of host a drafting step

@@ -191,6 +191,26 @@ def test_no_request_drafts_at_a_batch_size_where_the_plan_says_drafting_cannot_p
     llm.shutdown()
 
 
+def test_a_gate_that_always_drafts_still_measures_the_plain_steps_host_time(tmp_path):
+    """A gate that says drafting pays at every step would let no plain step run, and the step-cost model
+    charges the host's own time only once it saw both kinds of step (``engine/cost.py``): drafting's would
+    never be charged. While drafting steps alone were seen, rounds draft nothing until as many plain steps
+    were; then drafting resumes. Tokens are those of decoding without speculation, every block back."""
+    llm, prompts, params, reference = _two_oracle_requests(tmp_path)
+    speculator = llm.engine.speculator
+    speculator.plan.drafting_pays = lambda batch, cost: True
+    cost = speculator.cost
+    cost.min_samples = 3
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == reference
+    assert len(cost.host_plain.samples) >= 3 and len(cost.host_drafting.samples) >= 3
+    assert not cost.wants_plain_steps()
+    stats = llm.get_stats()
+    assert stats["spec_decode"]["mean_acceptance_length"] > 2  # drafting resumed after the plain rounds
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("explore", [True, False])
 def test_a_probe_verifies_a_draft_so_a_pessimistic_plan_learns_again(tmp_path, monkeypatch, explore):
     """A calibrator taught by a few early rejections makes varlen grant nothing; the drafts are in fact
