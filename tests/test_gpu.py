@@ -241,3 +241,22 @@ def check_free_greedy(ref: dict[str, Any], rel_tol: float, **llm_args: Any) -> l
         compared.append(n)
     print(f"\nMEASURED {ref['name']:22s} free greedy: tokens compared per prompt {compared} of {CONT_LEN + 1}")
     return compared
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_on_the_device_is_the_float64_definition(dtype: torch.dtype) -> None:
+    """``RMSNorm`` on CUDA takes torch's fused kernel: ``x / rms(x)`` in float32, cast back, times the weight, as
+    the float64 statement of it up to the rounding of the dtype."""
+    from deepinfer.model.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 576, generator=gen) * 3).to(dtype)
+    norm = RMSNorm(576, 1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576, generator=gen) + 0.5)
+    got = norm.to(DEVICE)(x.to(DEVICE)).float().cpu()
+    x64 = x.double()
+    normed = (x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    want = (norm.weight.detach().cpu().double() * normed.double()).to(dtype).float()
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7  # a float32 rounding apart, or one bf16 ulp
+    torch.testing.assert_close(got, want, rtol=tol, atol=1e-6)

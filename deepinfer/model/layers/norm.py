@@ -38,11 +38,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        if self.min_cuda_rows == 1:  # the same values as below in three fewer ops (a batch-1 CPU step, issue 36)
-            inv_rms = x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        else:
-            inv_rms = torch.rsqrt(mean_square(x32, self.min_cuda_rows) + self.eps)
-        return self.weight * (x32 * inv_rms).to(x.dtype)
+        if self.min_cuda_rows > 1:
+            normed = x32 * torch.rsqrt(mean_square(x32, self.min_cuda_rows) + self.eps)
+        elif x32.is_cuda:  # torch's fused kernel: one launch where the ops below are five (a CUDA graph's nodes)
+            normed = F.rms_norm(x32, (x32.shape[-1],), eps=self.eps)
+        else:  # the same values in three fewer ops than the batch-invariant form (a batch-1 CPU step, issue 36)
+            normed = x32 * x32.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return self.weight * normed.to(x.dtype)
 
 
 class OffsetRMSNorm(RMSNorm):
