@@ -15,6 +15,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.core import EngineCore
 from deepinfer.engine.cost import StepCost
 from deepinfer.engine.executor import SyncExecutor
+from deepinfer.engine.heap import HeapTrimmer
 from deepinfer.engine.request import Request
 from deepinfer.engine.startup import StartUp, resolve_config
 from deepinfer.engine.stats import EngineStats
@@ -70,6 +71,7 @@ class LLMEngine:
             if isinstance(cost, StepCost):
                 cost.profile_all()
         self._grammars: GrammarCompiler | None = None  # structured output, built on first use
+        self.heap = HeapTrimmer() if self.device.type == "cpu" else None  # the C heap's free memory (engine/heap.py)
         self.host.notify("deepinfer_engine_started", info=self.info)
 
     @property
@@ -123,8 +125,11 @@ class LLMEngine:
             aborted = self.core.abort_after_failed_step(f"aborted: an engine step raised {type(exc).__name__}")
             logger.warning("an engine step raised %s; aborted %d live requests", type(exc).__name__, len(aborted))
             raise
-        if not self.core.has_work():
+        drained = not self.core.has_work()
+        if drained:
             self.runner.work_drained()
+        if self.heap is not None:
+            self.heap.after_step(drained)
         return outputs
 
     # ------------------------------------------------------------------------------------------ stats
@@ -151,6 +156,7 @@ class LLMEngine:
             "piecewise_graph_replays": self.runner.piecewise.replays if self.runner.piecewise else 0,
             "device_busy_s": self.stats.device_busy_s,
             "device_idle_s": self.stats.device_idle_s,
+            "heap_trims": self.heap.trims if self.heap is not None else 0,  # engine/heap.py (CPU runs)
         }
         if self.speculator is not None and isinstance(self.speculator.cost, StepCost):
             stats["step_cost"] = self.speculator.cost.stats()
