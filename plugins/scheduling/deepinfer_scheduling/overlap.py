@@ -74,7 +74,11 @@ class DeviceTimeline:
             self._last_end = None
 
     def stats(self) -> dict[str, float]:
+        """The worker's steps, busy and idle seconds and idle fraction (absent when no worker ran a step:
+        ``launch="inline"``), and the host's waits."""
         with self._lock:
+            if not self.steps:
+                return {"host_wait_s": self.host_wait}
             total = self.busy + self.idle
             return {"device_steps": self.steps, "device_busy_s": self.busy, "device_idle_s": self.idle,
                     "device_idle_fraction": self.idle / total if total else 0.0, "host_wait_s": self.host_wait}
@@ -138,7 +142,8 @@ class OverlapExecutor:
         start = time.perf_counter()
         with self.guard.launching():
             results = self.context.run(prepared, previous_results)
-        self.timeline.record(start, time.perf_counter())
+        if self.device is not None:  # inline, the host's own launch time is no device interval (the core's
+            self.timeline.record(start, time.perf_counter())  # CUDA events time the device: get_stats()["device_*"])
         return results
 
     def shutdown(self) -> None:

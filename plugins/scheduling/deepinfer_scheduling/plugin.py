@@ -52,8 +52,8 @@ class Plugin:
         for executor in self.executors:
             for key, value in executor.timeline.stats().items():
                 merged[key] = merged.get(key, 0.0) + value
-        busy, idle = merged.get("device_busy_s", 0.0), merged.get("device_idle_s", 0.0)
-        if merged:
+        if "device_busy_s" in merged:  # some worker ran steps (launch="thread")
+            busy, idle = merged["device_busy_s"], merged["device_idle_s"]
             merged["device_idle_fraction"] = idle / (busy + idle) if busy + idle else 0.0
         return merged
 

@@ -159,7 +159,11 @@ def test_step_n_plus_1_is_launched_before_step_n_is_processed(inline):
         assert [step for what, step in order if what == "run"] == [0, 1, 2]
     runners = {thread for what, _, thread in context.calls if what == "run"}
     assert (runners == {threading.current_thread().name}) is inline
-    assert executor.timeline.stats()["device_steps"] == 3
+    stats = executor.timeline.stats()
+    if inline:  # no worker: the device's own busy and idle time is the core's (CUDA events)
+        assert "device_steps" not in stats and stats["host_wait_s"] >= 0
+    else:
+        assert stats["device_steps"] == 3
 
 
 def test_inline_launch_needs_a_cuda_device(tmp_path):
