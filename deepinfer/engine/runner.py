@@ -54,7 +54,7 @@ class StepInputs:
     ctx: ForwardContext
     logits_indices: torch.Tensor
     samplers: list[StepRow]
-    sample_rows: torch.Tensor
+    sample_rows: torch.Tensor | None  # the logits rows that sample; None: all of them, in order (no prompt logprobs)
     sampling: SamplingBatch | None
     prompt_spans: list[PromptLogprobSpan] = field(default_factory=list)
     # Rows whose input token was sampled by the previous step and is still on the device, with the
@@ -246,8 +246,9 @@ class ModelRunner:
             ctx.truncation_floor_host = [t.visibility_floor if t else 0 for t in truncations]
             ctx.truncation_compact_host = [t is not None and t.mode == "compact" for t in truncations]
         # The rows read, the sampling batch and the verification inputs: one copy per dtype for all of them.
-        fields: dict[str, tuple[list, torch.dtype]] = {"logits": (logits_rows, torch.int64),
-                                                       "sample": (sample_rows, torch.int64)}
+        fields: dict[str, tuple[list, torch.dtype]] = {"logits": (logits_rows, torch.int64)}
+        if spans:  # else every logits row samples, in order
+            fields["sample"] = (sample_rows, torch.int64)
         params = [s.params for s in samplers]
         forcing = any(p.golden_token_ids for p in params)
         verifying = any(s.draft_rows for s in samplers)
@@ -265,7 +266,7 @@ class ModelRunner:
             assert sampling is not None
             verify_batch = self._verify_batch(samplers, sampling, _fields_of(sent, "verify."))
         penalties = self._penalty_step(samplers)
-        return StepInputs(input_ids, ctx, sent["logits"], samplers, sent["sample"], sampling, spans,
+        return StepInputs(input_ids, ctx, sent["logits"], samplers, sent.get("sample"), sampling, spans,
                           pending_rows, pending_requests, verify_batch, graph=graph, piecewise=piecewise,
                           penalties=penalties)
 
@@ -376,7 +377,7 @@ class ModelRunner:
         if inputs.tail is None and (inputs.verify is not None or inputs.sampling is not None):
             # Without prompt logprobs every logits row samples, in order: no copy (on the 2-core CPU a batch-64
             # bf16 SmolLM2 step went from ~55 to ~52.5 ms without it)
-            rows = logits.index_select(0, inputs.sample_rows) if inputs.prompt_spans else logits
+            rows = logits if inputs.sample_rows is None else logits.index_select(0, inputs.sample_rows)
             # Penalties and biases adjust a copy; grammar masks go on top; logprobs read the raw rows.
             adjusted = rows
             if inputs.penalties is not None:
